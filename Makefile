@@ -1,0 +1,31 @@
+# The two commands of the README. Both build what they need on a fresh machine:
+#   make example   profile a 2-rank DDP job of a bundled model and show what was recorded
+#   make test      run the test suite (real multi-process jobs)
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dpro-installed
+RUNS := dpro-runs
+
+.PHONY: example test lint venv
+
+venv: $(STAMP)
+
+# torch==2.13.0 is pinned: pip takes the CPU wheel that lies on these machines' disk.
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0" pytorch-lightning lightning numpy networkx pytest ruff
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+example: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 \
+		-m dpro.plugins.torch.example --model transformer --steps 30 --profile 10:20 --run-dir $(RUNS)/example-$$(date +%Y%m%d-%H%M%S)
+	$(VENV)/bin/dpro info $$(ls -d $(RUNS)/example-* | tail -n 1)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .

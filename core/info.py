@@ -1,0 +1,212 @@
+"""What a run directory holds, at a glance: ``dpro info RUN``.
+
+``summarize_run`` turns a loaded ``Run`` into plain data (JSON-ready: ``dpro info --json`` prints it
+as is); ``format_run_summary`` renders that data as terminal text with aligned tables.
+
+Example::
+
+    print(format_run_summary(summarize_run(load_run("dpro-runs/20240101-120000"))))
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from dpro.load import RankTrace, Run, format_steps, step_times_ms
+from dpro.trace import CATEGORIES
+
+__all__ = ["format_bytes", "format_run_summary", "format_table", "summarize_run"]
+
+_RANK_COLUMNS = ("rank", "host", "state", "steps", *CATEGORIES, "step ms (median)", "COMM/step")
+
+
+def summarize_run(run: Run) -> dict[str, Any]:
+    """Plain-data summary of a run: metadata, per-rank state and event counts, model sizes, problems.
+
+    ``steps_recorded`` are the steps every rank with a trace recorded; per rank, ``state`` is
+    ``complete``, ``partial`` (stopped early) or ``missing`` (no trace file at all).
+    """
+    meta = run.meta or {}
+    ranks = [_rank_summary(run, rank) for rank in sorted(set(range(run.world_size)) | set(run.ranks))]
+    return {
+        "run": str(run.path),
+        "framework": meta.get("framework"),
+        "engine": meta.get("engine"),
+        "world_size": run.world_size,
+        "hosts": meta.get("hosts") or [r["host"] for r in ranks],
+        "steps_asked": run.profiled_steps,
+        "steps_recorded": _common_steps(run),
+        "knobs": dict(meta.get("knobs") or {}),
+        "model_fingerprint": meta.get("model_fingerprint"),
+        "dpro_version": meta.get("dpro_version"),
+        "created": meta.get("created"),
+        "ranks": ranks,
+        "model": _model_summary(run.model),
+        "problems": list(run.problems),
+    }
+
+
+def _common_steps(run: Run) -> list[int]:
+    sets = [set(t.steps) for t in run.ranks.values()]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def _rank_summary(run: Run, rank: int) -> dict[str, Any]:
+    trace = run.ranks.get(rank)
+    hosts = (run.meta or {}).get("hosts") or []
+    host = trace.host if trace is not None and trace.host else (hosts[rank] if rank < len(hosts) else None)
+    if trace is None:
+        return {"rank": rank, "host": host, "state": "missing", "file": None, "steps": [],
+                "events": dict.fromkeys(CATEGORIES, 0), "step_ms_median": None, "comm_bytes_per_step": None,
+                "note": ""}
+    times = list(step_times_ms(trace).values())
+    comm = _comm_bytes_by_step(trace)
+    return {
+        "rank": rank,
+        "host": host,
+        "state": "complete" if trace.complete else "partial",
+        "file": trace.path.name,
+        "steps": sorted(trace.steps),
+        "events": _count_categories(trace),
+        "step_ms_median": round(statistics.median(times), 3) if times else None,
+        "comm_bytes_per_step": int(statistics.median(comm.values())) if comm else None,
+        "note": trace.note,
+    }
+
+
+def _count_categories(trace: RankTrace) -> dict[str, int]:
+    counts = Counter(ev["cat"] for ev in trace.events)
+    return {cat: counts.get(cat, 0) for cat in CATEGORIES}
+
+
+def _comm_bytes_by_step(trace: RankTrace) -> dict[int, float]:
+    """COMM bytes each step moved (steps with no COMM event count as 0)."""
+    by_step = dict.fromkeys(trace.steps, 0.0)
+    for ev in trace.events:
+        if ev["cat"] == "COMM":
+            step = ev["args"]["step"]
+            by_step[step] = by_step.get(step, 0.0) + ev["args"].get("bytes", 0)
+    return by_step
+
+
+def _model_summary(model: dict[str, Any] | None) -> dict[str, Any] | None:
+    if model is None:
+        return None
+    gradients = model.get("gradients", [])
+    modules = model.get("modules", [])
+    return {
+        "gradients": len(gradients),
+        "gradient_bytes": sum(g["bytes"] for g in gradients),
+        "buckets": len(model.get("buckets", [])),
+        "modules": len(modules),
+        "recorded_modules": sum(1 for m in modules if m.get("recorded")),
+        "param_bytes": model.get("param_bytes"),
+    }
+
+
+# ---- text ----------------------------------------------------------------------------------------
+
+
+def format_run_summary(summary: dict[str, Any]) -> str:
+    """Render ``summarize_run``'s data as terminal text: a header, knobs, a rank table, problems."""
+    blocks = [_header_block(summary)]
+    if summary["knobs"]:
+        rows = [[str(k), _value(v)] for k, v in sorted(summary["knobs"].items())]
+        blocks.append("knobs\n" + _indent(format_table(["knob", "value"], rows, header=False)))
+    blocks.append("ranks\n" + _indent(_rank_table(summary["ranks"])))
+    problems = summary["problems"]
+    if problems:
+        blocks.append(f"problems ({len(problems)})\n" + "\n".join(f"  - {p}" for p in problems))
+    else:
+        blocks.append("problems: none")
+    return "\n\n".join(blocks)
+
+
+def _header_block(summary: dict[str, Any]) -> str:
+    asked, recorded = summary["steps_asked"], summary["steps_recorded"]
+    steps = f"asked {format_steps(asked) or '?'}; recorded {format_steps(recorded) or 'none'}"
+    steps += " on every rank with a trace"
+    rows = [
+        ["run", summary["run"]],
+        ["framework", summary["framework"] or "?"],
+        ["engine", summary["engine"] or "?"],
+        ["world size", str(summary["world_size"])],
+        ["hosts", _hosts_line(summary["hosts"])],
+        ["steps", steps],
+        ["model", _model_line(summary["model"], summary["model_fingerprint"])],
+    ]
+    if summary["created"] or summary["dpro_version"]:
+        rows.append(["recorded", f"{summary['created'] or '?'} by dpro {summary['dpro_version'] or '?'}"])
+    return format_table(["", ""], rows, header=False)
+
+
+def _hosts_line(hosts: Sequence[str | None]) -> str:
+    ranks_of: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        ranks_of.setdefault(host or "?", []).append(rank)
+    if not ranks_of:
+        return "?"
+    return "; ".join(f"{host} (rank{'s' * (len(r) > 1)} {format_steps(r)})" for host, r in ranks_of.items())
+
+
+def _model_line(model: dict[str, Any] | None, fingerprint: str | None) -> str:
+    if model is None:
+        return "unknown (no model.json)"
+    line = (f"{_plural(model['gradients'], 'gradient')}, {format_bytes(model['gradient_bytes'])} in "
+            f"{_plural(model['buckets'], 'bucket')}; {_plural(model['modules'], 'module')} "
+            f"({model['recorded_modules']} recorded)")
+    return f"{line}; fingerprint {fingerprint}" if fingerprint else line
+
+
+def _rank_table(ranks: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in ranks:
+        missing = r["state"] == "missing"
+        rows.append([
+            str(r["rank"]), r["host"] or "?", r["state"],
+            "-" if missing else (format_steps(r["steps"]) or "none"),
+            *("-" if missing else str(r["events"][cat]) for cat in CATEGORIES),
+            "-" if r["step_ms_median"] is None else f"{r['step_ms_median']:.2f}",
+            "-" if r["comm_bytes_per_step"] is None else format_bytes(r["comm_bytes_per_step"]),
+        ])
+    align = ">" + "<<<" + ">" * (len(_RANK_COLUMNS) - 4)
+    return format_table(list(_RANK_COLUMNS), rows, align=align)
+
+
+def format_table(headers: list[str], rows: list[list[str]], *, align: str = "", header: bool = True) -> str:
+    """Columns padded to their widest cell; ``align`` holds one ``<`` or ``>`` per column (default ``<``)."""
+    cells = ([headers] if header else []) + rows
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))] if cells else []
+    align = align.ljust(len(headers), "<")
+    lines = []
+    for row in cells:
+        columns = zip(row, widths, align, strict=True)
+        padded = [cell.rjust(w) if a == ">" else cell.ljust(w) for cell, w, a in columns]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; whole bytes below 1 KiB."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n /= 1024
+        i += 1
+    return f"{int(n)} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def _value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" if line else line for line in text.split("\n"))

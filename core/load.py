@@ -1,0 +1,555 @@
+"""Read and validate a run directory (DESIGN.md "The run directory") into per-rank event tables.
+
+Loading goes in layers: ``read_json`` parses one file, ``load_rank_file`` / ``load_journal`` turn one
+rank's file into a ``RankTrace``, and ``load_run`` gathers a whole directory into a ``Run``.
+
+What makes a file unreadable raises ``TraceError`` naming the file, the line or event, and what is
+wrong. What analysis can work around (a rank without a trace, a rank that crashed, a missing
+model.json) is collected in ``Run.problems`` instead, so a partial run can still be inspected.
+
+Only JSON is read, with ``json.loads``; nothing in a run directory is ever executed.
+
+Example::
+
+    run = load_run("dpro-runs/20240101-120000")
+    for rank, trace in run.ranks.items():
+        print(rank, step_times_ms(trace))
+    print("\\n".join(run.problems))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpro.errors import TraceError
+from dpro.trace import (
+    CATEGORIES,
+    MODEL_FILE,
+    MODEL_SCHEMA,
+    QUEUE_ID,
+    RUN_FILE,
+    RUN_SCHEMA,
+    TRACE_SCHEMA,
+    journal_file,
+    rank_file,
+)
+
+__all__ = [
+    "RankTrace",
+    "Run",
+    "format_steps",
+    "load_journal",
+    "load_model_json",
+    "load_rank_file",
+    "load_run",
+    "load_run_json",
+    "read_json",
+    "step_times_ms",
+    "validate_events",
+]
+
+_RANK_FILE = re.compile(r"rank-(\d+)\.json")
+_JOURNAL_FILE = re.compile(r"rank-(\d+)\.partial\.jsonl")
+_REQUIRED = ("name", "cat", "ph", "ts", "dur")
+
+
+@dataclass
+class RankTrace:
+    """One rank's validated trace.
+
+    ``events`` are the "X" events in file order; ``queues`` maps a ``tid`` to its queue name;
+    ``complete`` is False for a rank that stopped early (a journal, or a final file saying so);
+    ``header`` is what the rank wrote about itself (schema, rank, world_size, host, pid, clock, note, ...).
+    """
+
+    rank: int
+    path: Path
+    complete: bool
+    steps: list[int]
+    events: list[dict[str, Any]]
+    queues: dict[int, str]
+    host: str | None
+    clock: dict[str, Any]
+    header: dict[str, Any]
+    world_size: int | None = None
+    note: str = ""
+
+    @property
+    def from_journal(self) -> bool:
+        """True when this trace was read from ``rank-<r>.partial.jsonl`` (the rank never finished)."""
+        return self.path.name.endswith(".partial.jsonl")
+
+
+@dataclass
+class Run:
+    """A loaded run directory: its metadata, model, per-rank traces and the problems found."""
+
+    path: Path
+    meta: dict[str, Any] | None
+    model: dict[str, Any] | None
+    ranks: dict[int, RankTrace]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        """World size from run.json, else as the rank files state it, else the highest rank + 1."""
+        if self.meta is not None:
+            return int(self.meta["world_size"])
+        stated = [t.world_size for t in self.ranks.values() if t.world_size is not None]
+        return max(stated + [r + 1 for r in self.ranks] + [0])
+
+    @property
+    def missing_ranks(self) -> list[int]:
+        """Ranks below ``world_size`` that have no trace at all."""
+        return [r for r in range(self.world_size) if r not in self.ranks]
+
+    @property
+    def profiled_steps(self) -> list[int]:
+        """The steps the run asked to profile (from run.json; empty when unknown)."""
+        return list(self.meta.get("profiled_steps", [])) if self.meta else []
+
+
+# ---- one file ------------------------------------------------------------------------------------
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """Parse one JSON file that must hold an object.
+
+    Raises:
+        TraceError: the file cannot be read, is not UTF-8, is not valid JSON (cut off or malformed),
+            or holds something other than an object.
+    """
+    path = Path(path)
+    text = _read_text(path)
+    doc = _parse_json(path, text)
+    if not isinstance(doc, dict):
+        raise TraceError(path, f"expected a JSON object at the top, found {_kind(doc)}")
+    return doc
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise TraceError(path, f"not UTF-8 text (byte {err.start}); is this a JSON file?") from err
+    except OSError as err:
+        raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
+
+
+def _parse_json(path: Path, text: str, where: str | None = None) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        at = where or f"line {err.lineno}, column {err.colno}"
+        raise TraceError(path, _json_problem(text, err), at) from err
+
+
+def _json_problem(text: str, err: json.JSONDecodeError) -> str:
+    if not text.strip():
+        return "the file is empty, not JSON (truncated? the writer may have died)"
+    if not text[err.pos:].strip():
+        return f"invalid JSON: the document ends too early (truncated? {err.msg})"
+    return f"invalid JSON: {err.msg}"
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_schema(path: Path, doc: dict[str, Any], expected: str, what: str) -> None:
+    schema = doc.get("schema")
+    if schema is None:
+        raise TraceError(path, f"no 'schema' key; this dpro reads {expected} — is this a dpro {what}?")
+    if schema != expected:
+        raise TraceError(path, f"schema {schema!r} is not supported; this dpro reads {expected}")
+
+
+def _need(
+    path: Path, doc: dict[str, Any], key: str, kinds: type | tuple[type, ...], where: str | None = None
+) -> Any:
+    """``doc[key]``, refused unless it is one of ``kinds`` (a bool never passes for an int)."""
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    value = doc.get(key)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        found = "nothing" if key not in doc else f"{_kind(value)} {value!r}"[:60]
+        raise TraceError(path, f"'{key}' must be {names}, found {found}", where)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- events --------------------------------------------------------------------------------------
+
+
+def validate_events(
+    path: Path, raw: Any, *, rank: int, where: str = "", key: str = "traceEvents",
+    step_marks: dict[int, str] | None = None,
+) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """Check a list of Chrome trace events; return the "X" events and the queue names (thread_name).
+
+    Events of other phases are skipped. ``step_marks`` (step -> where its STEP event is) carries
+    across calls, so a step marked twice is refused even when its events are split over journal lines.
+
+    Raises:
+        TraceError: an event lacks name/cat/ph/ts/dur, has non-numeric or negative times, an unknown
+            category, no integer ``args.step``, a pid other than ``rank``, or a non-integer tid.
+    """
+    if not isinstance(raw, list):
+        raise TraceError(path, f"'{key}' must be a list of events, found {_kind(raw)}", where or None)
+    marks = step_marks if step_marks is not None else {}
+    events: list[dict[str, Any]] = []
+    queues: dict[int, str] = {}
+    for i, ev in enumerate(raw):
+        at = f"{where}, event {i}" if where else f"event {i}"
+        if not isinstance(ev, dict):
+            raise TraceError(path, f"an event must be an object, found {_kind(ev)}", at)
+        if ev.get("name") is not None:
+            at = f"{at} {str(ev['name'])[:80]!r}"
+        if ev.get("ph") == "M":
+            _read_metadata(path, ev, queues, at)
+        elif ev.get("ph") == "X" or "ph" not in ev:
+            _check_x_event(path, ev, rank, at)
+            _check_step_once(path, ev, marks, at)
+            events.append(ev)
+    return events, queues
+
+
+def _read_metadata(path: Path, ev: dict[str, Any], queues: dict[int, str], at: str) -> None:
+    if ev.get("name") != "thread_name":
+        return
+    tid, args = ev.get("tid"), ev.get("args")
+    if not _is_int(tid) or not isinstance(args, dict) or not isinstance(args.get("name"), str):
+        raise TraceError(path, "thread_name metadata needs an integer 'tid' and args.name (the queue)", at)
+    queues[tid] = args["name"]
+
+
+def _check_x_event(path: Path, ev: dict[str, Any], rank: int, at: str) -> None:
+    missing = [k for k in _REQUIRED if k not in ev]
+    if missing:
+        raise TraceError(path, f"event lacks {', '.join(repr(k) for k in missing)} (every X event needs "
+                               f"{', '.join(_REQUIRED)})", at)
+    if not isinstance(ev["name"], str) or not ev["name"]:
+        raise TraceError(path, f"'name' must be a non-empty string, found {ev['name']!r}", at)
+    if ev["cat"] not in CATEGORIES:
+        raise TraceError(path, f"unknown category {ev['cat']!r}; dpro traces use {', '.join(CATEGORIES)}", at)
+    for key in ("ts", "dur"):
+        if not _is_number(ev[key]):
+            raise TraceError(path, f"'{key}' must be a number of microseconds, found {ev[key]!r}", at)
+    if ev["dur"] < 0:
+        raise TraceError(path, f"negative duration {ev['dur']!r}", at)
+    if ev.get("pid", rank) != rank:
+        pid = ev.get("pid")
+        raise TraceError(path, f"event pid {pid!r} in the trace of rank {rank} (pid must be the rank)", at)
+    if not _is_int(ev.get("tid")):
+        raise TraceError(path, f"'tid' must be an integer queue id, found {ev.get('tid')!r}", at)
+    args = ev.get("args")
+    if not isinstance(args, dict) or not _is_int(args.get("step")):
+        found = args.get("step") if isinstance(args, dict) else args
+        raise TraceError(path, f"args.step must be the integer step index, found {found!r}", at)
+    if ev["cat"] == "COMM" and "bytes" in args and not (_is_number(args["bytes"]) and args["bytes"] >= 0):
+        raise TraceError(path, f"COMM args.bytes must be a non-negative number, found {args['bytes']!r}", at)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_step_once(path: Path, ev: dict[str, Any], marks: dict[int, str], at: str) -> None:
+    if ev["cat"] != "STEP":
+        return
+    step = ev["args"]["step"]
+    if step in marks:
+        raise TraceError(path, f"step {step} has a second STEP event (the first is {marks[step]})", at)
+    marks[step] = at
+
+
+def _check_queues(path: Path, events: list[dict[str, Any]], queues: dict[int, str]) -> None:
+    for ev in events:
+        if ev["tid"] not in queues:
+            known = ", ".join(f"{t}={n}" for t, n in sorted(queues.items()))
+            raise TraceError(path, f"tid {ev['tid']} has no thread_name metadata (known queues: {known})",
+                             f"event {ev['name']!r} of step {ev['args']['step']} at ts {ev['ts']}")
+
+
+def _default_queues() -> dict[int, str]:
+    return {tid: name for name, tid in QUEUE_ID.items()}
+
+
+# ---- one rank ------------------------------------------------------------------------------------
+
+
+def load_rank_file(path: str | Path, rank: int | None = None) -> RankTrace:
+    """Read a finished ``rank-<r>.json`` (a Chrome trace object with dpro's header).
+
+    Raises:
+        TraceError: unreadable file, wrong schema, a rank other than the file name's, or a bad event.
+    """
+    path = Path(path)
+    doc = read_json(path)
+    _check_schema(path, doc, TRACE_SCHEMA, "rank trace")
+    file_rank = _need(path, doc, "rank", int)
+    if rank is not None and file_rank != rank:
+        raise TraceError(path, f"file says rank {file_rank}, but its name is rank {rank}'s; was it renamed?")
+    marks: dict[int, str] = {}
+    events, queues = validate_events(path, doc.get("traceEvents"), rank=file_rank, step_marks=marks)
+    steps = _steps_list(path, doc["steps"], "steps") if "steps" in doc else sorted(marks)
+    queues = queues or _default_queues()
+    _check_queues(path, events, queues)
+    header = {k: v for k, v in doc.items() if k != "traceEvents"}
+    complete = doc.get("complete") is not False
+    return _rank_trace(path, file_rank, header, steps, events, queues, complete=complete)
+
+
+def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, list[str]]:
+    """Read ``rank-<r>.partial.jsonl``, the journal of a rank that did not finish.
+
+    A broken final line (the process died mid-write) is skipped and reported in the returned problems.
+
+    Raises:
+        TraceError: a broken header or a broken line before the last, wrong schema, or a bad event.
+    """
+    path = Path(path)
+    text = _read_text(path)
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if not lines:
+        raise TraceError(path, "the journal is empty (the rank died before it recorded anything)")
+    first = _parse_json(path, lines[0], "line 1")
+    if not isinstance(first, dict):
+        raise TraceError(path, f"line 1 must be the header object, found {_kind(first)}", "line 1")
+    _check_schema(path, first, TRACE_SCHEMA, "rank journal")
+    file_rank = _need(path, first, "rank", int, "line 1")
+    if rank is not None and file_rank != rank:
+        raise TraceError(path, f"journal says rank {file_rank}, but its name is for rank {rank}", "line 1")
+    if not isinstance(first.get("header", {}), dict):
+        raise TraceError(path, f"'header' must be an object, found {_kind(first['header'])}", "line 1")
+    header = {k: v for k, v in first.items() if k != "header"}
+    header.update(first.get("header") or {})
+    problems: list[str] = []
+    steps: list[int] = []
+    events: list[dict[str, Any]] = []
+    marks: dict[int, str] = {}
+    for n, line in enumerate(lines[1:], start=2):
+        record = _journal_line(path, line, n, last=n == len(lines), problems=problems)
+        if record is None:
+            continue
+        step = _need(path, record, "step", int, f"line {n}")
+        if step in steps:
+            raise TraceError(path, f"step {step} is journaled twice", f"line {n}")
+        step_events, _ = validate_events(path, record.get("events"), rank=file_rank, where=f"line {n}",
+                                         key="events", step_marks=marks)
+        for ev in step_events:
+            if ev["args"]["step"] != step:
+                raise TraceError(path, f"event of step {ev['args']['step']} on the line of step {step}",
+                                 f"line {n}, event {ev['name']!r}")
+        steps.append(step)
+        events.extend(step_events)
+    queues = _default_queues()
+    _check_queues(path, events, queues)
+    return _rank_trace(path, file_rank, header, steps, events, queues, complete=False), problems
+
+
+def _journal_line(path: Path, line: str, n: int, *, last: bool, problems: list[str]) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        if not last:
+            raise TraceError(path, f"{_json_problem(line, err)} in the middle of the journal",
+                             f"line {n}, column {err.colno}") from err
+        problems.append(f"{path.name}: line {n} is cut off (the process died while writing it); ignored")
+        return None
+    if not isinstance(record, dict):
+        raise TraceError(path, f"a journal line must be an object, found {_kind(record)}", f"line {n}")
+    return record
+
+
+def _steps_list(path: Path, value: Any, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(s) for s in value):
+        raise TraceError(path, f"'{key}' must be a list of integer step indices, found {value!r}"[:160])
+    return list(value)
+
+
+def _rank_trace(
+    path: Path, rank: int, header: dict[str, Any], steps: list[int], events: list[dict[str, Any]],
+    queues: dict[int, str], *, complete: bool,
+) -> RankTrace:
+    world_size = header.get("world_size")
+    clock = header.get("clock")
+    return RankTrace(
+        rank=rank, path=path, complete=complete, steps=steps, events=events, queues=queues,
+        host=header.get("host") if isinstance(header.get("host"), str) else None,
+        clock=clock if isinstance(clock, dict) else {},
+        header=header,
+        world_size=world_size if _is_int(world_size) else None,
+        note=str(header.get("note") or ""),
+    )
+
+
+# ---- run.json / model.json -----------------------------------------------------------------------
+
+
+def load_run_json(path: str | Path) -> dict[str, Any]:
+    """Read and check ``run.json``: schema, a positive ``world_size``, ``hosts`` and ``profiled_steps``."""
+    path = Path(path)
+    doc = read_json(path)
+    _check_schema(path, doc, RUN_SCHEMA, "run.json")
+    world_size = _need(path, doc, "world_size", int)
+    if world_size < 1:
+        raise TraceError(path, f"'world_size' must be at least 1, found {world_size}")
+    if "hosts" in doc and not isinstance(doc["hosts"], list):
+        raise TraceError(path, f"'hosts' must be a list (one host per rank), found {_kind(doc['hosts'])}")
+    _steps_list(path, doc.get("profiled_steps", []), "profiled_steps")
+    if "knobs" in doc and not isinstance(doc["knobs"], dict):
+        raise TraceError(path, f"'knobs' must be an object, found {_kind(doc['knobs'])}")
+    return doc
+
+
+def load_model_json(path: str | Path) -> dict[str, Any]:
+    """Read and check ``model.json``: gradients (name, bytes), buckets (bytes, tensors) and modules."""
+    path = Path(path)
+    doc = read_json(path)
+    _check_schema(path, doc, MODEL_SCHEMA, "model.json")
+    for key, needs in (("gradients", (("name", str), ("bytes", int))),
+                       ("buckets", (("bytes", int), ("tensors", list))),
+                       ("modules", (("name", str),))):
+        items = doc.get(key, [])
+        if not isinstance(items, list):
+            raise TraceError(path, f"'{key}' must be a list, found {_kind(items)}")
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise TraceError(path, f"an entry must be an object, found {_kind(item)}", f"{key}[{i}]")
+            for name, kind in needs:
+                _need(path, item, name, kind, f"{key}[{i}]")
+    return doc
+
+
+# ---- a run ---------------------------------------------------------------------------------------
+
+
+def load_run(path: str | Path) -> Run:
+    """Load and validate a run directory.
+
+    Returns:
+        A ``Run`` whose ``problems`` list what analysis must work around (missing or unfinished ranks,
+        missing run.json or model.json, ranks that recorded different steps).
+
+    Raises:
+        TraceError: ``path`` is not a run directory, or one of its files is unreadable or invalid.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise TraceError(root, "no such directory")
+    if not root.is_dir():
+        raise TraceError(root, "not a dpro run directory: this is a file; give the directory that holds "
+                               f"{RUN_FILE} and rank-<r>.json")
+    finals, journals = _rank_files(root)
+    has_meta, has_model = (root / RUN_FILE).is_file(), (root / MODEL_FILE).is_file()
+    if not (finals or journals or has_meta or has_model):
+        raise TraceError(root, f"not a dpro run directory (no {RUN_FILE}, {MODEL_FILE} or rank-<r>.json)")
+    problems: list[str] = []
+    meta = load_run_json(root / RUN_FILE) if has_meta else None
+    model = load_model_json(root / MODEL_FILE) if has_model else None
+    if meta is None:
+        problems.append(f"{RUN_FILE} is missing: engine, knobs and profiled steps are unknown "
+                        "(rank 0 writes it when recording starts)")
+    if model is None:
+        problems.append(f"{MODEL_FILE} is missing: gradient sizes and buckets are unknown "
+                        "(rank 0 writes it after its first profiled step)")
+    ranks: dict[int, RankTrace] = {}
+    cut_lines: dict[int, list[str]] = {}
+    for rank in sorted(set(finals) | set(journals)):
+        if rank in finals:
+            ranks[rank] = load_rank_file(finals[rank], rank)
+        else:
+            ranks[rank], cut_lines[rank] = load_journal(journals[rank], rank)
+    run = Run(path=root, meta=meta, model=model, ranks=ranks, problems=problems)
+    for rank in sorted(set(range(run.world_size)) | set(ranks)):
+        run.problems.extend(_rank_problems(run, rank, cut_lines.get(rank, [])))
+    run.problems.extend(_step_set_problems(run))
+    return run
+
+
+def _rank_files(root: Path) -> tuple[dict[int, Path], dict[int, Path]]:
+    finals: dict[int, Path] = {}
+    journals: dict[int, Path] = {}
+    for entry in root.iterdir():
+        if (m := _RANK_FILE.fullmatch(entry.name)) and entry.is_file():
+            finals[int(m.group(1))] = entry
+        elif (m := _JOURNAL_FILE.fullmatch(entry.name)) and entry.is_file():
+            journals[int(m.group(1))] = entry
+    return finals, journals
+
+
+def _rank_problems(run: Run, rank: int, journal_notes: list[str]) -> list[str]:
+    """What is wrong with one rank: no trace, beyond the world size, disagreeing on it, unfinished."""
+    trace, world_size = run.ranks.get(rank), run.world_size
+    if trace is None:
+        return [f"rank {rank}: no trace ({rank_file(rank)} missing) — did it crash before recording?"]
+    problems = []
+    if rank >= world_size:
+        problems.append(f"rank {rank}: {trace.path.name} is beyond world size {world_size}")
+    if trace.world_size is not None and trace.world_size != world_size:
+        problems.append(f"rank {rank}: its trace says world size {trace.world_size}, the run {world_size}")
+    if not trace.complete:
+        problems.append(_unfinished(trace, run.profiled_steps))
+    return problems + [f"rank {rank}: {note}" for note in journal_notes]
+
+
+def _step_set_problems(run: Run) -> list[str]:
+    """Finished ranks that recorded different steps (unfinished ranks are reported on their own)."""
+    step_sets = {rank: tuple(sorted(t.steps)) for rank, t in run.ranks.items() if t.complete}
+    if len(set(step_sets.values())) <= 1:
+        return []
+    detail = "; ".join(f"rank {r}: {format_steps(s) or 'none'}" for r, s in sorted(step_sets.items()))
+    return [f"ranks recorded different steps ({detail}); analysis uses the steps all ranks share"]
+
+
+def _unfinished(trace: RankTrace, asked: list[int]) -> str:
+    got = f"steps {format_steps(trace.steps)} recorded" if trace.steps else "no step recorded"
+    of = f" of {format_steps(asked)}" if asked else ""
+    if trace.from_journal:
+        return (f"rank {trace.rank} did not finish: {got}{of} (only {journal_file(trace.rank)}; "
+                f"{rank_file(trace.rank)} was never written)")
+    why = f" — {_one_line(trace.note)}" if trace.note else ""
+    return f"rank {trace.rank} did not finish: {got}{of}{why}"
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """The first line of ``text``, cut to ``limit`` characters (a note may hold a whole traceback)."""
+    line = text.strip().split("\n", 1)[0]
+    return line if len(line) <= limit and "\n" not in text.strip() else line[:limit].rstrip() + " …"
+
+
+# ---- small helpers -------------------------------------------------------------------------------
+
+
+def step_times_ms(trace: RankTrace) -> dict[int, float]:
+    """Measured time of each recorded step of one rank, in milliseconds, from its STEP events."""
+    return {ev["args"]["step"]: ev["dur"] / 1000.0 for ev in trace.events if ev["cat"] == "STEP"}
+
+
+def format_steps(steps: Iterable[int]) -> str:
+    """Compact step list: ``[3, 4, 5, 6, 7]`` -> ``"3..7"``, ``[3, 4, 9]`` -> ``"3, 4, 9"``."""
+    ordered = sorted(set(steps))
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ordered[i]}..{ordered[j]}")
+        else:
+            parts.extend(str(s) for s in ordered[i:j + 1])
+        i = j + 1
+    return ", ".join(parts)

@@ -1,0 +1,78 @@
+"""The trace schema: the one contract between plugins and core (see DESIGN.md "The trace").
+
+Events are Chrome "X" complete events. ``pid`` is the rank; ``tid`` is a small integer naming the
+queue the op occupies (``QUEUES``), and every file also carries Chrome ``thread_name`` metadata
+events so Perfetto shows the queue names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+TRACE_SCHEMA = "dpro.trace/1"
+RUN_SCHEMA = "dpro.run/1"
+MODEL_SCHEMA = "dpro.model/1"
+
+CATEGORIES = ("FW", "BW", "COMM", "UPDATE", "IO", "STEP")
+QUEUES = ("compute", "comm", "host")
+QUEUE_ID = {name: i for i, name in enumerate(QUEUES)}
+
+RUN_FILE = "run.json"
+MODEL_FILE = "model.json"
+
+
+def rank_file(rank: int) -> str:
+    """Name of the finished trace file of ``rank``."""
+    return f"rank-{rank}.json"
+
+
+def journal_file(rank: int) -> str:
+    """Name of the per-step journal a rank appends to while it records (removed when it finishes)."""
+    return f"rank-{rank}.partial.jsonl"
+
+
+def queue_metadata(rank: int, host: str) -> list[dict[str, Any]]:
+    """Chrome metadata events naming the process (rank) and its queues (threads)."""
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} ({host})"}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+    ]
+    for name, tid in QUEUE_ID.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
+    return events
+
+
+def model_fingerprint(tensors: Iterable[tuple[str, Iterable[int], str]]) -> str:
+    """A short hash of (name, shape, dtype) of every parameter, in the order given."""
+    digest = hashlib.sha256()
+    for name, shape, dtype in tensors:
+        digest.update(f"{name}:{tuple(int(s) for s in shape)}:{dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temp file and a rename, so readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a trace is an ordinary file
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,1 @@
+"""dpro-launch: a drop-in for horovodrun that profiles, optimizes and applies (not built yet)."""

@@ -1,0 +1,1 @@
+"""dpro plugin for tf (not built yet: see the project's issues)."""

@@ -1,0 +1,583 @@
+"""The torch recorder: module, gradient, DDP-bucket and optimizer hooks of one rank.
+
+``TorchRecorder`` is shared by ``Profiler`` (plain training loops) and the Lightning callback. It
+installs its hooks only for the profiled steps and removes them afterwards, so steps outside the
+window run the model untouched. The one exception is DDP's communication hook, which DDP lets a
+process register once: dpro registers a thin wrapper around DDP's default allreduce that, outside the
+window, only forwards the call.
+
+Timestamps come from the rank's host clock on CPU. When the model lives on CUDA every mark is a
+CUDA event recorded on the current stream (device time, not host time around asynchronous work);
+the events are turned into microseconds on the host clock once per profiled step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dpro
+import torch
+import torch.distributed as dist
+from dpro.errors import UsageError
+from dpro.record import Clock, RankTraceWriter, check_window_fits, claim_run_dir, parse_steps
+from dpro.trace import (
+    MODEL_FILE,
+    MODEL_SCHEMA,
+    QUEUE_ID,
+    RUN_FILE,
+    RUN_SCHEMA,
+    model_fingerprint,
+    write_json_atomic,
+)
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
+HANDSHAKE_ROUNDS = 8
+_NAME_BYTES = 4096
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a module's output (tensors, or tuples/lists/dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+def recorded_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules that get FW/BW events: every leaf, and every module that owns parameters directly.
+
+    The second kind matters for modules such as nn.MultiheadAttention, which compute with their
+    own weights (and with a child's, out_proj) without calling the child.
+    """
+    chosen = []
+    for name, mod in module.named_modules():
+        is_leaf = next(mod.children(), None) is None
+        owns_params = next(mod.parameters(recurse=False), None) is not None
+        if (is_leaf or owns_params) and (name or owns_params):
+            chosen.append((name or "<root>", mod))
+    return chosen
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _share_text(text: str, src: int = 0) -> str:
+    """Broadcast a short string from ``src`` (no pickling: a fixed-size byte tensor)."""
+    buf = torch.zeros(_NAME_BYTES, dtype=torch.uint8, device=_collective_device())
+    if dist.get_rank() == src:
+        raw = text.encode()[:_NAME_BYTES]
+        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    dist.broadcast(buf, src=src)
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
+
+
+def _gather_texts(text: str) -> list[str]:
+    size = 256
+    raw = text.encode()[:size]
+    mine = torch.zeros(size, dtype=torch.uint8, device=_collective_device())
+    mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in out]
+
+
+def _gather_floats(values: list[float]) -> list[list[float]]:
+    mine = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.cpu().tolist() for t in out]
+
+
+@dataclass
+class _StepLog:
+    """Raw marks of one profiled step, resolved to microseconds when the step ends."""
+
+    start: Any = None
+    io_open: bool = True
+    ops: list[tuple[str, str, int, Any, Any, dict]] = field(default_factory=list)  # name, cat, tid, t0, t1, args
+    bw_start: dict[str, Any] = field(default_factory=dict)
+    bw_end: dict[str, Any] = field(default_factory=dict)
+    grad_ready: dict[str, Any] = field(default_factory=dict)
+    activation_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class TorchRecorder:
+    """Records one rank of a torch job into a dpro run directory.
+
+    Args:
+        model: the model, plain ``nn.Module`` or wrapped in ``DistributedDataParallel``.
+        optimizer: the optimizer whose ``step()`` is timed as UPDATE (None: no UPDATE events).
+        run_dir: where to write the run; None makes a new timestamped directory under ``./dpro-runs``.
+        steps: which iterations to record, counted from 0 (e.g. ``range(10, 20)``).
+        total_steps: the run's length if known; a window beyond it is refused up front.
+        ddp: the DDP wrapper when ``model`` is the inner module (Lightning holds them apart).
+        extra_knobs: knobs in force that only the caller knows (e.g. Lightning's strategy).
+        who: the API name used in error messages.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        run_dir: str | Path | None,
+        steps: Iterable[int],
+        *,
+        total_steps: int | None = None,
+        ddp: DistributedDataParallel | None = None,
+        extra_knobs: dict[str, Any] | None = None,
+        versions: dict[str, str] | None = None,
+        who: str = "dpro.plugins.torch.Profiler",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
+        self.module = self.ddp.module if isinstance(model, DistributedDataParallel) else model
+        self.params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not self.params:
+            raise UsageError(f"{who}: the model has no trainable parameters; there is nothing to record")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError(f"{who}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.steps = parse_steps(steps)
+        check_window_fits(self.steps, total_steps, who)
+        self.window = frozenset(self.steps)
+        self.who = who
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.host = socket.gethostname()
+        self.clock = Clock.from_env()
+        self.cuda = self.params[0][1].is_cuda
+        self.extra_knobs = dict(extra_knobs or {})
+        self.versions = {"python": sys.version.split()[0], "torch": torch.__version__, **(versions or {})}
+        self.run_dir = self._agree_run_dir(run_dir)
+        self.hosts = _gather_texts(self.host) if self.distributed else [self.host]
+        self._param_name = {id(p): n for n, p in self.params}
+        self._modules = recorded_modules(self.module)
+        self._handles: list[Any] = []
+        self._iteration = 0
+        self._log: _StepLog | None = None
+        self._recording = False
+        self._writer: RankTraceWriter | None = None
+        self._closed = False
+        self._fired: set[str] = set()
+        self._last_log: _StepLog | None = None
+        self._last_buckets: list[dict[str, Any]] = []
+        self._cuda_ref: tuple[Any, float] | None = None
+        if self.ddp is not None:
+            self._install_comm_hook()
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def _agree_run_dir(self, run_dir: str | Path | None) -> Path:
+        """Rank 0 claims the directory; the others learn its name (or rank 0's error)."""
+        if not self.distributed:
+            return claim_run_dir(run_dir)
+        answer = ""
+        if self.rank == 0:
+            try:
+                answer = "ok:" + str(claim_run_dir(run_dir).resolve())
+            except UsageError as err:
+                answer = "error:" + str(err)
+        answer = _share_text(answer)
+        kind, _, text = answer.partition(":")
+        if kind == "error":
+            raise UsageError(f"{self.who}: {text}")
+        path = Path(text)
+        path.mkdir(parents=True, exist_ok=True)  # other hosts have no shared filesystem
+        return path
+
+    def _install_comm_hook(self) -> None:
+        if getattr(self.ddp, "_comm_hooks", None):
+            # DDP accepts one hook per model; a user's own hook wins and COMM is not timed.
+            print(f"[dpro] {self.who}: the DDP model already has a communication hook; COMM events are "
+                  "not recorded", file=sys.stderr)
+            return
+        self.ddp.register_comm_hook(None, self._comm_hook)
+
+    def _comm_hook(self, state, bucket):  # noqa: ANN001 - DDP checks annotations, which would be strings here
+        if not self._recording:
+            return allreduce_hook(state, bucket)
+        log, step = self._log, self._iteration
+        start = self._mark()
+        buffer = bucket.buffer()
+        args = {
+            "step": step,
+            "bytes": buffer.numel() * buffer.element_size(),
+            "tensors": [self._param_name.get(id(p), "?") for p in bucket.parameters()],
+            "op": "allreduce",
+            "phase": "allreduce",
+            "bucket": bucket.index(),
+        }
+        fut = allreduce_hook(state, bucket)
+
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            log.ops.append((f"COMM.bucket{args['bucket']}.allreduce", "COMM", COMM, start, self._mark(), args))
+            return f.value()
+
+        return fut.then(done)
+
+    # ---- clock -------------------------------------------------------------------------------
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return self.clock.now()
+
+    def _resolve(self, mark: Any) -> float:
+        if not self.cuda:
+            return mark
+        ref_event, ref_us = self._cuda_ref
+        return ref_us + ref_event.elapsed_time(mark) * 1000.0
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        for name, mod in self._modules:
+            pre, post = self._module_hooks(name)
+            self._handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        for name, p in self.params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(name)))
+        if self.optimizer is not None:
+            self._handles += [
+                self.optimizer.register_step_pre_hook(self._update_pre),
+                self.optimizer.register_step_post_hook(self._update_post),
+            ]
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _module_hooks(self, name: str) -> tuple[Callable, Callable]:
+        """Forward pre/post hooks of one module; they also hang BW marks on the module's tensors.
+
+        BW starts when the gradient of the module's output arrives (a hook on the output tensor)
+        and ends when the gradient of its input is complete (a hook on the input tensor) or, for
+        a module whose input needs no gradient, when its parameters' gradients are ready. Tensor
+        hooks cost far less than nn.Module's full backward hooks and survive in-place ops.
+        """
+        starts: list[Any] = []  # a stack: a module may run again inside itself
+
+        def bw_start(grad: torch.Tensor) -> None:
+            self._log.bw_start[name] = self._mark()
+
+        def bw_end(grad: torch.Tensor) -> None:
+            self._log.bw_end[name] = self._mark()
+
+        def pre(module: nn.Module, inputs: Any) -> None:
+            now = self._mark()
+            if self._log.io_open:
+                self.batch_ready(now)
+            starts.append(now)
+            if torch.is_grad_enabled():
+                for tensor in inputs:
+                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                        tensor.register_hook(bw_end)
+
+        def post(module: nn.Module, inputs: Any, output: Any) -> None:
+            nbytes = tensor_bytes(output)
+            log = self._log
+            log.ops.append((f"FW.{name}", "FW", COMPUTE, starts.pop(), self._mark(),
+                            {"step": self._iteration, "bytes": nbytes}))
+            log.activation_bytes[name] = nbytes
+            first = output if isinstance(output, torch.Tensor) else _first_tensor(output)
+            if first is not None and first.requires_grad:
+                first.register_hook(bw_start)
+
+        return pre, post
+
+    def _grad_ready(self, name: str) -> Callable:
+        def hook(param: torch.Tensor) -> None:
+            self._log.grad_ready[name] = self._mark()
+
+        return hook
+
+    def _update_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._update_start = self._mark()
+
+    def _update_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._log.ops.append(("UPDATE.optimizer", "UPDATE", COMPUTE, self._update_start, self._mark(),
+                              {"step": self._iteration, "optimizer": type(optimizer).__name__}))
+
+    # ---- the step window -----------------------------------------------------------------------
+
+    def batch_ready(self, mark: Any = None) -> None:
+        """Close the IO event of the current step: the batch is in hand (first forward, or a callback)."""
+        log = self._log
+        if log is None or not log.io_open:
+            return
+        log.io_open = False
+        log.ops.append(("IO.batch", "IO", HOST, log.start, mark if mark is not None else self._mark(),
+                        {"step": self._iteration}))
+
+    def start(self) -> None:
+        """Call once before the first iteration (iteration 0 begins now)."""
+        self._iteration = 0
+        if 0 in self.window:
+            self._open_step()
+
+    def step(self) -> None:
+        """Call once at the end of every iteration."""
+        if self._closed:
+            self._iteration += 1
+            return
+        if self._recording:
+            self._end_step()
+        self._iteration += 1
+        if self._iteration in self.window:
+            self._open_step()
+        elif self._recording:
+            self._remove_hooks()
+            self._recording = False
+        if self._iteration > self.steps[-1]:
+            self.close()
+
+    def _open_step(self) -> None:
+        if self._writer is None:
+            self._begin_window()
+        if not self._recording:
+            self._install_hooks()
+            self._recording = True
+        self._log = _StepLog(start=self._mark())
+
+    def _begin_window(self) -> None:
+        handshake = self._handshake()
+        if self.cuda:
+            torch.cuda.synchronize()
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record()
+            ref.synchronize()
+            self._cuda_ref = (ref, self.clock.now())
+        header = {"host": self.host, "pid": os.getpid(),
+                  "clock": {"source": "CLOCK_MONOTONIC", "unit": "us", "handshake_us": handshake,
+                            "device": "cuda-events" if self.cuda else "host"}}
+        self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
+        if self.rank == 0:
+            self._write_run_json(self._all_handshakes)
+
+    def _handshake(self) -> list[float]:
+        """Timestamps taken as each of a few collectives returns, on every rank (for clock alignment)."""
+        if not self.distributed:
+            self._all_handshakes = [[self.clock.now()]]
+            return self._all_handshakes[0]
+        marks = []
+        token = torch.zeros(1, device=_collective_device())
+        for _ in range(HANDSHAKE_ROUNDS):
+            dist.all_reduce(token)
+            marks.append(self.clock.now())
+        self._all_handshakes = _gather_floats(marks)
+        return marks
+
+    def _end_step(self) -> None:
+        log, step = self._log, self._iteration
+        end = self._mark()
+        if self.cuda:
+            end.synchronize()
+        self.batch_ready(end)  # a step without a forward still closes its IO event
+        events = [_x("STEP", "STEP", HOST, self.rank, self._resolve(log.start), self._resolve(end), {"step": step})]
+        for name, cat, tid, t0, t1, args in log.ops:
+            events.append(_x(name, cat, tid, self.rank, self._resolve(t0), self._resolve(t1), args))
+            if cat == "FW":
+                self._fired.add(name[3:])
+        ready = {n: self._resolve(m) for n, m in log.grad_ready.items()}
+        grads_of = self._grads_by_module()
+        for name, t0 in log.bw_start.items():
+            grads = [g for g in grads_of.get(name, ()) if g in ready]
+            ends = [self._resolve(log.bw_end[name])] if name in log.bw_end else []
+            t1 = max(ends + [ready[g] for g in grads]) if (ends or grads) else self._resolve(t0)
+            events.append(_x(f"BW.{name}", "BW", COMPUTE, self.rank, self._resolve(t0), t1,
+                             {"step": step, "grads": grads, "grads_ready_us": [ready[g] for g in grads]}))
+        events.sort(key=lambda e: e["ts"])
+        self._writer.end_step(step, events)
+        self._last_log = log
+        self._last_ready = ready
+        self._last_buckets = [
+            {"index": e["args"]["bucket"], "bytes": e["args"]["bytes"], "tensors": e["args"]["tensors"]}
+            for e in events if e["cat"] == "COMM"
+        ]
+        if self.rank == 0 and len(self._writer.steps_done) == 1:
+            self._write_model_json()
+
+    def close(self, error: BaseException | None = None) -> Path | None:
+        """End recording: write this rank's trace (and model.json on rank 0). Safe to call twice."""
+        if self._closed:
+            return self.run_dir
+        self._closed = True
+        self._remove_hooks()
+        self._recording = False
+        if self._writer is None:
+            self._release_model()
+            return None
+        done = self._writer.steps_done
+        missing = [s for s in self.steps if s not in done]
+        note = ""
+        if error is not None:
+            note = f"stopped by {type(error).__name__}: {error}"
+        elif missing:
+            note = f"the run ended before steps {missing[0]}..{missing[-1]}"
+        self._writer.finish(complete=not missing, note=note)
+        if self.rank == 0 and done:
+            self._write_model_json()
+        self._release_model()
+        return self.run_dir
+
+    def _release_model(self) -> None:
+        """Drop references to the model: DDP's reducer keeps our comm hook (and so this object) alive,
+        and a DDP model that is never freed can abort gloo when the process group is torn down."""
+        self.ddp = self.module = self.optimizer = None
+        self.params, self._modules, self._param_name = [], [], {}
+        self._log = self._last_log = None
+
+    @property
+    def iteration(self) -> int:
+        return self._iteration
+
+    @property
+    def started(self) -> bool:
+        return self._writer is not None
+
+    # ---- run.json / model.json -----------------------------------------------------------------
+
+    def _grad_owner(self) -> dict[str, str]:
+        """Gradient name -> the recorded module that computes it (nearest recorded ancestor that ran)."""
+        cache = getattr(self, "_owner_cache", None)
+        if cache is not None and cache[0] == len(self._fired):
+            return cache[1]
+        names = {n for n, _ in self._modules}
+        owner = {}
+        for pname, _ in self.params:
+            path = pname.rsplit(".", 1)[0] if "." in pname else "<root>"
+            candidate = path
+            while candidate not in names or (self._fired and candidate not in self._fired):
+                if candidate in ("", "<root>"):
+                    candidate = path if path in names else "<root>"
+                    break
+                candidate = candidate.rsplit(".", 1)[0] if "." in candidate else "<root>"
+            owner[pname] = candidate
+        self._owner_cache = (len(self._fired), owner)
+        return owner
+
+    def _grads_by_module(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for grad, module in self._grad_owner().items():
+            out.setdefault(module, []).append(grad)
+        return out
+
+    def knobs(self) -> dict[str, Any]:
+        knobs: dict[str, Any] = {"world_size": self.world_size, "device": "cuda" if self.cuda else "cpu"}
+        if self.distributed:
+            knobs["backend"] = dist.get_backend()
+        if self.ddp is not None:
+            ddp = self.ddp
+            knobs.update({
+                "torch.ddp.bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
+                "torch.ddp.first_bucket_cap_mb": _first_bucket_cap_mb(ddp),
+                "torch.ddp.gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+                "torch.ddp.find_unused_parameters": bool(ddp.find_unused_parameters),
+                "torch.ddp.static_graph": bool(getattr(ddp, "static_graph", False)),
+                "torch.ddp.broadcast_buffers": bool(ddp.broadcast_buffers),
+                "torch.ddp.comm_hook": "dpro timing wrapper around allreduce_hook"
+                if not getattr(ddp, "_comm_hooks", None) or ddp._comm_hooks[0][0] == self._comm_hook
+                else "user hook",
+            })
+        if self.optimizer is not None:
+            knobs["optimizer"] = type(self.optimizer).__name__
+        knobs.update(self.extra_knobs)
+        return knobs
+
+    def fingerprint(self) -> str:
+        return model_fingerprint((n, p.shape, str(p.dtype)) for n, p in self.params)
+
+    def _write_run_json(self, handshakes: list[list[float]]) -> None:
+        import datetime as dt
+
+        meta = {
+            "schema": RUN_SCHEMA,
+            "dpro_version": dpro.__version__,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "framework": "torch",
+            "engine": "torch-ddp" if self.ddp is not None else ("torch" if not self.distributed else "torch-dist"),
+            "versions": self.versions,
+            "world_size": self.world_size,
+            "hosts": self.hosts,
+            "profiled_steps": list(self.steps),
+            "knobs": self.knobs(),
+            "model_fingerprint": self.fingerprint(),
+            "clocks": {
+                "source": "CLOCK_MONOTONIC",
+                "note": "ranks on one host share this clock; handshake_us[r] are rank r's timestamps as each "
+                        "of a few all_reduce calls returned (near-simultaneous on all ranks)",
+                "handshake_us": {str(r): marks for r, marks in enumerate(handshakes)},
+            },
+        }
+        write_json_atomic(self.run_dir / RUN_FILE, meta)
+
+    def _write_model_json(self) -> None:
+        log = self._last_log
+        ready = getattr(self, "_last_ready", {})
+        owner = self._grad_owner()
+        params = dict(self.params)
+        order = sorted(params, key=lambda n: (ready.get(n, float("inf")), n))
+        gradients = [
+            {"name": n, "bytes": params[n].numel() * params[n].element_size(), "shape": list(params[n].shape),
+             "dtype": str(params[n].dtype).replace("torch.", ""), "module": n.rsplit(".", 1)[0] if "." in n else "",
+             "computed_by": owner[n], "ready_us": ready.get(n)}
+            for n in order
+        ]
+        recorded = {n for n, _ in self._modules}
+        modules = []
+        for name, mod in self.module.named_modules():
+            key = name or "<root>"
+            direct = sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+            modules.append({
+                "name": key, "type": type(mod).__name__,
+                "parent": (name.rsplit(".", 1)[0] if "." in name else "<root>") if name else None,
+                "param_bytes": direct,
+                "activation_bytes": (log.activation_bytes.get(key) if log else None),
+                "recorded": key in recorded and key in self._fired,
+            })
+        doc = {
+            "schema": MODEL_SCHEMA,
+            "model_fingerprint": self.fingerprint(),
+            "param_bytes": sum(g["bytes"] for g in gradients),
+            "gradients": gradients,
+            "buckets": sorted(self._last_buckets, key=lambda b: b["index"]),
+            "modules": modules,
+        }
+        write_json_atomic(self.run_dir / MODEL_FILE, doc)
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, (tuple, list)):
+        return next((o for o in obj if isinstance(o, torch.Tensor)), None)
+    return None
+
+
+def _first_bucket_cap_mb(ddp: DistributedDataParallel) -> float | None:
+    config = getattr(ddp, "_bucket_config", None)  # torch >= 2.13 keeps the caps here
+    cap = getattr(config, "first_bucket_bytes_cap", None)
+    return cap / 2**20 if cap else None
+
+
+def _x(name: str, cat: str, tid: int, rank: int, t0: float, t1: float, args: dict) -> dict[str, Any]:
+    return {"name": name, "cat": cat, "ph": "X", "ts": t0, "dur": max(t1 - t0, 0.0),
+            "pid": rank, "tid": tid, "args": args}
+

@@ -1,0 +1,44 @@
+"""A Lightning DDP job on CPU with dpro's callback; --package picks lightning.pytorch or pytorch_lightning."""
+
+import argparse
+import importlib
+
+import torch
+from dpro.plugins.torch.lightning import DproCallback
+from dpro.plugins.torch.models import get_example
+from torch.utils.data import DataLoader, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--package", default="pytorch_lightning")
+parser.add_argument("--model", default="mlp")
+parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--profile", default="2:6")
+parser.add_argument("--run-dir", required=True)
+args = parser.parse_args()
+pl = importlib.import_module(args.package)
+
+
+class Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = get_example(args.model).build()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+if __name__ == "__main__":
+    example = get_example(args.model)
+    x, y = example.batch(example.batch_size * args.steps, torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, y), batch_size=example.batch_size)
+    start, stop = (int(v) for v in args.profile.split(":"))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[DproCallback(run_dir=args.run_dir, steps=range(start, stop))],
+    )
+    trainer.fit(Module(), loader)

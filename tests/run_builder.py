@@ -1,0 +1,117 @@
+"""Small run directories written by hand in the documented format (DESIGN.md "The run directory").
+
+The JSON is spelled out here rather than produced by dpro's own writers, so the tests pin the format.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+QUEUE_TIDS = {"compute": 0, "comm": 1, "host": 2}
+STEP_US = 9000.0
+
+
+def x_event(name: str, cat: str, ts: float, dur: float, *, rank: int, queue: str, step: int,
+            **args: Any) -> dict[str, Any]:
+    """One Chrome "X" event as a dpro plugin writes it."""
+    return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": rank,
+            "tid": QUEUE_TIDS[queue], "args": {"step": step, **args}}
+
+
+def step_events(rank: int, step: int) -> list[dict[str, Any]]:
+    """One training step of a two-layer model: IO, FW, BW, two allreduce buckets, UPDATE, framed by STEP."""
+    t0 = 1_000_000.0 + step * 10_000 + rank * 50
+    ev = [
+        x_event("STEP", "STEP", t0, STEP_US, rank=rank, queue="host", step=step),
+        x_event("IO.batch", "IO", t0, 100.0, rank=rank, queue="host", step=step),
+        x_event("FW.fc1", "FW", t0 + 100, 1000.0, rank=rank, queue="compute", step=step, bytes=2048),
+        x_event("FW.fc2", "FW", t0 + 1100, 1000.0, rank=rank, queue="compute", step=step, bytes=1024),
+        x_event("BW.fc2", "BW", t0 + 2100, 2000.0, rank=rank, queue="compute", step=step),
+        x_event("COMM.bucket0.allreduce", "COMM", t0 + 4100, 1500.0, rank=rank, queue="comm", step=step,
+                bytes=4096, tensors=["fc2.weight", "fc2.bias"], op="allreduce", phase="allreduce"),
+        x_event("BW.fc1", "BW", t0 + 4100, 2000.0, rank=rank, queue="compute", step=step),
+        x_event("COMM.bucket1.allreduce", "COMM", t0 + 6100, 1500.0, rank=rank, queue="comm", step=step,
+                bytes=8192, tensors=["fc1.weight", "fc1.bias"], op="allreduce", phase="allreduce"),
+        x_event("UPDATE.sgd", "UPDATE", t0 + 7600, 500.0, rank=rank, queue="compute", step=step),
+    ]
+    return ev
+
+
+def rank_header(rank: int, host: str = "node-a") -> dict[str, Any]:
+    return {"host": host, "pid": 4000 + rank, "clock": {"source": "CLOCK_MONOTONIC", "unit": "us"}}
+
+
+def rank_doc(rank: int, world_size: int, steps: Iterable[int], *, complete: bool = True,
+             note: str = "") -> dict[str, Any]:
+    """The content of a finished ``rank-<r>.json``."""
+    steps = list(steps)
+    meta = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}]
+    meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": queue}}
+             for queue, tid in QUEUE_TIDS.items()]
+    events = [e for s in steps for e in step_events(rank, s)]
+    return {"schema": "dpro.trace/1", "dpro_version": "0.1.0", "rank": rank, "world_size": world_size,
+            "complete": complete, "note": note, "steps": steps, **rank_header(rank),
+            "displayTimeUnit": "ms", "traceEvents": meta + events}
+
+
+def run_doc(world_size: int, steps: Iterable[int]) -> dict[str, Any]:
+    return {"schema": "dpro.run/1", "framework": "torch", "engine": "torch-ddp", "world_size": world_size,
+            "hosts": ["node-a"] * world_size, "profiled_steps": list(steps),
+            "knobs": {"torch.ddp.bucket_cap_mb": 25.0, "backend": "gloo"},
+            "model_fingerprint": "0123456789abcdef", "clocks": {"source": "CLOCK_MONOTONIC"},
+            "versions": {"python": "3.11"}, "dpro_version": "0.1.0", "created": "2024-01-01T00:00:00+00:00"}
+
+
+def model_doc() -> dict[str, Any]:
+    grads = [("fc2.bias", 16, [4]), ("fc2.weight", 4080, [4, 255]), ("fc1.bias", 1020, [255]),
+             ("fc1.weight", 7172, [255, 7])]
+    return {
+        "schema": "dpro.model/1",
+        "gradients": [{"name": n, "bytes": b, "module": n.split(".")[0], "computed_by": n.split(".")[0],
+                       "shape": shape, "dtype": "float32"} for n, b, shape in grads],
+        "buckets": [{"index": 0, "bytes": 4096, "tensors": ["fc2.weight", "fc2.bias"]},
+                    {"index": 1, "bytes": 8192, "tensors": ["fc1.weight", "fc1.bias"]}],
+        "modules": [{"name": "<root>", "type": "Net", "parent": None, "param_bytes": 0,
+                     "activation_bytes": None, "recorded": False},
+                    {"name": "fc1", "type": "Linear", "parent": "<root>", "param_bytes": 8192,
+                     "activation_bytes": 2048, "recorded": True},
+                    {"name": "fc2", "type": "Linear", "parent": "<root>", "param_bytes": 4096,
+                     "activation_bytes": 1024, "recorded": True}],
+        "param_bytes": 12288,
+    }
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def write_journal(path: Path, rank: int, world_size: int, steps: Iterable[int], *,
+                  cut_step: int | None = None) -> Path:
+    """A ``rank-<r>.partial.jsonl``; ``cut_step`` adds that step's line cut in half (died mid-write)."""
+    lines = [json.dumps({"schema": "dpro.trace/1", "rank": rank, "world_size": world_size,
+                         "header": rank_header(rank)})]
+    lines += [json.dumps({"step": s, "events": step_events(rank, s)}) for s in steps]
+    text = "\n".join(lines) + "\n"
+    if cut_step is not None:
+        broken = json.dumps({"step": cut_step, "events": step_events(rank, cut_step)})
+        text += broken[: len(broken) // 2]
+    path.write_text(text)
+    return path
+
+
+def make_run(root: Path, *, world_size: int = 2, steps: Iterable[int] = range(3, 8),
+             ranks: Iterable[int] | None = None, meta: bool = True, model: bool = True) -> Path:
+    """A run directory with finished traces for ``ranks`` (default: every rank)."""
+    steps = list(steps)
+    root.mkdir(parents=True, exist_ok=True)
+    if meta:
+        write_json(root / "run.json", run_doc(world_size, steps))
+    if model:
+        write_json(root / "model.json", model_doc())
+    for rank in range(world_size) if ranks is None else ranks:
+        write_json(root / f"rank-{rank}.json", rank_doc(rank, world_size, steps))
+    return root

@@ -1,0 +1,96 @@
+"""Profiler in one process (no DDP): wrong arguments get clear errors; a plain loop is recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dpro.errors import UsageError  # noqa: E402
+from dpro.load import load_run  # noqa: E402
+from dpro.plugins.torch import Profiler  # noqa: E402
+
+
+def small_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def train(prof: Profiler, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        prof.step()
+
+
+def test_plain_loop_without_ddp(tmp_path):
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Profiler(model, opt, run_dir=tmp_path / "run", steps=range(1, 3)) as prof:
+        train(prof, model, opt, 5)
+    run = load_run(tmp_path / "run")
+    assert run.meta["engine"] == "torch" and run.ranks[0].steps == [1, 2]
+    names = {e["name"] for e in run.ranks[0].events}
+    assert {"FW.0", "FW.1", "FW.2", "BW.0", "BW.2", "UPDATE.optimizer", "STEP", "IO.batch"} <= names
+    assert not any(e["cat"] == "COMM" for e in run.ranks[0].events)
+
+
+def test_hooks_are_removed_outside_the_window(tmp_path):
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Profiler(model, opt, run_dir=tmp_path / "run", steps=range(1, 2)) as prof:
+        train(prof, model, opt, 1)
+        assert model[0]._forward_hooks, "hooks are installed during the window"
+        train(prof, model, opt, 1)
+        assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks and not model[0]._backward_hooks
+        train(prof, model, opt, 2)
+
+
+def test_model_without_parameters_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="no trainable parameters"):
+        Profiler(torch.nn.ReLU(), None, run_dir=tmp_path / "run")
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(UsageError, match="is a file"):
+        Profiler(small_model(), None, run_dir=path)
+
+
+def test_non_empty_run_dir_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "rank-0.json").write_text("{}")
+    with pytest.raises(UsageError, match="never overwrites"):
+        Profiler(small_model(), None, run_dir=tmp_path / "run")
+
+
+def test_steps_beyond_the_run_are_refused_up_front(tmp_path):
+    with pytest.raises(UsageError, match="only 10 steps"):
+        Profiler(small_model(), None, run_dir=tmp_path / "run", steps=range(5, 15), total_steps=10)
+
+
+@pytest.mark.parametrize("steps,match", [(range(0), "empty"), ([-1, 2], "negative"), (["a"], "integers")])
+def test_bad_windows(tmp_path, steps, match):
+    with pytest.raises(UsageError, match=match):
+        Profiler(small_model(), None, run_dir=tmp_path / "run", steps=steps)
+
+
+def test_window_never_reached_is_an_error(tmp_path):
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match="never reached"):
+        with Profiler(model, opt, run_dir=tmp_path / "run", steps=range(50, 60)) as prof:
+            train(prof, model, opt, 3)
+
+
+def test_default_run_dir_is_new_and_timestamped(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPRO_RUN_DIR", str(tmp_path / "runs"))
+    dirs = []
+    for _ in range(2):
+        model = small_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Profiler(model, opt, steps=range(0, 1)) as prof:
+            train(prof, model, opt, 1)
+        dirs.append(prof.run_dir)
+    assert dirs[0] != dirs[1] and all(d.parent == tmp_path / "runs" for d in dirs)
