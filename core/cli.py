@@ -40,7 +40,38 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info,)
+def _add_analyze(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "analyze", help="replay the step DAG: predicted vs measured step time, breakdown, critical path",
+        description="Align the ranks' clocks, build the global DAG of a training step, replay it and report the "
+                    "measured and predicted step time with the prediction error, where the time goes, the "
+                    "critical path and stragglers. Writes analysis/replay.json (measured and replayed timelines, "
+                    "open in Perfetto). Accepts a dpro run directory or PyTorch profiler traces "
+                    "(*.pt.trace.json[.gz], one per rank).",
+    )
+    parser.add_argument("run", metavar="RUN", nargs="+", help="a run directory, or PyTorch profiler trace files")
+    parser.add_argument("--json", action="store_true", help="print the analysis as one JSON object")
+    parser.add_argument("--iterations", type=int, default=4, help="consecutive steps to replay (default 4)")
+    parser.set_defaults(func=_cmd_analyze)
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpro.analyze import analyze_path
+    from dpro.report import format_analysis
+
+    if len(args.run) == 1 and Path(args.run[0]).is_dir():
+        analysis = analyze_path(args.run[0], iterations=args.iterations)
+    else:
+        from dpro.kineto import analyze_kineto
+
+        analysis = analyze_kineto([Path(p) for p in args.run])
+    print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
+    return 0
+
+
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info, _add_analyze)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -110,21 +110,34 @@ class Clock:
     """The rank's clock in microseconds: CLOCK_MONOTONIC plus an optional injected skew (for tests).
 
     ``DPRO_CLOCK_SKEW_US`` shifts every timestamp a rank records, as if its host's clock were off;
-    alignment must undo it.
+    alignment must undo it. Either one number (this process) or per rank: ``"1:2000000,3:-500"``.
     """
 
     skew_us: float = 0.0
 
     @classmethod
-    def from_env(cls) -> Clock:
-        raw = os.environ.get(SKEW_ENV, "")
-        try:
-            return cls(float(raw) if raw else 0.0)
-        except ValueError as err:
-            raise UsageError(f"{SKEW_ENV}={raw!r} is not a number of microseconds") from err
+    def from_env(cls, rank: int = 0) -> Clock:
+        return cls(parse_skew(os.environ.get(SKEW_ENV, ""), rank))
 
     def now(self) -> float:
         return time.monotonic_ns() / 1000.0 + self.skew_us
+
+
+def parse_skew(text: str, rank: int) -> float:
+    """The skew for ``rank`` from a ``DPRO_CLOCK_SKEW_US`` value (see ``Clock``)."""
+    text = text.strip()
+    if not text:
+        return 0.0
+    try:
+        if ":" not in text:
+            return float(text)
+        for item in text.split(","):
+            r, _, us = item.partition(":")
+            if int(r) == rank:
+                return float(us)
+        return 0.0
+    except ValueError as err:
+        raise UsageError(f"{SKEW_ENV}={text!r}: expected microseconds, or RANK:US pairs such as '1:2000000'") from err
 
 
 @dataclass

@@ -161,7 +161,7 @@ class TorchRecorder:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.host = socket.gethostname()
-        self.clock = Clock.from_env()
+        self.clock = Clock.from_env(self.rank)
         self.cuda = self.params[0][1].is_cuda
         self.extra_knobs = dict(extra_knobs or {})
         self.versions = {"python": sys.version.split()[0], "torch": torch.__version__, **(versions or {})}

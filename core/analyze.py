@@ -1,0 +1,196 @@
+"""The ``dpro analyze`` pipeline: load -> align -> graph -> replay -> what the user asks about.
+
+One function per question, each over plain data:
+``predicted_step_us`` (how long is a step), ``breakdown`` (where does the time go),
+``critical_ops`` (what is on the critical path), ``stragglers`` (who makes the others wait).
+``analyze_run`` runs them all on a run directory and returns an ``Analysis``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from dpro.align import Alignment, align
+from dpro.graph import Graph, StepModel, graph_from_steps, step_model
+from dpro.load import Run, load_run
+from dpro.replay import Schedule, critical_path, plan_levels, replay
+
+DEFAULT_ITERATIONS = 4
+
+
+@dataclass
+class Analysis:
+    """What ``dpro analyze`` reports (times in ms)."""
+
+    source: str
+    measured_step_ms: float
+    predicted_step_ms: float
+    error_pct: float
+    breakdown: dict[str, float]
+    critical_path: list[dict[str, Any]]
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    alignment: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    graph_nodes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def error_pct(predicted: float, measured: float) -> float:
+    """Signed prediction error in percent of the measured value."""
+    return 100.0 * (predicted - measured) / measured if measured else float("nan")
+
+
+def predicted_step_us(g: Graph, sched: Schedule) -> dict[int, float]:
+    """Per rank: the replayed duration of the last iteration (steady state, after the first ones)."""
+    last = max(it for _, it in g.step_end)
+    out = {}
+    for (rank, it), node in g.step_end.items():
+        if it == last and (rank, it - 1) in g.step_end:
+            out[rank] = float(sched.end[node] - sched.end[g.step_end[(rank, it - 1)]])
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        elif e > s:
+            merged.append((s, e))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _xfer_members(g: Graph) -> dict[int, list[int]]:
+    """Transfer node -> ranks taking part (from its arrival predecessors)."""
+    out: dict[int, list[int]] = {}
+    for node, cat in enumerate(g.category):
+        if cat == "XFER":
+            out[node] = sorted({int(g.rank[p]) for p in g.preds(node) if g.category[p] == "COMM"})
+    return out
+
+
+def breakdown(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
+    """Per rank, over the last replayed iteration: compute, communication, overlapped communication
+    (communication hidden under compute) and idle time, in µs."""
+    last = max(it for _, it in g.step_end)
+    members = _xfer_members(g)
+    out = {}
+    for (rank, it), end_node in g.step_end.items():
+        if it != last or (rank, it - 1) not in g.step_end:
+            continue
+        t0, t1 = sched.end[g.step_end[(rank, it - 1)]], sched.end[end_node]
+        compute, comm = [], []
+        for node in np.flatnonzero((g.iteration == it) | (g.iteration == it - 1)):
+            s, e = max(sched.start[node], t0), min(sched.end[node], t1)
+            if e <= s:
+                continue
+            cat = g.category[node]
+            if cat == "XFER" and rank in members.get(int(node), ()):
+                comm.append((s, e))
+            elif g.rank[node] == rank and cat == "COMM" and g.duration[node] > 0:
+                comm.append((s, e))
+            elif g.rank[node] == rank and cat in ("FW", "BW", "UPDATE", "COMPUTE"):
+                compute.append((s, e))
+        cu, mu = _union(compute), _union(comm)
+        overlap = _intersection(cu, mu)
+        busy = _length(_union(cu + mu))
+        out[rank] = {"step": t1 - t0, "compute": _length(cu), "communication": _length(mu),
+                     "overlapped_communication": overlap, "idle": max(0.0, (t1 - t0) - busy)}
+    return out
+
+
+def critical_ops(g: Graph, sched: Schedule, top: int = 10) -> list[dict[str, Any]]:
+    """The ops on the critical path of the last iteration, longest first, with their share of the step."""
+    last = max(it for _, it in g.step_end)
+    ends = [(sched.end[n], n) for (r, it), n in g.step_end.items() if it == last]
+    path = critical_path(g, sched, max(ends)[1])
+    in_last = [n for n in path if g.iteration[n] == last]
+    span = max(sched.end[n] for n in in_last) - min(sched.start[n] - g.gap[n] for n in in_last)
+    totals: dict[tuple[str, str], float] = defaultdict(float)
+    for n in in_last:
+        who = "all ranks" if g.rank[n] < 0 else f"rank {g.rank[n]}"
+        if g.duration[n] > 0:
+            totals[(g.names[n], who)] += float(g.duration[n])
+        if g.gap[n] > 0:
+            totals[(f"(gap before {g.names[n]})", who)] += float(g.gap[n])
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return [{"op": op, "where": who, "ms": us / 1000.0, "share_pct": 100.0 * us / span if span else 0.0}
+            for (op, who), us in rows]
+
+
+def stragglers(model: StepModel) -> list[dict[str, Any]]:
+    """Who arrives last at collectives, and how long the others wait for them (measured, per step)."""
+    if not model.arrivals:
+        return []
+    last_count: dict[int, int] = defaultdict(int)
+    caused: dict[int, float] = defaultdict(float)
+    for members in model.arrivals.values():
+        if len(members) < 2:
+            continue
+        late_rank, late = max(members.items(), key=lambda kv: kv[1])
+        last_count[late_rank] += 1
+        caused[late_rank] += sum(late - t for t in members.values())
+    steps = max(1, len(model.steps))
+    total = sum(caused.values()) or 1.0
+    rows = [{"rank": r, "last_to_arrive": last_count[r], "wait_caused_ms_per_step": caused[r] / steps / 1000.0,
+             "share_pct": 100.0 * caused[r] / total} for r in sorted(last_count)]
+    return sorted(rows, key=lambda row: -row["wait_caused_ms_per_step"])
+
+
+def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> tuple[Analysis, Graph, Schedule, Alignment]:
+    """Align, build the DAG, replay it and measure the prediction error of one run directory."""
+    alignment = align(run)
+    model = step_model(run, alignment)
+    g = graph_from_steps(model, iterations=iterations)
+    sched = replay(g, plan_levels(g))
+    predicted = predicted_step_us(g, sched)
+    parts = breakdown(g, sched)
+    pred = statistics.median(predicted.values())
+    keys = ("compute", "communication", "overlapped_communication", "idle")
+    summary = {k: statistics.median(p[k] for p in parts.values()) / 1000.0 for k in keys}
+    per_rank = [{"rank": r, "measured_step_ms": model.step_us_by_rank[r] / 1000.0,
+                 "predicted_step_ms": predicted.get(r, float("nan")) / 1000.0,
+                 **{k + "_ms": parts[r][k] / 1000.0 for k in keys}} for r in sorted(parts)]
+    analysis = Analysis(
+        source=str(run.path), measured_step_ms=model.measured_step_us / 1000.0, predicted_step_ms=pred / 1000.0,
+        error_pct=error_pct(pred, model.measured_step_us), breakdown=summary,
+        critical_path=critical_ops(g, sched), stragglers=stragglers(model), per_rank=per_rank,
+        alignment={"offset_us": {str(r): o for r, o in alignment.offset_us.items()},
+                   "method": {str(r): m for r, m in alignment.method.items()}},
+        notes=list(run.problems) + alignment.notes, graph_nodes=g.size,
+    )
+    return analysis, g, sched, alignment
+
+
+def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Analysis:
+    """Analyze a run directory, and write ``analysis/replay.json`` (measured and replayed timelines)."""
+    from dpro.report import write_replay_trace
+
+    run = load_run(path)
+    analysis, g, sched, alignment = analyze_run(run, iterations)
+    write_replay_trace(Path(path) / "analysis" / "replay.json", run, alignment, g, sched)
+    return analysis

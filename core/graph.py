@@ -1,0 +1,287 @@
+"""Stage 3, graph: the global DAG of training steps, as compact arrays.
+
+A ``Graph`` holds one node per (rank, op, iteration) with its queue, duration and gap (framework
+overhead before it on its queue), and predecessor lists in CSR form. Queue order is an edge like any
+other (each op waits for the previous op on its queue), so replay is a longest-path computation.
+
+Collectives join ranks: each rank's member is an *arrival* node (zero duration) on its comm queue,
+and one *transfer* node (on no queue) follows all arrivals; whatever came after a member on its rank
+(the next op on the comm queue, the optimizer) waits for the transfer. So an allreduce starts when
+the last rank arrives, and its transfer time is calibrated from the last-arriving rank.
+
+``GraphBuilder`` assembles a graph from any trace source (dpro run directories via
+``graph_from_run``; PyTorch profiler traces via ``dpro.kineto``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from dpro.align import Alignment
+from dpro.load import Run
+
+NO_QUEUE = -1
+
+
+@dataclass
+class Graph:
+    """The DAG, one array entry per node (see module docstring)."""
+
+    names: list[str]            # op name, e.g. "BW.fc1" (same on every rank)
+    rank: np.ndarray            # int32
+    iteration: np.ndarray       # int32: which replayed iteration the node belongs to
+    queue: np.ndarray           # int32 index into queue_names, or NO_QUEUE
+    duration: np.ndarray        # float64 µs
+    gap: np.ndarray             # float64 µs, waited after the predecessors are done
+    pred_ptr: np.ndarray        # int64, CSR row pointers (len n+1)
+    pred_idx: np.ndarray        # int64, predecessor node ids
+    category: list[str]         # FW, BW, COMM, UPDATE, IO, STEP, XFER (collective transfer), ...
+    queue_names: list[str]      # "r0/compute", "r1/comm", ...
+    step_end: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, iteration) -> STEP end node
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+    def preds(self, node: int) -> np.ndarray:
+        return self.pred_idx[self.pred_ptr[node]:self.pred_ptr[node + 1]]
+
+
+@dataclass
+class GraphBuilder:
+    """Collects nodes and edges, then freezes them into a ``Graph``."""
+
+    names: list[str] = field(default_factory=list)
+    rank: list[int] = field(default_factory=list)
+    iteration: list[int] = field(default_factory=list)
+    queue: list[int] = field(default_factory=list)
+    duration: list[float] = field(default_factory=list)
+    gap: list[float] = field(default_factory=list)
+    category: list[str] = field(default_factory=list)
+    preds: list[list[int]] = field(default_factory=list)
+    queue_names: list[str] = field(default_factory=list)
+    _queue_id: dict[str, int] = field(default_factory=dict)
+    _queue_last: dict[int, int] = field(default_factory=dict)
+    step_end: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def queue_id(self, name: str) -> int:
+        if name not in self._queue_id:
+            self._queue_id[name] = len(self.queue_names)
+            self.queue_names.append(name)
+        return self._queue_id[name]
+
+    def add(self, name: str, category: str, rank: int, iteration: int, queue: str | None,
+            duration: float, gap: float = 0.0, preds: list[int] | None = None) -> int:
+        """Add a node; on a queue it also waits for the previous node of that queue."""
+        node = len(self.names)
+        deps = list(preds or [])
+        qid = NO_QUEUE
+        if queue is not None:
+            qid = self.queue_id(queue)
+            last = self._queue_last.get(qid)
+            if last is not None and last not in deps:
+                deps.append(last)
+            self._queue_last[qid] = node
+        self.names.append(name)
+        self.category.append(category)
+        self.rank.append(rank)
+        self.iteration.append(iteration)
+        self.queue.append(qid)
+        self.duration.append(max(float(duration), 0.0))
+        self.gap.append(max(float(gap), 0.0))
+        self.preds.append(deps)
+        return node
+
+    def occupy(self, queue: str, node: int) -> None:
+        """Make ``node`` the op the next op on ``queue`` waits for (a collective's transfer)."""
+        self._queue_last[self.queue_id(queue)] = node
+
+    def build(self) -> Graph:
+        counts = np.fromiter((len(p) for p in self.preds), dtype=np.int64, count=len(self.preds))
+        ptr = np.zeros(len(self.preds) + 1, dtype=np.int64)
+        np.cumsum(counts, out=ptr[1:])
+        idx = np.fromiter((d for p in self.preds for d in p), dtype=np.int64, count=int(ptr[-1]))
+        return Graph(
+            names=self.names, rank=np.asarray(self.rank, dtype=np.int32),
+            iteration=np.asarray(self.iteration, dtype=np.int32), queue=np.asarray(self.queue, dtype=np.int32),
+            duration=np.asarray(self.duration, dtype=np.float64), gap=np.asarray(self.gap, dtype=np.float64),
+            pred_ptr=ptr, pred_idx=idx, category=self.category, queue_names=self.queue_names,
+            step_end=dict(self.step_end),
+        )
+
+
+# ---- dpro run directories -----------------------------------------------------------------------
+
+@dataclass
+class OpStats:
+    """One op of one rank, summarised over the profiled steps (medians)."""
+
+    name: str
+    category: str
+    queue: str
+    rank: int
+    order: float                 # median start offset within the step (sorts program order)
+    duration: float
+    gap: float
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepModel:
+    """Per-rank op lists of one step, ready to be wired into a graph."""
+
+    ops: dict[int, list[OpStats]]                       # rank -> ops in program order
+    transfer: dict[str, float]                          # collective name -> transfer µs (last arrival)
+    measured_step_us: float
+    step_us_by_rank: dict[int, float]
+    steps: list[int]
+    tail_us: dict[int, float] = field(default_factory=dict)  # rank -> last op end .. step end
+    arrivals: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)  # (COMM, step) -> rank -> t
+
+
+def _contained(events: list[dict]) -> set[int]:
+    """Indices of events that contain another event of the same queue (parents: keep the leaves)."""
+    out = set()
+    by_queue: dict[int, list[int]] = defaultdict(list)
+    for i, e in enumerate(events):
+        by_queue[e["tid"]].append(i)
+    for idxs in by_queue.values():
+        idxs.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+        for a, b in zip(idxs, idxs[1:], strict=False):
+            ea, eb = events[a], events[b]
+            if eb["ts"] + eb["dur"] <= ea["ts"] + ea["dur"] + 1e-3 and eb["ts"] >= ea["ts"]:
+                out.add(a)
+    return out
+
+
+def step_model(run: Run, alignment: Alignment) -> StepModel:
+    """Summarise the profiled steps of every rank (aligned clocks) into one median step."""
+    steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
+    if not steps:
+        raise ValueError(f"{run.path}: the ranks have no profiled step in common")
+    per_op: dict[tuple[int, str], list[tuple[float, float, float, dict]]] = defaultdict(list)
+    step_us: dict[int, list[float]] = defaultdict(list)
+    tail_us: dict[int, list[float]] = defaultdict(list)
+    comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
+    queue_of: dict[tuple[int, str], str] = {}
+    cat_of: dict[str, str] = {}
+    for rank, trace in run.ranks.items():
+        shift = alignment.offset_us.get(rank, 0.0)
+        by_step: dict[int, list[dict]] = defaultdict(list)
+        for e in trace.events:
+            if e["args"].get("step") in steps:
+                by_step[e["args"]["step"]].append(e)
+        for step in steps:
+            events = by_step[step]
+            boundary = next(e for e in events if e["cat"] == "STEP")
+            t0 = boundary["ts"]
+            step_us[rank].append(boundary["dur"])
+            work = [e for e in events if e["cat"] != "STEP"]
+            drop = _contained(work)
+            work = [e for i, e in enumerate(work) if i not in drop]
+            work.sort(key=lambda e: e["ts"])
+            last_end: dict[int, float] = {}
+            for e in work:
+                q = trace.queues.get(e["tid"], str(e["tid"]))
+                start = e["ts"] - t0
+                gap = max(0.0, start - last_end.get(e["tid"], 0.0))
+                last_end[e["tid"]] = max(last_end.get(e["tid"], 0.0), start + e["dur"])
+                per_op[(rank, e["name"])].append((start, e["dur"], gap, e["args"]))
+                queue_of[(rank, e["name"])] = q
+                cat_of[e["name"]] = e["cat"]
+                if e["cat"] == "COMM":
+                    comm_by_step[(e["name"], step)][rank] = (e["ts"] - shift, e["ts"] + e["dur"] - shift)
+            tail_us[rank].append(max(0.0, boundary["dur"] - max(last_end.values(), default=0.0)))
+    ops: dict[int, list[OpStats]] = defaultdict(list)
+    for (rank, name), samples in per_op.items():
+        ops[rank].append(OpStats(
+            name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
+            order=statistics.median(s[0] for s in samples), duration=statistics.median(s[1] for s in samples),
+            gap=statistics.median(s[2] for s in samples), args=samples[-1][3]))
+    for rank in ops:
+        ops[rank].sort(key=lambda o: o.order)
+    transfer: dict[str, list[float]] = defaultdict(list)
+    for (name, _step), members in comm_by_step.items():
+        if len(members) < len(run.ranks):
+            continue
+        last_start, last_end = max(members.values(), key=lambda se: se[0])
+        transfer[name].append(last_end - last_start)
+    measured = statistics.median(statistics.median(v) for v in step_us.values())
+    arrivals = {key: {r: se[0] for r, se in members.items()} for key, members in comm_by_step.items()}
+    return StepModel(
+        ops=dict(ops), transfer={k: statistics.median(v) for k, v in transfer.items()},
+        measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
+        steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
+    )
+
+
+def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
+    """Wire ``iterations`` consecutive copies of the median step into one DAG.
+
+    Within a rank: program order on each queue; FW -> next FW; last FW -> first BW; a COMM group
+    waits for the BW ops that produced its gradients; UPDATE waits for every COMM and BW;
+    the step ends after UPDATE; the next iteration's first op waits for the step end.
+    Across ranks: COMM ops of the same name are one collective (arrivals, then one transfer).
+    Each op's gap is its measured start minus the measured end of the last of its predecessors.
+    """
+    b = GraphBuilder()
+    ranks = sorted(model.ops)
+    prev_end: dict[int, int | None] = dict.fromkeys(ranks)
+    for it in range(iterations):
+        transfers: dict[str, int] = {}
+        for rank in ranks:
+            last: dict[str, int] = {}
+            queue_last: dict[str, int] = {}
+            measured_end: dict[int, float] = {}   # node -> its measured end in this rank's step (µs)
+            if prev_end[rank] is not None:
+                measured_end[prev_end[rank]] = 0.0
+            grad_node: dict[str, int] = {}
+            bw_nodes: list[int] = []
+            comm_done: list[int] = []
+            for i, op in enumerate(model.ops[rank]):
+                deps: list[int] = []
+                if i == 0 and prev_end[rank] is not None:
+                    deps.append(prev_end[rank])
+                if op.category in ("FW", "BW") and "FW" in last:
+                    deps.append(last["FW"])
+                if op.category == "FW" and "IO" in last:
+                    deps.append(last["IO"])
+                if op.category == "COMM":
+                    deps += [grad_node[g] for g in op.args.get("tensors", []) if g in grad_node]
+                    if not deps and bw_nodes:
+                        deps.append(bw_nodes[-1])
+                if op.category == "UPDATE":
+                    deps += bw_nodes[-1:] + comm_done
+                queue = f"r{rank}/{op.queue}"
+                if queue in queue_last:
+                    deps.append(queue_last[queue])
+                deps = list(dict.fromkeys(deps))
+                ready = max((measured_end[d] for d in deps if d in measured_end), default=0.0)
+                gap = max(0.0, op.order - ready)
+                if op.category == "COMM" and op.name in model.transfer:
+                    arrival = b.add(op.name, "COMM", rank, it, queue, 0.0, gap, deps)
+                    if op.name not in transfers:
+                        transfers[op.name] = b.add(f"{op.name}.transfer", "XFER", -1, it, None,
+                                                   model.transfer[op.name])
+                    node = transfers[op.name]
+                    b.preds[node].append(arrival)
+                    b.occupy(queue, node)  # the rank's comm queue is busy until the transfer ends
+                else:
+                    node = b.add(op.name, op.category, rank, it, queue, op.duration, gap, deps)
+                queue_last[queue] = node
+                measured_end[node] = op.order + op.duration
+                if op.category == "COMM":
+                    comm_done.append(node)
+                last[op.category] = node
+                if op.category == "BW":
+                    bw_nodes.append(node)
+                    for g in op.args.get("grads", []):
+                        grad_node[g] = node
+            ends = [last[c] for c in ("UPDATE", "BW") if c in last] + comm_done
+            step_end = b.add("STEP.end", "STEP", rank, it, f"r{rank}/host", 0.0, model.tail_us.get(rank, 0.0), ends)
+            b.step_end[(rank, it)] = step_end
+            prev_end[rank] = step_end
+    return b.build()
