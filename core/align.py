@@ -1,9 +1,9 @@
 """Stage 2, align: put every rank on one clock.
 
 Ranks of one host share CLOCK_MONOTONIC, so their offset is zero unless the measurements say
-otherwise (an injected skew, a host name shared by two machines). Offsets come from the recording
-handshake (timestamps taken as each of a few all_reduce calls returned, near-simultaneously on all
-ranks) and are refined with collective end times: an allreduce ends at the same instant on every rank.
+otherwise (an injected skew, a host name shared by two machines). Offsets come from NTP-style
+ping-pong exchanges between rank 0 and every rank when recording starts; collective end times (an
+allreduce ends at the same instant on every rank) give an estimate where no exchange was recorded.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from dpro.load import Run
 
-SAME_HOST_TOLERANCE_US = 1000.0  # handshake noise on one host is tens of µs; beyond this, trust the data
+SAME_HOST_TOLERANCE_US = 1000.0  # ping-pong noise on one host is tens of µs; beyond this, trust the data
 
 
 @dataclass
@@ -26,24 +26,22 @@ class Alignment:
     notes: list[str] = field(default_factory=list)
 
 
-def handshake_offsets(run: Run) -> dict[int, float]:
-    """Offset of each rank to rank 0 from the recording handshake (median over rounds)."""
-    marks: dict[int, list[float]] = {}
-    clocks = (run.meta or {}).get("clocks", {}).get("handshake_us", {})
-    for key, values in clocks.items():
-        marks[int(key)] = list(values)
-    for rank, trace in run.ranks.items():
-        values = (trace.clock or {}).get("handshake_us")
-        if values and rank not in marks:
-            marks[rank] = list(values)
-    if 0 not in marks:
-        return {}
-    ref = marks[0]
-    out = {}
-    for rank, values in marks.items():
-        n = min(len(values), len(ref))
-        if n:
-            out[rank] = statistics.median(values[i] - ref[i] for i in range(n))
+def pingpong_offsets(run: Run) -> dict[int, tuple[float, float]]:
+    """Offset of each rank's clock to rank 0's, and the round-trip time it was measured with.
+
+    From NTP-style exchanges recorded at the start (see run.json "clocks"): for each sample
+    offset = ((t1 - t0) + (t2 - t3)) / 2; the sample with the shortest round trip wins.
+    """
+    clocks = (run.meta or {}).get("clocks", {}).get("pingpong_us", {})
+    out: dict[int, tuple[float, float]] = {0: (0.0, 0.0)}
+    for key, samples in clocks.items():
+        best = None
+        for t0, t1, t2, t3 in samples:
+            rtt = (t3 - t0) - (t2 - t1)
+            if best is None or rtt < best[1]:
+                best = (((t1 - t0) + (t2 - t3)) / 2.0, rtt)
+        if best is not None:
+            out[int(key)] = best
     return out
 
 
@@ -65,28 +63,38 @@ def collective_offsets(run: Run, prior: dict[int, float]) -> dict[int, float]:
     return {rank: prior.get(rank, 0.0) + statistics.median(d) for rank, d in diffs.items() if d}
 
 
-def align(run: Run, *, refine: bool = True) -> Alignment:
-    """Estimate every rank's clock offset to rank 0 (see module docstring)."""
+def align(run: Run, *, refine: bool = False) -> Alignment:
+    """Estimate every rank's clock offset to rank 0 (see module docstring).
+
+    The ping-pong exchange is the primary estimate (accurate to about half the round-trip
+    asymmetry); ``refine`` also shifts ranks so that collectives end together, which helps
+    only where no exchange was recorded.
+    """
     result = Alignment()
     hosts = (run.meta or {}).get("hosts") or []
     host0 = hosts[0] if hosts else None
-    shake = handshake_offsets(run)
-    refined = collective_offsets(run, shake) if refine and shake else {}
+    measured = pingpong_offsets(run)
+    prior = {r: off for r, (off, _) in measured.items()}
+    refined = collective_offsets(run, prior) if refine or len(measured) < len(run.ranks) else {}
     for rank in sorted(run.ranks):
         same_host = bool(hosts) and rank < len(hosts) and hosts[rank] == host0
-        estimate = refined.get(rank, shake.get(rank))
-        if estimate is None:
-            result.offset_us[rank] = 0.0
-            result.method[rank] = "none (no handshake recorded)"
-            if rank != 0:
-                result.notes.append(f"rank {rank}: no clock handshake; assuming its clock equals rank 0's")
-        elif same_host and abs(estimate) < SAME_HOST_TOLERANCE_US:
-            result.offset_us[rank] = 0.0
-            result.method[rank] = "same host"
+        if rank in measured:
+            estimate, method = measured[rank][0], f"ping-pong (rtt {measured[rank][1]:.0f} us)"
+            if refine and rank in refined:
+                estimate, method = refined[rank], method + " + collectives"
+        elif rank in refined:
+            estimate, method = refined[rank], "collective end times"
         else:
-            result.offset_us[rank] = estimate
-            result.method[rank] = "handshake + collectives" if rank in refined else "handshake"
-            if same_host:
-                result.notes.append(f"rank {rank} shares host {host0} with rank 0 but its clock is "
-                                    f"{estimate / 1000:.3f} ms off; corrected")
+            estimate, method = 0.0, "none"
+            if rank != 0:
+                result.notes.append(f"rank {rank}: no clock exchange or shared collective; assuming rank 0's clock")
+        if same_host and abs(estimate) < SAME_HOST_TOLERANCE_US:
+            result.offset_us[rank] = 0.0
+            result.method[rank] = "same host (shared clock)"
+            continue
+        result.offset_us[rank] = estimate
+        result.method[rank] = method
+        if same_host:
+            result.notes.append(f"rank {rank} shares host {host0} with rank 0 but its clock is "
+                                f"{estimate / 1000:.3f} ms off; corrected")
     return result

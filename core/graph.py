@@ -157,6 +157,46 @@ def _contained(events: list[dict]) -> set[int]:
     return out
 
 
+def _same_collective_order(ops: dict[int, list[OpStats]]) -> None:
+    """Issue collectives in one order on every rank (engines require it; medians can disagree).
+
+    Each rank keeps the positions of its COMM ops; they are refilled in the order of the mean
+    measured launch time over ranks.
+    """
+    launches: dict[str, list[float]] = defaultdict(list)
+    for rank_ops in ops.values():
+        for op in rank_ops:
+            if op.category == "COMM":
+                launches[op.name].append(op.order)
+    canonical = sorted(launches, key=lambda name: (statistics.fmean(launches[name]), name))
+    rank_of = {name: i for i, name in enumerate(canonical)}
+    for rank, rank_ops in ops.items():
+        slots = [i for i, op in enumerate(rank_ops) if op.category == "COMM"]
+        comm = sorted((rank_ops[i] for i in slots), key=lambda op: rank_of[op.name])
+        for i, op in zip(slots, comm, strict=True):
+            rank_ops[i] = op
+
+
+def _transfer_times(comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]], order: list[str],
+                    steps: list[int], n_ranks: int) -> dict[str, float]:
+    """Transfer time of each collective: from the moment it could start (the last rank has arrived
+    and the previous collective has finished somewhere, so the engine is free) to its end on the
+    last-arriving rank. Early ranks' durations hold waiting, and a collective queued behind another
+    holds that one's time: neither is transfer. Times are aligned; medians over steps."""
+    samples: dict[str, list[float]] = defaultdict(list)
+    for step in steps:
+        previous_end = float("-inf")
+        for name in order:
+            members = comm_by_step.get((name, step), {})
+            if len(members) < n_ranks:
+                continue
+            late_start, late_end = max(members.values(), key=lambda se: se[0])
+            begin = max(late_start, previous_end)
+            samples[name].append(max(0.0, late_end - begin))
+            previous_end = min(end for _, end in members.values())
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def step_model(run: Run, alignment: Alignment) -> StepModel:
     """Summarise the profiled steps of every rank (aligned clocks) into one median step."""
     steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
@@ -203,16 +243,13 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
             gap=statistics.median(s[2] for s in samples), args=samples[-1][3]))
     for rank in ops:
         ops[rank].sort(key=lambda o: o.order)
-    transfer: dict[str, list[float]] = defaultdict(list)
-    for (name, _step), members in comm_by_step.items():
-        if len(members) < len(run.ranks):
-            continue
-        last_start, last_end = max(members.values(), key=lambda se: se[0])
-        transfer[name].append(last_end - last_start)
+    _same_collective_order(ops)
+    canonical = [op.name for op in next(iter(ops.values())) if op.category == "COMM"] if ops else []
+    transfer = _transfer_times(comm_by_step, canonical, steps, len(run.ranks))
     measured = statistics.median(statistics.median(v) for v in step_us.values())
     arrivals = {key: {r: se[0] for r, se in members.items()} for key, members in comm_by_step.items()}
     return StepModel(
-        ops=dict(ops), transfer={k: statistics.median(v) for k, v in transfer.items()},
+        ops=dict(ops), transfer=transfer,
         measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
     )

@@ -147,7 +147,7 @@ class RankTraceWriter:
     Args:
         run_dir: the run directory (already claimed).
         rank: this process's rank; ``world_size`` the number of ranks.
-        header: what the rank knows about itself (host, clock handshake, pid, ...); stored in both files.
+        header: what the rank knows about itself (host, pid, clock, ...); stored in both files.
     """
 
     run_dir: Path

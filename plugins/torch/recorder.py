@@ -40,7 +40,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
-HANDSHAKE_ROUNDS = 8
+PINGPONG_ROUNDS = 16
 _NAME_BYTES = 4096
 
 
@@ -359,7 +359,7 @@ class TorchRecorder:
         self._log = _StepLog(start=self._mark())
 
     def _begin_window(self) -> None:
-        handshake = self._handshake()
+        pingpong = self._clock_pingpong()
         if self.cuda:
             torch.cuda.synchronize()
             ref = torch.cuda.Event(enable_timing=True)
@@ -367,24 +367,38 @@ class TorchRecorder:
             ref.synchronize()
             self._cuda_ref = (ref, self.clock.now())
         header = {"host": self.host, "pid": os.getpid(),
-                  "clock": {"source": "CLOCK_MONOTONIC", "unit": "us", "handshake_us": handshake,
+                  "clock": {"source": "CLOCK_MONOTONIC", "unit": "us",
                             "device": "cuda-events" if self.cuda else "host"}}
         self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
         if self.rank == 0:
-            self._write_run_json(self._all_handshakes)
+            self._write_run_json(pingpong)
 
-    def _handshake(self) -> list[float]:
-        """Timestamps taken as each of a few collectives returns, on every rank (for clock alignment)."""
+    def _clock_pingpong(self) -> dict[int, list[list[float]]]:
+        """NTP-style exchanges between rank 0 and every other rank, for clock alignment.
+
+        Each sample is [t0, t1, t2, t3]: rank 0 sends at t0 (its clock), rank r receives at t1 and
+        answers at t2 (rank r's clock), rank 0 receives the answer at t3. Only rank 0 returns them.
+        """
         if not self.distributed:
-            self._all_handshakes = [[self.clock.now()]]
-            return self._all_handshakes[0]
-        marks = []
-        token = torch.zeros(1, device=_collective_device())
-        for _ in range(HANDSHAKE_ROUNDS):
-            dist.all_reduce(token)
-            marks.append(self.clock.now())
-        self._all_handshakes = _gather_floats(marks)
-        return marks
+            return {}
+        device = _collective_device()
+        samples: dict[int, list[list[float]]] = {}
+        for peer in range(1, self.world_size):
+            for _ in range(PINGPONG_ROUNDS):
+                if self.rank == 0:
+                    t0 = self.clock.now()
+                    dist.send(torch.zeros(2, dtype=torch.float64, device=device), dst=peer)
+                    answer = torch.zeros(2, dtype=torch.float64, device=device)
+                    dist.recv(answer, src=peer)
+                    t3 = self.clock.now()
+                    t1, t2 = answer.cpu().tolist()
+                    samples.setdefault(peer, []).append([t0, t1, t2, t3])
+                elif self.rank == peer:
+                    dist.recv(torch.zeros(2, dtype=torch.float64, device=device), src=0)
+                    t1 = self.clock.now()
+                    reply = torch.tensor([t1, self.clock.now()], dtype=torch.float64, device=device)
+                    dist.send(reply, dst=0)
+        return samples
 
     def _end_step(self) -> None:
         log, step = self._log, self._iteration
@@ -506,7 +520,7 @@ class TorchRecorder:
     def fingerprint(self) -> str:
         return model_fingerprint((n, p.shape, str(p.dtype)) for n, p in self.params)
 
-    def _write_run_json(self, handshakes: list[list[float]]) -> None:
+    def _write_run_json(self, pingpong: dict[int, list[list[float]]]) -> None:
         import datetime as dt
 
         meta = {
@@ -523,9 +537,9 @@ class TorchRecorder:
             "model_fingerprint": self.fingerprint(),
             "clocks": {
                 "source": "CLOCK_MONOTONIC",
-                "note": "ranks on one host share this clock; handshake_us[r] are rank r's timestamps as each "
-                        "of a few all_reduce calls returned (near-simultaneous on all ranks)",
-                "handshake_us": {str(r): marks for r, marks in enumerate(handshakes)},
+                "note": "ranks on one host share this clock; pingpong_us[r] holds [t0, t1, t2, t3] exchanges: "
+                        "rank 0 sends at t0, rank r receives at t1 and answers at t2, rank 0 receives at t3",
+                "pingpong_us": {str(r): rounds for r, rounds in pingpong.items()},
             },
         }
         write_json_atomic(self.run_dir / RUN_FILE, meta)

@@ -1,0 +1,52 @@
+"""Alignment with an injected clock skew, and dpro analyze end to end on real 2-rank DDP runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from jobrunner import job_env, run_job, torchrun
+
+pytest.importorskip("torch")
+
+from dpro.align import align  # noqa: E402
+from dpro.analyze import analyze_path  # noqa: E402
+from dpro.load import load_run  # noqa: E402
+
+SKEW_US = 2_000_000.0
+
+
+def test_alignment_recovers_an_injected_two_second_skew(tmp_path):
+    run_dir = tmp_path / "run"
+    torchrun("ddp_job.py", "--model", "mlp", "--steps", "6", "--profile", "2:5", "--run-dir", str(run_dir),
+             "--bucket-cap-mb", "0.25", env=job_env(DPRO_CLOCK_SKEW_US=f"1:{SKEW_US:.0f}"))
+    run = load_run(run_dir)
+    raw_gap = run.ranks[1].events[0]["ts"] - run.ranks[0].events[0]["ts"]
+    assert raw_gap > SKEW_US / 2, "the skew is really in the recorded timestamps"
+    alignment = align(run)
+    assert alignment.offset_us[0] == 0.0
+    assert abs(alignment.offset_us[1] - SKEW_US) < 100.0, alignment.offset_us
+    assert any("rank 1" in note for note in alignment.notes)
+    # after alignment, the collectives of one step end together on both ranks
+    analysis = analyze_path(run_dir)
+    assert abs(analysis.error_pct) < 25
+
+
+def test_analyze_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    torchrun("ddp_job.py", "--model", "transformer", "--steps", "10", "--profile", "3:9", "--run-dir", str(run_dir),
+             "--bucket-cap-mb", "1")
+    proc = run_job([sys.executable, "-m", "dpro", "analyze", str(run_dir), "--json"])
+    result = json.loads(proc.stdout)
+    for key in ("measured_step_ms", "predicted_step_ms", "error_pct", "breakdown", "critical_path"):
+        assert key in result
+    assert result["measured_step_ms"] > 0 and result["predicted_step_ms"] > 0
+    assert abs(result["error_pct"]) < 25, result["error_pct"]
+    assert set(result["breakdown"]) == {"compute", "communication", "overlapped_communication", "idle"}
+    assert result["critical_path"] and all(0 <= c["share_pct"] <= 100 for c in result["critical_path"])
+    trace = json.loads((run_dir / "analysis" / "replay.json").read_text())
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {0, 1, 1000, 1001} <= pids  # measured and replayed, both ranks
+    text = run_job([sys.executable, "-m", "dpro", "analyze", str(run_dir)]).stdout
+    assert "prediction error" in text and "critical path" in text
