@@ -1,5 +1,5 @@
 # The two commands of the README. Both build what they need on a fresh machine:
-#   make example   profile a 2-rank DDP job of a bundled model and show what was recorded
+#   make example   profile a 2-rank DDP job of a bundled model, show what was recorded and analyze it
 #   make test      run the test suite (real multi-process jobs)
 PYTHON ?= python3
 VENV := .venv
@@ -23,6 +23,7 @@ example: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 \
 		-m dpro.plugins.torch.example --model transformer --steps 30 --profile 10:20 --run-dir $(RUNS)/example-$$(date +%Y%m%d-%H%M%S)
 	$(VENV)/bin/dpro info $$(ls -d $(RUNS)/example-* | tail -n 1)
+	$(VENV)/bin/dpro analyze $$(ls -d $(RUNS)/example-* | tail -n 1)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
