@@ -26,10 +26,11 @@ MODES = ("off", "dpro", "torch.profiler")
 def worker(models: list[str], rounds: int, out_dir: Path) -> None:
     import torch
     import torch.distributed as dist
-    from dpro.plugins.torch import Profiler
-    from dpro.plugins.torch.models import get_example
     from torch.nn.parallel import DistributedDataParallel
     from torch.profiler import ProfilerActivity, profile, schedule
+
+    from dpro.plugins.torch import Profiler
+    from dpro.plugins.torch.models import get_example
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dpro.align import Alignment, align
 from dpro.graph import Graph, StepModel, graph_from_steps, step_model
 from dpro.load import Run, load_run

@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from dpro.align import Alignment
 from dpro.load import Run
 
@@ -170,7 +171,7 @@ def _same_collective_order(ops: dict[int, list[OpStats]]) -> None:
                 launches[op.name].append(op.order)
     canonical = sorted(launches, key=lambda name: (statistics.fmean(launches[name]), name))
     rank_of = {name: i for i, name in enumerate(canonical)}
-    for rank, rank_ops in ops.items():
+    for rank_ops in ops.values():
         slots = [i for i, op in enumerate(rank_ops) if op.category == "COMM"]
         comm = sorted((rank_ops[i] for i in slots), key=lambda op: rank_of[op.name])
         for i, op in zip(slots, comm, strict=True):

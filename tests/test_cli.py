@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_builder import write_journal
+
 from dpro.cli import build_parser, main
 from dpro.info import format_bytes, format_table, summarize_run
 from dpro.load import load_run
-from run_builder import write_journal
 
 
 def _rank_rows(text: str) -> dict[int, list[str]]:

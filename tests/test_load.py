@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from run_builder import make_run, rank_doc, run_doc, step_events, write_journal, write_json
+
 from dpro.errors import DproError, TraceError
 from dpro.load import format_steps, load_journal, load_rank_file, load_run, step_times_ms
 from dpro.record import RankTraceWriter
-from run_builder import make_run, rank_doc, run_doc, step_events, write_journal, write_json
 
 
 def test_valid_run_loads(run_dir: Path) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from dpro import testbed as tb  # the module, not its functions: pytest would collect testbed_available
 
 JOBS = Path(__file__).parent / "jobs"

@@ -6,8 +6,9 @@ import importlib.util
 import sys
 
 import pytest
-from dpro.load import load_run
 from jobrunner import JOBS, run_job
+
+from dpro.load import load_run
 
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])

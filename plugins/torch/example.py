@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
 from dpro.plugins.torch.models import MODELS, get_example
 from dpro.plugins.torch.profiler import Profiler
-from torch.nn.parallel import DistributedDataParallel
 
 
 def build_parser() -> argparse.ArgumentParser:

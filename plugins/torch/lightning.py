@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from torch.nn.parallel import DistributedDataParallel
+
 from dpro.plugins.torch.recorder import TorchRecorder
 from dpro.record import check_window_fits, parse_steps
-from torch.nn.parallel import DistributedDataParallel
 
 
 def _callback_bases() -> tuple[type, ...]:

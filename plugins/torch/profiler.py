@@ -7,9 +7,10 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
+from torch import nn
+
 from dpro.errors import UsageError
 from dpro.plugins.torch.recorder import TorchRecorder
-from torch import nn
 
 
 class Profiler:

@@ -21,9 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import dpro
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import dpro
 from dpro.errors import UsageError
 from dpro.record import Clock, RankTraceWriter, check_window_fits, claim_run_dir, parse_steps
 from dpro.trace import (
@@ -35,9 +39,6 @@ from dpro.trace import (
     model_fingerprint,
     write_json_atomic,
 )
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
 PINGPONG_ROUNDS = 16

@@ -6,9 +6,10 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
 from dpro.plugins.torch import Profiler
 from dpro.plugins.torch.models import get_example
-from torch.nn.parallel import DistributedDataParallel
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="mlp")

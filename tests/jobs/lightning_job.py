@@ -4,9 +4,10 @@ import argparse
 import importlib
 
 import torch
+from torch.utils.data import DataLoader, TensorDataset
+
 from dpro.plugins.torch.lightning import DproCallback
 from dpro.plugins.torch.models import get_example
-from torch.utils.data import DataLoader, TensorDataset
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--package", default="pytorch_lightning")
