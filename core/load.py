@@ -38,6 +38,7 @@ from dpro.trace import (
     TRACE_SCHEMA,
     journal_file,
     rank_file,
+    row_event,
 )
 
 __all__ = [
@@ -346,7 +347,8 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
         step = _need(path, record, "step", int, f"line {n}")
         if step in steps:
             raise TraceError(path, f"step {step} is journaled twice", f"line {n}")
-        step_events, _ = validate_events(path, record.get("events"), rank=file_rank, where=f"line {n}",
+        raw = _journal_events(path, record, file_rank, n)
+        step_events, _ = validate_events(path, raw, rank=file_rank, where=f"line {n}",
                                          key="events", step_marks=marks)
         for ev in step_events:
             if ev["args"]["step"] != step:
@@ -357,6 +359,21 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
     queues = _default_queues()
     _check_queues(path, events, queues)
     return _rank_trace(path, file_rank, header, steps, events, queues, complete=False), problems
+
+
+def _journal_events(path: Path, record: dict[str, Any], rank: int, n: int) -> Any:
+    """A journal line's events: compact ``rows`` (``dpro.trace.event_row``) or full ``events``."""
+    if "rows" not in record:
+        return record.get("events")
+    rows = record["rows"]
+    if not isinstance(rows, list):
+        raise TraceError(path, f"'rows' must be a list, found {_kind(rows)}", f"line {n}")
+    events = []
+    for i, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 6 and isinstance(row[5], dict)):
+            raise TraceError(path, "a row must be [name, cat, tid, ts_ns, dur_ns, args]", f"line {n}, row {i}")
+        events.append(row_event(row, rank))
+    return events
 
 
 def _journal_line(path: Path, line: str, n: int, *, last: bool, problems: list[str]) -> dict[str, Any] | None:

@@ -32,6 +32,7 @@ from dpro.trace import (
     journal_file,
     queue_metadata,
     rank_file,
+    row_event,
     write_json_atomic,
 )
 
@@ -155,7 +156,7 @@ class RankTraceWriter:
     world_size: int
     header: dict[str, Any]
     steps_done: list[int] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[list[Any]] = field(default_factory=list)
     finished: bool = False
 
     def __post_init__(self) -> None:
@@ -172,11 +173,11 @@ class RankTraceWriter:
         self._journal.write(json.dumps(obj, separators=(",", ":")) + "\n")
         self._journal.flush()
 
-    def end_step(self, step: int, events: list[dict[str, Any]]) -> None:
-        """Record the events of a finished step: appended to the journal at once, kept for the final file."""
-        self._write_line({"step": step, "events": events})
+    def end_step(self, step: int, rows: list[list[Any]]) -> None:
+        """Record a finished step's events (``dpro.trace.event_row`` rows): journaled at once, kept for the end."""
+        self._write_line({"step": step, "rows": rows})
         self.steps_done.append(step)
-        self.events.extend(events)
+        self.rows.extend(rows)
 
     def finish(self, *, complete: bool, note: str = "") -> Path:
         """Write ``rank-<r>.json`` atomically with every finished step and remove the journal."""
@@ -193,7 +194,8 @@ class RankTraceWriter:
             "steps": self.steps_done,
             **self.header,
             "displayTimeUnit": "ms",
-            "traceEvents": queue_metadata(self.rank, str(self.header.get("host", "?"))) + self.events,
+            "traceEvents": queue_metadata(self.rank, str(self.header.get("host", "?")))
+            + [row_event(row, self.rank) for row in self.rows],
         }
         path = self.run_dir / rank_file(self.rank)
         write_json_atomic(path, doc)

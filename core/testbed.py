@@ -525,6 +525,8 @@ def _client_server(cluster: Cluster, a: int, b: int, server: list[str], client: 
 
 def measure_bandwidth(cluster: Cluster, a: int = 0, b: int = 1, seconds: float = 1.0) -> float:
     """TCP goodput from host ``a`` to host ``b`` in bits/s (one stream for ``seconds``, as seen by ``b``)."""
+    if a == b:
+        raise ValueError(f"hosts a={a} and b={b} must differ (within one host traffic skips the link)")
     addr = cluster.hosts[b].address
     _, received = _client_server(
         cluster, a, b,
@@ -536,6 +538,8 @@ def measure_bandwidth(cluster: Cluster, a: int = 0, b: int = 1, seconds: float =
 
 def measure_rtt(cluster: Cluster, a: int = 0, b: int = 1, count: int = 10) -> float:
     """Median round trip (seconds) of a 1-byte TCP echo from host ``a`` to host ``b``."""
+    if a == b:
+        raise ValueError(f"hosts a={a} and b={b} must differ (within one host traffic skips the link)")
     addr = cluster.hosts[b].address
     sent, _ = _client_server(
         cluster, a, b,

@@ -48,6 +48,18 @@ def queue_metadata(rank: int, host: str) -> list[dict[str, Any]]:
     return events
 
 
+def event_row(name: str, cat: str, tid: int, ts_us: float, dur_us: float, args: dict[str, Any]) -> list[Any]:
+    """The compact journal form of an event: times as integer nanoseconds (cheap to encode)."""
+    return [name, cat, tid, round(ts_us * 1000.0), round(max(dur_us, 0.0) * 1000.0), args]
+
+
+def row_event(row: list[Any], rank: int) -> dict[str, Any]:
+    """The Chrome "X" event of a journal row (inverse of ``event_row``)."""
+    name, cat, tid, ts_ns, dur_ns, args = row
+    return {"name": name, "cat": cat, "ph": "X", "ts": ts_ns / 1000.0, "dur": dur_ns / 1000.0, "pid": rank,
+            "tid": tid, "args": args}
+
+
 def model_fingerprint(tensors: Iterable[tuple[str, Iterable[int], str]]) -> str:
     """A short hash of (name, shape, dtype) of every parameter, in the order given."""
     digest = hashlib.sha256()

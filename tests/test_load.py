@@ -11,6 +11,7 @@ from run_builder import make_run, rank_doc, run_doc, step_events, write_journal,
 from dpro.errors import DproError, TraceError
 from dpro.load import format_steps, load_journal, load_rank_file, load_run, step_times_ms
 from dpro.record import RankTraceWriter
+from dpro.trace import event_row
 
 
 def test_valid_run_loads(run_dir: Path) -> None:
@@ -40,7 +41,8 @@ def test_loads_what_the_record_writer_writes(tmp_path: Path) -> None:
     header = {"host": "node-b", "pid": 7, "clock": {"source": "CLOCK_MONOTONIC"}}
     writer = RankTraceWriter(tmp_path, rank=0, world_size=1, header=header)
     for step in (1, 2):
-        writer.end_step(step, step_events(0, step))
+        rows = [event_row(e["name"], e["cat"], e["tid"], e["ts"], e["dur"], e["args"]) for e in step_events(0, step)]
+        writer.end_step(step, rows)
     partial, problems = load_journal(tmp_path / "rank-0.partial.jsonl")
     assert partial.steps == [1, 2] and not partial.complete and problems == []
     assert partial.host == "node-b" and partial.header["world_size"] == 1

@@ -36,6 +36,7 @@ from dpro.trace import (
     QUEUE_ID,
     RUN_FILE,
     RUN_SCHEMA,
+    event_row,
     model_fingerprint,
     write_json_atomic,
 )
@@ -402,33 +403,37 @@ class TorchRecorder:
         return samples
 
     def _end_step(self) -> None:
-        log, step = self._log, self._iteration
+        log, step, rank = self._log, self._iteration, self.rank
         end = self._mark()
         if self.cuda:
             end.synchronize()
         self.batch_ready(end)  # a step without a forward still closes its IO event
-        events = [_x("STEP", "STEP", HOST, self.rank, self._resolve(log.start), self._resolve(end), {"step": step})]
+        resolve = self._resolve
+        t_start = resolve(log.start)
+        rows = [event_row("STEP", "STEP", HOST, t_start, resolve(end) - t_start, {"step": step})]
         for name, cat, tid, t0, t1, args in log.ops:
-            events.append(_x(name, cat, tid, self.rank, self._resolve(t0), self._resolve(t1), args))
+            ts = resolve(t0)
+            rows.append(event_row(name, cat, tid, ts, resolve(t1) - ts, args))
             if cat == "FW":
                 self._fired.add(name[3:])
-        ready = {n: self._resolve(m) for n, m in log.grad_ready.items()}
+        ready = {n: resolve(m) for n, m in log.grad_ready.items()}
         grads_of = self._grads_by_module()
         for name, t0 in log.bw_start.items():
             grads = [g for g in grads_of.get(name, ()) if g in ready]
-            ends = [self._resolve(log.bw_end[name])] if name in log.bw_end else []
-            t1 = max(ends + [ready[g] for g in grads]) if (ends or grads) else self._resolve(t0)
-            events.append(_x(f"BW.{name}", "BW", COMPUTE, self.rank, self._resolve(t0), t1,
-                             {"step": step, "grads": grads, "grads_ready_us": [ready[g] for g in grads]}))
-        events.sort(key=lambda e: e["ts"])
-        self._writer.end_step(step, events)
+            ends = [resolve(log.bw_end[name])] if name in log.bw_end else []
+            ts = resolve(t0)
+            t1 = max(ends + [ready[g] for g in grads]) if (ends or grads) else ts
+            rows.append(event_row(f"BW.{name}", "BW", COMPUTE, ts, t1 - ts,
+                                  {"step": step, "grads": grads, "grads_ready_us": [ready[g] for g in grads]}))
+        rows.sort(key=lambda row: row[3])
+        self._writer.end_step(step, rows)
         self._last_log = log
         self._last_ready = ready
         self._last_buckets = [
-            {"index": e["args"]["bucket"], "bytes": e["args"]["bytes"], "tensors": e["args"]["tensors"]}
-            for e in events if e["cat"] == "COMM"
+            {"index": row[5]["bucket"], "bytes": row[5]["bytes"], "tensors": row[5]["tensors"]}
+            for row in rows if row[1] == "COMM"
         ]
-        if self.rank == 0 and len(self._writer.steps_done) == 1:
+        if rank == 0 and len(self._writer.steps_done) == 1:
             self._write_model_json()
 
     def close(self, error: BaseException | None = None) -> Path | None:
@@ -590,9 +595,3 @@ def _first_bucket_cap_mb(ddp: DistributedDataParallel) -> float | None:
     config = getattr(ddp, "_bucket_config", None)  # torch >= 2.13 keeps the caps here
     cap = getattr(config, "first_bucket_bytes_cap", None)
     return cap / 2**20 if cap else None
-
-
-def _x(name: str, cat: str, tid: int, rank: int, t0: float, t1: float, args: dict) -> dict[str, Any]:
-    return {"name": name, "cat": cat, "ph": "X", "ts": t0, "dur": max(t1 - t0, 0.0),
-            "pid": rank, "tid": tid, "args": args}
-

@@ -1,0 +1,120 @@
+"""Replay accuracy: measured vs predicted step time of real recorded runs, side by side.
+
+For each bundled model x DDP bucket size x network, a 2-rank gloo DDP job is recorded for real,
+then ``dpro analyze`` predicts its step time. Networks: loopback (both ranks on this machine) and
+the emulated cluster network of ``dpro.testbed`` (one rank per network namespace, 1 Gbit/s links
+with 0.1 ms delay where the kernel has netem; skipped with the reason where namespaces are refused).
+The PyTorch profiler traces in ../shared/data/kineto (real A100 / V100 runs) are reported in the same
+table when present.
+
+    python bench/accuracy.py [--models mlp,transformer,wide_mlp] [--buckets 1,25] [--networks loopback,1gbit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from dpro import testbed
+from dpro.analyze import analyze_path
+
+KINETO_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
+
+
+def example_argv(model: str, bucket_mb: float, run_dir: Path, steps: int, window: str) -> list[str]:
+    return ["-m", "dpro.plugins.torch.example", "--model", model, "--steps", str(steps), "--profile", window,
+            "--bucket-cap-mb", str(bucket_mb), "--run-dir", str(run_dir)]
+
+
+def record_loopback(model: str, bucket_mb: float, run_dir: Path, steps: int, window: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           *example_argv(model, bucket_mb, run_dir, steps, window)]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+
+
+def record_emulated(cluster: testbed.Cluster, model: str, bucket_mb: float, run_dir: Path, steps: int,
+                    window: str, port: int) -> None:
+    argv = [sys.executable, *example_argv(model, bucket_mb, run_dir, steps, window)]
+    results = testbed.run_ranks(cluster, lambda rank: argv, ranks_per_host=1, timeout=900,
+                                env_for_rank=lambda rank: testbed.torch_rank_env(cluster, rank, 2, 1, port))
+    for rank, res in enumerate(results):
+        if res.returncode != 0:
+            raise RuntimeError(f"rank {rank} of {model} failed on the emulated network:\n{res.stderr[-3000:]}")
+
+
+def kineto_rows() -> list[tuple[str, str, str, float, float, float]]:
+    try:
+        from dpro.kineto import analyze_kineto
+    except ImportError:
+        return []
+    rows = []
+    for path in sorted(KINETO_DIR.glob("*.json.gz")):
+        a = analyze_kineto([path])
+        rows.append(("kineto (GPU)", path.name, "-", a.measured_step_ms, a.predicted_step_ms, a.error_pct))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,transformer,wide_mlp")
+    parser.add_argument("--buckets", default="1,25", help="DDP bucket_cap_mb values")
+    parser.add_argument("--networks", default="loopback,1gbit", help="loopback and/or tc rates such as 1gbit")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--profile", default="8:20")
+    args = parser.parse_args()
+    models, buckets = args.models.split(","), [float(b) for b in args.buckets.split(",")]
+    rows: list[tuple[str, str, str, float, float, float]] = []
+    print(f"{'network':<14} {'model':<24} {'bucket MB':>9} {'measured ms':>12} {'predicted ms':>13} {'error %':>8}",
+          flush=True)
+
+    def show(row: tuple[str, str, str, float, float, float]) -> None:
+        rows.append(row)
+        net, model, bucket, measured, predicted, err = row
+        print(f"{net:<14} {model:<24} {bucket:>9} {measured:>12.2f} {predicted:>13.2f} {err:>+8.2f}", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for network in args.networks.split(","):
+            runs = []
+            if network == "loopback":
+                for model in models:
+                    for bucket in buckets:
+                        run_dir = Path(tmp) / f"lo-{model}-{bucket}"
+                        record_loopback(model, bucket, run_dir, args.steps, args.profile)
+                        runs.append((model, bucket, run_dir))
+                        a = analyze_path(run_dir)
+                        show((network, model, f"{bucket:g}", a.measured_step_ms, a.predicted_step_ms, a.error_pct))
+                continue
+            ok, why = testbed.testbed_available()
+            if not ok:
+                print(f"{network:<14} skipped: {why}", flush=True)
+                continue
+            has_delay, _ = testbed.netem_available()
+            spec = testbed.NetworkSpec(rate=network, delay="0.1ms" if has_delay else "0ms")
+            if not has_delay:
+                print(f"{network:<14} (this kernel has no netem qdisc: rate limit only, no added delay)", flush=True)
+            with testbed.emulated_cluster(2, spec) as cluster:
+                for i, model in enumerate(models):
+                    for j, bucket in enumerate(buckets):
+                        run_dir = Path(tmp) / f"{network}-{model}-{bucket}"
+                        record_emulated(cluster, model, bucket, run_dir, args.steps, args.profile,
+                                        29600 + 10 * i + j)
+                        a = analyze_path(run_dir)
+                        show((network, model, f"{bucket:g}", a.measured_step_ms, a.predicted_step_ms, a.error_pct))
+    for row in kineto_rows():
+        show(row)
+    errors = [abs(r[5]) for r in rows]
+    if errors:
+        print(f"\n|error| median {statistics.median(errors):.2f} %, max {max(errors):.2f} % over {len(errors)} runs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
