@@ -71,7 +71,133 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info, _add_analyze)
+def _add_whatif(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "whatif", help="predict the step under changed knobs (bucket size, bandwidth, world size, ...)",
+        description="Rebuild the step DAG of a run under changed knobs and replay it. Knobs: "
+                    "torch.ddp.bucket_cap_mb, torch.ddp.first_bucket_cap_mb, tensor_groups (JSON list of lists), "
+                    "world_size, bandwidth_scale, gradient_compression (fp16|bf16), recompute (module paths, "
+                    "comma-separated).",
+    )
+    parser.add_argument("run", metavar="RUN", help="a run directory")
+    parser.add_argument("--set", dest="settings", metavar="KNOB=VALUE", action="append", default=[],
+                        help="a knob to change (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the prediction as one JSON object")
+    parser.set_defaults(func=_cmd_whatif)
+
+
+def _cmd_whatif(args: argparse.Namespace) -> int:
+    from dpro.load import load_run
+    from dpro.whatif import context, parse_settings, predict
+
+    knobs = parse_settings(args.settings)
+    ctx = context(load_run(args.run))
+    base, changed = predict(ctx, {}), predict(ctx, knobs)
+    result = {
+        "knobs": knobs,
+        "measured_step_ms": ctx.base.measured_step_us / 1000.0,
+        "baseline_predicted_step_ms": base.predicted_step_ms,
+        "predicted_step_ms": changed.predicted_step_ms,
+        "change_pct": 100.0 * (changed.predicted_step_ms / base.predicted_step_ms - 1.0),
+        "baseline_peak_memory_bytes": base.predicted_peak_memory_bytes,
+        "predicted_peak_memory_bytes": changed.predicted_peak_memory_bytes,
+        "comm_model": {"latency_us": ctx.comm.latency_us, "gbit_per_s": ctx.comm.gbit_per_s,
+                       "fitted_on": ctx.comm.source},
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from dpro.info import format_bytes, format_table
+
+    rows = [["measured (this run)", f"{result['measured_step_ms']:.2f}", "", ""],
+            ["replayed as recorded", f"{base.predicted_step_ms:.2f}",
+             format_bytes(base.predicted_peak_memory_bytes), ""],
+            [" ".join(args.settings) or "(no change)", f"{changed.predicted_step_ms:.2f}",
+             format_bytes(changed.predicted_peak_memory_bytes), f"{result['change_pct']:+.1f}%"]]
+    print(format_table(["configuration", "step ms", "peak memory", "change"], rows, align="lrrr"))
+    print(f"\ncommunication model: {ctx.comm.latency_us:.1f} us latency, {ctx.comm.gbit_per_s:.2f} Gbit/s "
+          f"(fitted on {ctx.comm.source})")
+    return 0
+
+
+def _add_optimize(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "optimize", help="search bucket sizes, tensor groups, recomputation; write config.json",
+        description="Search strategies (DDP bucket size and tensor grouping by dynamic programming, recomputation "
+                    "under a memory budget, gradient compression), confirm each by replay, and write the applied "
+                    "config (default RUN/analysis/config.json) that the plugins and dpro-launch apply.",
+    )
+    parser.add_argument("run", metavar="RUN", help="a run directory")
+    parser.add_argument("--memory-budget", metavar="SIZE", help="peak memory per rank, e.g. 2GiB, 500MB")
+    parser.add_argument("--allow-compression", action="store_true", help="may recommend fp16 gradient compression")
+    parser.add_argument("-o", "--output", metavar="FILE", help="where to write config.json")
+    parser.add_argument("--json", action="store_true", help="print the config as JSON")
+    parser.set_defaults(func=_cmd_optimize)
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '500MB', '1.5G', '1048576' -> bytes."""
+    from dpro.errors import UsageError
+
+    units = {"": 1, "B": 1, "K": 1024, "KB": 1000, "KIB": 1024, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+             "G": 2**30, "GB": 10**9, "GIB": 2**30}
+    raw = text.strip().upper()
+    number = raw.rstrip("KMGIB")
+    unit = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise UsageError(f"--memory-budget {text!r}: expected a size such as 2GiB, 500MB or 1048576")
+    return int(value * units[unit])
+
+
+def _cmd_optimize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpro.load import load_run
+    from dpro.optimize import config_document, optimize
+    from dpro.whatif import context
+
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    ctx = context(load_run(args.run))
+    result = optimize(ctx, memory_budget_bytes=budget, allow_compression=args.allow_compression)
+    doc = config_document(result, ctx)
+    out = Path(args.output) if args.output else Path(args.run) / "analysis" / "config.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_config(out, doc)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"measured step      {result.measured_step_ms:9.2f} ms")
+    print(f"replayed baseline  {result.baseline.predicted_step_ms:9.2f} ms")
+    print(f"predicted          {result.predicted.predicted_step_ms:9.2f} ms  "
+          f"({100 * (result.predicted.predicted_step_ms / result.baseline.predicted_step_ms - 1):+.1f}%)")
+    print(f"search time        {result.search_seconds:9.3f} s\n")
+    for item in result.explain:
+        print(f"  {item['knob']:<26} {item['predicted_gain_ms']:+8.2f} ms  {item['why']}")
+    print(f"\nknobs: {json.dumps({k: v for k, v in result.knobs.items() if k != 'tensor_groups'})}"
+          + (" (+ tensor_groups)" if "tensor_groups" in result.knobs else ""))
+    print(f"config written to {out}")
+    return 0
+
+
+def _write_config(path: Any, doc: dict[str, Any]) -> None:
+    try:
+        from dpro.config import read_config, write_config
+    except ImportError:
+        from dpro.trace import write_json_atomic
+
+        write_json_atomic(path, doc)
+        return
+    from dpro.config import Config
+
+    write_config(path, Config.from_dict(doc) if hasattr(Config, "from_dict") else Config(**doc))
+    read_config(path)  # what we wrote must read back
+
+
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info, _add_analyze, _add_whatif, _add_optimize)
 
 
 def build_parser() -> argparse.ArgumentParser:

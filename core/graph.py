@@ -126,7 +126,7 @@ class OpStats:
     rank: int
     order: float                 # median start offset within the step (sorts program order)
     duration: float
-    gap: float
+    gap: float | None                 # None: derived from measured times when the graph is built
     args: dict = field(default_factory=dict)
 
 
@@ -144,11 +144,12 @@ class StepModel:
 
 
 def _contained(events: list[dict]) -> set[int]:
-    """Indices of events that contain another event of the same queue (parents: keep the leaves)."""
+    """Indices of FW/BW events that contain another on the same queue (parent modules: keep the leaves)."""
     out = set()
     by_queue: dict[int, list[int]] = defaultdict(list)
     for i, e in enumerate(events):
-        by_queue[e["tid"]].append(i)
+        if e["cat"] in ("FW", "BW"):  # modules nest; collectives in flight together do not
+            by_queue[e["tid"]].append(i)
     for idxs in by_queue.values():
         idxs.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
         for a, b in zip(idxs, idxs[1:], strict=False):
@@ -241,7 +242,7 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
         ops[rank].append(OpStats(
             name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
             order=statistics.median(s[0] for s in samples), duration=statistics.median(s[1] for s in samples),
-            gap=statistics.median(s[2] for s in samples), args=samples[-1][3]))
+            gap=None, args=samples[-1][3]))
     for rank in ops:
         ops[rank].sort(key=lambda o: o.order)
     _same_collective_order(ops)
@@ -263,7 +264,8 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
     waits for the BW ops that produced its gradients; UPDATE waits for every COMM and BW;
     the step ends after UPDATE; the next iteration's first op waits for the step end.
     Across ranks: COMM ops of the same name are one collective (arrivals, then one transfer).
-    Each op's gap is its measured start minus the measured end of the last of its predecessors.
+    Each op's gap is its measured start minus the measured end of the last of its predecessors; ops
+    without a gap get it filled in here (so a transformed copy of ``model`` keeps the measured gaps).
     """
     b = GraphBuilder()
     ranks = sorted(model.ops)
@@ -298,7 +300,9 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     deps.append(queue_last[queue])
                 deps = list(dict.fromkeys(deps))
                 ready = max((measured_end[d] for d in deps if d in measured_end), default=0.0)
-                gap = max(0.0, op.order - ready)
+                if op.gap is None:
+                    op.gap = max(0.0, op.order - ready)
+                gap = op.gap
                 if op.category == "COMM" and op.name in model.transfer:
                     arrival = b.add(op.name, "COMM", rank, it, queue, 0.0, gap, deps)
                     if op.name not in transfers:

@@ -52,3 +52,26 @@ def test_analyze_end_to_end(tmp_path):
     assert {0, 1, 1000, 1001} <= pids  # measured and replayed, both ranks
     text = run_job([sys.executable, "-m", "dpro", "analyze", str(run_dir)]).stdout
     assert "prediction error" in text and "critical path" in text
+
+
+def test_analyze_a_job_on_the_emulated_network(tmp_path):
+    from dpro import testbed
+
+    ok, why = testbed.testbed_available()
+    if not ok:
+        pytest.skip(why)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "dpro.plugins.torch.example", "--model", "wide_mlp", "--steps", "8",
+            "--profile", "3:7", "--bucket-cap-mb", "25", "--run-dir", str(run_dir)]
+    with testbed.emulated_cluster(2, testbed.NetworkSpec(rate="1gbit")) as cluster:
+        results = testbed.run_ranks(cluster, lambda rank: argv, ranks_per_host=1, timeout=240,
+                                    env_for_rank=lambda rank: testbed.torch_rank_env(cluster, rank, 2, 1, 29650))
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+    run = load_run(run_dir)
+    assert run.meta["world_size"] == 2
+    analysis = analyze_path(run_dir)
+    # 42 MB of gradients over a 1 Gbit/s link: communication dominates the step
+    assert analysis.breakdown["communication"] > analysis.breakdown["compute"]
+    assert analysis.measured_step_ms > 300
+    assert abs(analysis.error_pct) < 25

@@ -43,6 +43,8 @@ from dpro.trace import (
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
 PINGPONG_ROUNDS = 16
+PROBE_BYTES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
+PROBE_REPEAT = 5
 _NAME_BYTES = 4096
 
 
@@ -362,6 +364,7 @@ class TorchRecorder:
 
     def _begin_window(self) -> None:
         pingpong = self._clock_pingpong()
+        self._probe = self._comm_probe()
         if self.cuda:
             torch.cuda.synchronize()
             ref = torch.cuda.Event(enable_timing=True)
@@ -374,6 +377,26 @@ class TorchRecorder:
         self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
         if self.rank == 0:
             self._write_run_json(pingpong)
+
+    def _comm_probe(self) -> list[list[float]]:
+        """Time all_reduce at a few sizes on the job's own process group: [bytes, µs] samples that let
+        the cost model fit latency and bandwidth even when the job has a single bucket."""
+        if not self.distributed:
+            return []
+        device = _collective_device()
+        samples = []
+        for nbytes in PROBE_BYTES:
+            tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+            for _ in range(PROBE_REPEAT):
+                dist.barrier()
+                if self.cuda:
+                    torch.cuda.synchronize()
+                t0 = self.clock.now()
+                dist.all_reduce(tensor)
+                if self.cuda:
+                    torch.cuda.synchronize()
+                samples.append([float(nbytes), self.clock.now() - t0])
+        return samples
 
     def _clock_pingpong(self) -> dict[int, list[list[float]]]:
         """NTP-style exchanges between rank 0 and every other rank, for clock alignment.
@@ -541,6 +564,9 @@ class TorchRecorder:
             "profiled_steps": list(self.steps),
             "knobs": self.knobs(),
             "model_fingerprint": self.fingerprint(),
+            "comm_probe": {"op": "allreduce", "world_size": self.world_size,
+                           "note": "[bytes, µs] of all_reduce on the job's process group, after a barrier",
+                           "samples": getattr(self, "_probe", [])},
             "clocks": {
                 "source": "CLOCK_MONOTONIC",
                 "note": "ranks on one host share this clock; pingpong_us[r] holds [t0, t1, t2, t3] exchanges: "

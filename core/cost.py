@@ -1,0 +1,122 @@
+"""Stage 5, cost: models fitted from the run itself (never constants from another cluster).
+
+- ``CommModel``: time of an allreduce of ``bytes`` on ``world_size`` ranks, ring algorithm:
+  ``2 (N-1) * latency + 2 (N-1) / N * bytes * seconds_per_byte``. Fitted on the transfers measured
+  inside the profiled steps and, to pin the slope when the job has a single bucket size, on the
+  all_reduce probe the recorder runs at a few sizes when recording starts.
+- ``MemoryModel``: peak memory from parameter, gradient, optimizer-state and activation bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+OPTIMIZER_STATE_COPIES = {"SGD": 1, "Adam": 2, "AdamW": 2, "RMSprop": 1, "Adagrad": 1}  # per parameter
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Ring allreduce time in µs; ``latency_us`` per message hop, ``us_per_byte`` per byte and link."""
+
+    latency_us: float
+    us_per_byte: float
+    world_size: int
+    source: str = ""
+
+    def allreduce_us(self, nbytes: float, world_size: int | None = None, bandwidth_scale: float = 1.0) -> float:
+        n = world_size or self.world_size
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) * self.latency_us + 2 * (n - 1) / n * nbytes * self.us_per_byte / bandwidth_scale
+
+    @property
+    def gbit_per_s(self) -> float:
+        return 8e-3 / self.us_per_byte if self.us_per_byte > 0 else float("inf")
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares intercept and slope, both kept non-negative."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    if len(set(x.tolist())) < 2:
+        return float(max(np.median(y), 0.0)), 0.0
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:
+        return float(max(np.median(y), 0.0)), 0.0
+    if intercept < 0:
+        slope = float(np.sum(x * y) / np.sum(x * x))  # through the origin
+        intercept = 0.0
+    return float(intercept), float(slope)
+
+
+def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]], world_size: int) -> CommModel:
+    """Fit a ``CommModel`` from in-step ``transfers`` [(bytes, µs)] and the recording-time ``probe``.
+
+    In-step transfers decide when they span sizes a factor 2 apart or more. Otherwise the probe gives
+    the slope and the in-step transfers move the intercept, so predictions keep the conditions the
+    job really ran under (a CPU busy with backward slows gloo down).
+    """
+    n = max(world_size, 2)
+    hops, frac = 2 * (n - 1), 2 * (n - 1) / n
+
+    def to_model(intercept: float, slope: float, source: str) -> CommModel:
+        return CommModel(latency_us=intercept / hops, us_per_byte=slope / frac, world_size=world_size, source=source)
+
+    sizes = sorted({b for b, _ in transfers})
+    if len(sizes) >= 2 and sizes[-1] >= 2 * sizes[0]:
+        return to_model(*_line(transfers), "in-step transfers")
+    by_size: dict[float, list[float]] = defaultdict(list)
+    for nbytes, us in probe:
+        by_size[nbytes].append(us)
+    probe_points = [(b, statistics.median(v)) for b, v in by_size.items()]
+    if len(probe_points) >= 2:
+        intercept, slope = _line(probe_points)
+        if transfers:
+            shift = statistics.median(us - (intercept + slope * b) for b, us in transfers)
+            intercept = max(0.0, intercept + shift)
+            return to_model(intercept, slope, "probe slope, in-step level")
+        return to_model(intercept, slope, "probe")
+    if transfers:
+        b, us = transfers[0]
+        return to_model(0.0, us / b if b else 0.0, "one in-step size (no latency term)")
+    return CommModel(0.0, 0.0, world_size, "nothing measured: communication treated as free")
+
+
+@dataclass
+class MemoryModel:
+    """Peak memory of one rank, from byte counts the recorder stored in model.json."""
+
+    param_bytes: int
+    optimizer_copies: int
+    activation_bytes: dict[str, int] = field(default_factory=dict)   # recorded module -> output bytes
+    parents: dict[str, str | None] = field(default_factory=dict)
+
+    def subtree(self, module: str) -> list[str]:
+        prefix = module + "."
+        return [m for m in self.activation_bytes if m == module or m.startswith(prefix)]
+
+    def peak_bytes(self, recompute: list[str] | tuple[str, ...] = ()) -> int:
+        """Parameters + gradients + optimizer state + saved activations; a recomputed module keeps only its
+        output and needs its own activations back, one module at a time, during backward."""
+        saved = dict(self.activation_bytes)
+        transient = 0
+        for module in recompute:
+            inner = [m for m in self.subtree(module) if m != module]
+            freed = sum(saved.pop(m, 0) for m in inner)
+            transient = max(transient, freed)
+        static = self.param_bytes * (2 + self.optimizer_copies)
+        return int(static + sum(saved.values()) + transient)
+
+
+def memory_model(model_json: dict[str, Any], knobs: dict[str, Any]) -> MemoryModel:
+    """Build the memory model from model.json and the run's knobs (optimizer)."""
+    activations = {m["name"]: int(m.get("activation_bytes") or 0) for m in model_json.get("modules", [])
+                   if m.get("recorded")}
+    parents = {m["name"]: m.get("parent") for m in model_json.get("modules", [])}
+    copies = OPTIMIZER_STATE_COPIES.get(str(knobs.get("optimizer", "")), 1)
+    return MemoryModel(int(model_json.get("param_bytes", 0)), copies, activations, parents)

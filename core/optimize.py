@@ -1,0 +1,246 @@
+"""Stage 6, optimize: search strategies, each a graph transformation priced by replay.
+
+- ``best_grouping``: the grouping of the ordered gradients into allreduce groups that finishes
+  communication first, by dynamic programming over the gradient list against the fitted cost model
+  (exact for that model), then confirmed by a full replay; ``best_bucket_cap`` maps it to the knob
+  DDP takes (one cap), each candidate checked by replay.
+- ``best_recompute``: the modules to checkpoint that meet a memory budget with the least replayed
+  step time; when no choice meets the budget it says so and gives the smallest reachable peak.
+- gradient compression (fp16) is priced as a candidate; it changes numerics, so it is applied only
+  when the caller allows it.
+
+``optimize`` runs them all and returns the config (``dpro.config`` schema) with an ``explain`` list.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpro.whatif import MB, Context, Prediction, ddp_buckets, predict
+
+CAP_CANDIDATES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
+MIN_GAIN = 0.01  # a change must be predicted to save at least 1% to be recommended
+
+
+def gradient_ready_us(ctx: Context) -> dict[str, float]:
+    """When each gradient is ready, relative to the step start: the end of the BW op that produces it,
+    on the slowest rank (a collective waits for the last rank)."""
+    ready: dict[str, float] = {}
+    for ops in ctx.base.ops.values():
+        for op in ops:
+            if op.category == "BW":
+                for g in op.args.get("grads", []):
+                    ready[g] = max(ready.get(g, 0.0), op.order + op.duration)
+    fallback = max(ready.values(), default=0.0)
+    return {name: ready.get(name, fallback) for name, _ in ctx.gradients}
+
+
+def best_grouping(ctx: Context, ready: dict[str, float] | None = None) -> tuple[list[list[str]], float]:
+    """Exact DP: split the ready-ordered gradients into contiguous groups minimising the time the last
+    allreduce ends, when group k starts at max(its last gradient ready, group k-1 done).
+
+    Returns the groups and the modelled end of communication (µs from step start).
+    """
+    ready = ready or gradient_ready_us(ctx)
+    names = [n for n, _ in ctx.gradients]
+    sizes = [b for _, b in ctx.gradients]
+    n = len(names)
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    cost = ctx.comm.allreduce_us
+    launch = _launch_gap(ctx)
+    ready_at = [0.0] + [max(ready[names[i]] for i in range(k)) for k in range(1, n + 1)]
+    done = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i):
+            t = max(ready_at[i] + launch, done[j]) + cost(prefix[i] - prefix[j])
+            if t < done[i]:
+                done[i], cut[i] = t, j
+    groups = []
+    i = n
+    while i > 0:
+        groups.append(names[cut[i]:i])
+        i = cut[i]
+    return groups[::-1], done[n]
+
+
+def _launch_gap(ctx: Context) -> float:
+    gaps = [op.gap for ops in ctx.base.ops.values() for op in ops if op.category == "COMM" and op.gap is not None]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def best_bucket_cap(ctx: Context, extra_caps_mb: list[float] = ()) -> list[tuple[float, Prediction]]:
+    """Replay every candidate DDP bucket cap (one per distinct grouping, the largest cap that gives it);
+    best first."""
+    seen: dict[tuple[int, ...], float] = {}
+    results = []
+    extra = {round(c, 2) for c in extra_caps_mb if c >= 0.01}
+    for cap in sorted(set(CAP_CANDIDATES_MB) | extra, reverse=True):
+        shape = tuple(len(g) for g in ddp_buckets(ctx.gradients, cap))
+        if shape in seen:
+            continue
+        seen[shape] = cap
+        results.append((cap, predict(ctx, {"torch.ddp.bucket_cap_mb": cap})))
+    return sorted(results, key=lambda cp: (cp[1].predicted_step_ms, cp[0]))
+
+
+def recompute_candidates(ctx: Context) -> list[str]:
+    """Modules worth checkpointing: those at depth 1-2 of the module tree holding saved activations."""
+    acts = ctx.memory.activation_bytes
+    out = set()
+    for name in acts:
+        parts = name.split(".")
+        for depth in (1, 2):
+            if len(parts) >= depth:
+                out.add(".".join(parts[:depth]))
+    return sorted(m for m in out if sum(acts[s] for s in ctx.memory.subtree(m) if s != m) > 0)
+
+
+@dataclass
+class RecomputeChoice:
+    modules: list[str]
+    prediction: Prediction | None
+    feasible: bool
+    smallest_peak_bytes: int
+    note: str = ""
+
+
+def best_recompute(ctx: Context, budget_bytes: int, base_knobs: dict[str, Any], keep: int = 5) -> RecomputeChoice:
+    """Modules to checkpoint so the peak fits ``budget_bytes`` with the least replayed step time."""
+    mem = ctx.memory
+    base_peak = mem.peak_bytes(())
+    if base_peak <= budget_bytes:
+        return RecomputeChoice([], None, True, base_peak, "the run already fits the budget")
+    cands = recompute_candidates(ctx)
+    fw_cost = {m: _forward_cost(ctx, m) for m in cands}
+    feasible: list[tuple[float, list[str]]] = []
+    smallest = base_peak
+    subsets: list[tuple[str, ...]]
+    if len(cands) <= 12:
+        subsets = [s for k in range(1, len(cands) + 1) for s in itertools.combinations(cands, k)]
+    else:  # greedy by bytes freed per µs of extra forward
+        order = sorted(cands, key=lambda m: -_freed(mem, m) / max(fw_cost[m], 1.0))
+        subsets = [tuple(order[:k]) for k in range(1, len(order) + 1)]
+    for subset in subsets:
+        if any(a != b and b.startswith(a + ".") for a in subset for b in subset):
+            continue  # nested choices
+        peak = mem.peak_bytes(subset)
+        smallest = min(smallest, peak)
+        if peak <= budget_bytes:
+            feasible.append((sum(fw_cost[m] for m in subset), list(subset)))
+    if not feasible:
+        return RecomputeChoice([], None, False, smallest,
+                               f"no choice of modules to recompute meets the budget; the smallest reachable "
+                               f"peak is {smallest / MB:.1f} MiB")
+    feasible.sort(key=lambda cm: cm[0])
+    confirmed = [(predict(ctx, {**base_knobs, "recompute": mods}), mods) for _, mods in feasible[:keep]]
+    prediction, modules = min(confirmed, key=lambda pm: pm[0].predicted_step_ms)
+    return RecomputeChoice(modules, prediction, True, smallest)
+
+
+def _forward_cost(ctx: Context, module: str) -> float:
+    names = {f"FW.{m}" for m in ctx.memory.subtree(module)} | {f"FW.{module}"}
+    return max(sum(op.duration for op in ops if op.name in names) for ops in ctx.base.ops.values())
+
+
+def _freed(mem: Any, module: str) -> int:
+    return sum(mem.activation_bytes[s] for s in mem.subtree(module) if s != module)
+
+
+@dataclass
+class OptimizeResult:
+    knobs: dict[str, Any]
+    baseline: Prediction
+    predicted: Prediction
+    explain: list[dict[str, Any]] = field(default_factory=list)
+    search_seconds: float = 0.0
+    measured_step_ms: float = 0.0
+
+
+def optimize(ctx: Context, *, memory_budget_bytes: int | None = None,
+             allow_compression: bool = False) -> OptimizeResult:
+    """Search bucketing, recomputation (under a budget) and compression; confirm each by replay."""
+    began = time.perf_counter()
+    baseline = predict(ctx, {})
+    explain: list[dict[str, Any]] = []
+    knobs: dict[str, Any] = {}
+    current = baseline
+
+    groups, _ = best_grouping(ctx)
+    grouped = predict(ctx, {"tensor_groups": groups})
+    group_caps = [sum(dict(ctx.gradients)[g] for g in grp) / MB for grp in groups]
+    caps = best_bucket_cap(ctx, extra_caps_mb=[max(group_caps)])
+    cap, cap_pred = caps[0]
+    in_force = float(ctx.knobs.get("torch.ddp.bucket_cap_mb") or 25.0)
+    same_cap = next((p for c, p in caps if abs(c - in_force) < 1e-9), None) or predict(
+        ctx, {"torch.ddp.bucket_cap_mb": in_force})
+    gain = same_cap.predicted_step_ms - cap_pred.predicted_step_ms
+    if gain > MIN_GAIN * same_cap.predicted_step_ms:
+        knobs["torch.ddp.bucket_cap_mb"] = cap
+        current = cap_pred
+        explain.append({"knob": "torch.ddp.bucket_cap_mb", "predicted_gain_ms": gain,
+                        "why": f"{cap:g} MB buckets ({len(ddp_buckets(ctx.gradients, cap))} allreduces) overlap "
+                               f"communication with backward better than {in_force:g} MB"})
+    else:
+        explain.append({"knob": "torch.ddp.bucket_cap_mb", "predicted_gain_ms": 0.0,
+                        "why": f"the bucket size in force ({in_force:g} MB) is already the best DDP cap found "
+                               f"(best {cap:g} MB predicts {cap_pred.predicted_step_ms:.2f} ms vs "
+                               f"{same_cap.predicted_step_ms:.2f} ms)"})
+    group_gain = current.predicted_step_ms - grouped.predicted_step_ms
+    explain.append({"knob": "tensor_groups", "predicted_gain_ms": max(0.0, group_gain),
+                    "why": f"optimal grouping by dynamic programming: {len(groups)} groups of "
+                           f"{', '.join(f'{c:.2f}' for c in group_caps)} MB; engines that take explicit groups "
+                           f"(Horovod groups=, DDP bucket_cap_mb_list) can apply it"})
+    if group_gain > MIN_GAIN * current.predicted_step_ms:
+        knobs["tensor_groups"] = groups
+
+    comm_knobs = {k: v for k, v in knobs.items() if k == "torch.ddp.bucket_cap_mb"}
+    compressed = predict(ctx, {**comm_knobs, "gradient_compression": "fp16"})
+    c_gain = current.predicted_step_ms - compressed.predicted_step_ms
+    if c_gain > 0.05 * current.predicted_step_ms and allow_compression:
+        knobs["gradient_compression"] = "fp16"
+        current = compressed
+        explain.append({"knob": "gradient_compression", "predicted_gain_ms": c_gain,
+                        "why": "fp16 allreduce halves the bytes on the wire"})
+    else:
+        explain.append({"knob": "gradient_compression", "predicted_gain_ms": max(0.0, c_gain),
+                        "why": "not applied: " + ("fp16 compression changes numerics; pass --allow-compression"
+                                                  if c_gain > 0.05 * current.predicted_step_ms
+                                                  else "predicted gain under 5%")})
+    if memory_budget_bytes is not None:
+        choice = best_recompute(ctx, memory_budget_bytes, {k: v for k, v in knobs.items() if k != "tensor_groups"})
+        if choice.modules and choice.prediction is not None:
+            knobs["recompute"] = choice.modules
+            explain.append({"knob": "recompute", "predicted_gain_ms": current.predicted_step_ms
+                            - choice.prediction.predicted_step_ms,
+                            "why": f"checkpointing {', '.join(choice.modules)} brings the peak to "
+                                   f"{choice.prediction.predicted_peak_memory_bytes / MB:.1f} MiB "
+                                   f"(budget {memory_budget_bytes / MB:.1f} MiB) at the least replayed cost"})
+            current = choice.prediction
+        else:
+            explain.append({"knob": "recompute", "predicted_gain_ms": 0.0, "why": choice.note})
+    # DDP takes one cap: when both are set, the config's prediction is the cap's
+    applied = {k: v for k, v in knobs.items() if not (k == "tensor_groups" and "torch.ddp.bucket_cap_mb" in knobs)}
+    final = predict(ctx, applied)
+    return OptimizeResult(knobs=knobs, baseline=baseline, predicted=final, explain=explain,
+                          search_seconds=time.perf_counter() - began,
+                          measured_step_ms=ctx.base.measured_step_us / 1000.0)
+
+
+def config_document(result: OptimizeResult, ctx: Context) -> dict[str, Any]:
+    """The applied config (DESIGN.md "The applied config") for ``result``."""
+    meta = ctx.run.meta or {}
+    return {
+        "schema": "dpro.config/1",
+        "fingerprint": {"framework": meta.get("framework", "torch"), "engine": meta.get("engine", "torch-ddp"),
+                        "world_size": ctx.run.world_size, "model": meta.get("model_fingerprint", "")},
+        "baseline": {"run": str(ctx.run.path), "step_ms": result.measured_step_ms},
+        "predicted": {"step_ms": result.predicted.predicted_step_ms,
+                      "peak_memory_bytes": result.predicted.predicted_peak_memory_bytes},
+        "knobs": result.knobs,
+        "explain": result.explain,
+    }

@@ -1,0 +1,232 @@
+"""What-if: rebuild the step under changed knobs and replay it.
+
+Each knob is a transformation of the median step (``dpro.graph.StepModel``), priced by the cost
+models of ``dpro.cost`` and replayed by ``dpro.replay``:
+
+| knob | what changes |
+|---|---|
+| ``torch.ddp.bucket_cap_mb`` (+ ``torch.ddp.first_bucket_cap_mb``) | gradients regrouped the way DDP forms buckets |
+| ``tensor_groups`` | explicit gradient groups (JSON list of lists of names) |
+| ``world_size`` | ring-allreduce cost on N ranks |
+| ``bandwidth_scale`` | network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s) |
+| ``gradient_compression`` | ``fp16`` / ``bf16``: half the bytes on the wire |
+| ``recompute`` | modules checkpointed: their forward runs again in backward; fewer saved activations |
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpro.align import align
+from dpro.cost import CommModel, MemoryModel, fit_comm_model, memory_model
+from dpro.errors import UsageError
+from dpro.graph import OpStats, StepModel, graph_from_steps, step_model
+from dpro.load import Run
+from dpro.replay import plan_levels, replay
+
+MB = 2**20
+COMM_KNOBS = ("torch.ddp.bucket_cap_mb", "torch.ddp.first_bucket_cap_mb", "tensor_groups", "world_size",
+              "bandwidth_scale", "gradient_compression")
+KNOWN_KNOBS = (*COMM_KNOBS, "recompute")
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` -> knobs. Values are JSON where they parse (numbers, lists), else text;
+    ``recompute`` also takes a comma-separated list of module paths."""
+    knobs: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. torch.ddp.bucket_cap_mb=5")
+        if key not in KNOWN_KNOBS:
+            raise UsageError(f"--set {key}: unknown knob; known: {', '.join(KNOWN_KNOBS)}")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if key == "recompute" and isinstance(value, str):
+            value = [m for m in value.split(",") if m]
+        knobs[key] = value
+    _validate(knobs)
+    return knobs
+
+
+def _validate(knobs: dict[str, Any]) -> None:
+    for key in ("torch.ddp.bucket_cap_mb", "bandwidth_scale"):
+        if key in knobs and not (isinstance(knobs[key], (int, float)) and knobs[key] > 0):
+            raise UsageError(f"{key}={knobs[key]!r}: expected a positive number")
+    if "world_size" in knobs and not (isinstance(knobs["world_size"], int) and knobs["world_size"] >= 1):
+        raise UsageError(f"world_size={knobs['world_size']!r}: expected a positive integer")
+    if knobs.get("gradient_compression") not in (None, "fp16", "bf16", "none"):
+        raise UsageError(f"gradient_compression={knobs['gradient_compression']!r}: expected fp16, bf16 or none")
+    groups = knobs.get("tensor_groups")
+    if groups is not None and not (isinstance(groups, list) and all(isinstance(g, list) for g in groups)):
+        raise UsageError("tensor_groups: expected a JSON list of lists of gradient names")
+
+
+@dataclass
+class Context:
+    """What the what-if transformations need from a run, computed once."""
+
+    run: Run
+    base: StepModel
+    comm: CommModel
+    memory: MemoryModel
+    gradients: list[tuple[str, int]]                  # ready order
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.knobs.get("world_size") or self.run.world_size)
+
+
+def context(run: Run) -> Context:
+    """Align, summarise and fit the cost models of ``run`` (the inputs of every what-if)."""
+    if not run.model:
+        raise UsageError(f"{run.path}: model.json is missing; what-if needs the gradient list")
+    base = step_model(run, align(run))
+    graph_from_steps(base, iterations=1)  # fixes every op's measured gap before any transformation
+    transfers = []
+    for rank_ops in list(base.ops.values())[:1]:
+        for op in rank_ops:
+            if op.category == "COMM" and op.name in base.transfer:
+                transfers.append((float(op.args.get("bytes", 0)), base.transfer[op.name]))
+    probe = (run.meta or {}).get("comm_probe", {}).get("samples", [])
+    comm = fit_comm_model(transfers, probe, run.world_size)
+    knobs = dict((run.meta or {}).get("knobs", {}))
+    grads = [(g["name"], int(g["bytes"])) for g in run.model["gradients"]]
+    return Context(run, base, comm, memory_model(run.model, knobs), grads, knobs)
+
+
+def ddp_buckets(gradients: list[tuple[str, int]], cap_mb: float, first_cap_mb: float | None = None) -> list[list[str]]:
+    """Group gradients (in ready order) the way DDP does: fill a bucket until it reaches its cap."""
+    limits = [first_cap_mb * MB] if first_cap_mb else []
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in gradients:
+        buckets[-1].append(name)
+        size += nbytes
+        limit = limits[0] if len(buckets) == 1 and limits else cap_mb * MB
+        if size >= limit:
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def _producer_index(ops: list[OpStats]) -> dict[str, int]:
+    out = {}
+    for i, op in enumerate(ops):
+        if op.category == "BW":
+            for g in op.args.get("grads", []):
+                out[g] = i
+    return out
+
+
+def regroup(ctx: Context, model: StepModel, groups: list[list[str]], bytes_scale: float = 1.0,
+            bandwidth_scale: float = 1.0, world_size: int | None = None) -> StepModel:
+    """Replace the step's COMM ops by one allreduce per group, priced by the fitted ``CommModel``."""
+    sizes = dict(ctx.gradients)
+    known = set(sizes)
+    for group in groups:
+        for name in group:
+            if name not in known:
+                raise UsageError(f"tensor group names unknown gradient {name!r}")
+    out = copy.deepcopy(model)
+    out.transfer = {}
+    for rank, ops in out.ops.items():
+        comm_gaps = [op.gap for op in ops if op.category == "COMM" and op.gap is not None]
+        launch_gap = statistics.median(comm_gaps) if comm_gaps else 0.0
+        kept = [op for op in ops if op.category != "COMM"]
+        producer = _producer_index(kept)
+        last_bw = max((i for i, op in enumerate(kept) if op.category == "BW"), default=len(kept) - 1)
+        inserts: list[tuple[int, OpStats]] = []
+        position = -1
+        for k, group in enumerate(groups):
+            position = max([position] + [producer.get(g, last_bw) for g in group])
+            anchor = kept[position]
+            nbytes = sum(sizes[g] for g in group)
+            name = f"COMM.group{k}.allreduce"
+            inserts.append((position, OpStats(name, "COMM", "comm", rank, anchor.order + anchor.duration + 1e-3 * k,
+                                              0.0, launch_gap, {"tensors": group, "bytes": nbytes})))
+            out.transfer[name] = ctx.comm.allreduce_us(nbytes * bytes_scale, world_size, bandwidth_scale)
+        merged: list[OpStats] = []
+        by_pos: dict[int, list[OpStats]] = {}
+        for pos, op in inserts:
+            by_pos.setdefault(pos, []).append(op)
+        for i, op in enumerate(kept):
+            merged.append(op)
+            merged.extend(by_pos.get(i, []))
+        out.ops[rank] = merged
+    return out
+
+
+def add_recompute(ctx: Context, model: StepModel, modules: list[str]) -> StepModel:
+    """Insert each checkpointed module's forward again, just before the first backward op inside it."""
+    out = copy.deepcopy(model)
+    for module in modules:
+        prefix = f"{module}."
+        inside = [f"FW.{m}" for m in ctx.memory.activation_bytes if m == module or m.startswith(prefix)]
+        if not inside and not any(op.name == f"FW.{module}" for ops in model.ops.values() for op in ops):
+            raise UsageError(f"recompute={module!r}: no recorded module has that path")
+        for rank, ops in out.ops.items():
+            fw_names = set(inside) | {f"FW.{module}"}
+            cost = sum(op.duration for op in ops if op.name in fw_names)
+            first_bw = next((i for i, op in enumerate(ops) if op.category == "BW" and
+                             (op.name == f"BW.{module}" or op.name.startswith(f"BW.{prefix}"))), None)
+            if first_bw is None:
+                continue
+            anchor = ops[first_bw]
+            ops.insert(first_bw, OpStats(f"RECOMPUTE.{module}", "RECOMPUTE", anchor.queue, rank,
+                                         anchor.order - 1e-3, cost, 0.0, {}))
+    return out
+
+
+@dataclass
+class Prediction:
+    """A replayed prediction under some knobs (times in ms)."""
+
+    knobs: dict[str, Any]
+    predicted_step_ms: float
+    predicted_peak_memory_bytes: int
+    graph_nodes: int
+    per_rank_ms: dict[int, float] = field(default_factory=dict)
+
+
+def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
+    """The median step under ``knobs`` (a dict of ``KNOWN_KNOBS``)."""
+    _validate(knobs)
+    model = ctx.base
+    if any(k in knobs for k in COMM_KNOBS):
+        merged = {**ctx.knobs, **knobs}
+        if knobs.get("tensor_groups"):
+            groups = knobs["tensor_groups"]
+        else:
+            cap = float(merged.get("torch.ddp.bucket_cap_mb") or 25.0)
+            first = merged.get("torch.ddp.first_bucket_cap_mb")
+            if "torch.ddp.bucket_cap_mb" in knobs and "torch.ddp.first_bucket_cap_mb" not in knobs:
+                first = None  # an explicit cap applies to the first bucket too (DDP's rule)
+            groups = ddp_buckets(ctx.gradients, cap, first)
+        compression = knobs.get("gradient_compression")
+        scale = 0.5 if compression in ("fp16", "bf16") else 1.0
+        model = regroup(ctx, model, groups, bytes_scale=scale, bandwidth_scale=float(knobs.get("bandwidth_scale", 1.0)),
+                        world_size=knobs.get("world_size"))
+    if knobs.get("recompute"):
+        model = add_recompute(ctx, model, list(knobs["recompute"]))
+    return model
+
+
+def predict(ctx: Context, knobs: dict[str, Any], iterations: int = 4) -> Prediction:
+    """Replay the step under ``knobs`` and predict its time and peak memory."""
+    model = transformed_model(ctx, knobs)
+    g = graph_from_steps(model, iterations=iterations)
+    sched = replay(g, plan_levels(g))
+    from dpro.analyze import predicted_step_us
+
+    per_rank = predicted_step_us(g, sched)
+    return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
+                      predicted_peak_memory_bytes=ctx.memory.peak_bytes(knobs.get("recompute") or ()),
+                      graph_nodes=g.size, per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
