@@ -101,16 +101,25 @@ class MemoryModel:
         return [m for m in self.activation_bytes if m == module or m.startswith(prefix)]
 
     def peak_bytes(self, recompute: list[str] | tuple[str, ...] = ()) -> int:
-        """Parameters + gradients + optimizer state + saved activations; a recomputed module keeps only its
-        output and needs its own activations back, one module at a time, during backward."""
-        saved = dict(self.activation_bytes)
-        transient = 0
-        for module in recompute:
-            inner = [m for m in self.subtree(module) if m != module]
-            freed = sum(saved.pop(m, 0) for m in inner)
-            transient = max(transient, freed)
+        """Parameters + gradients + optimizer state + the most activations alive at once.
+
+        Without recomputation that is the end of the forward pass. A checkpointed module keeps only its
+        output; its inner activations come back during its backward, when the activations of the
+        modules after it (in forward order) are already freed.
+        """
+        order = list(self.activation_bytes)           # model.json lists modules in forward order
+        inner_of = {m: [s for s in self.subtree(m) if s != m] for m in recompute}
+        dropped = {s for inner in inner_of.values() for s in inner}
+        kept = [m for m in order if m not in dropped]
+        peak = sum(self.activation_bytes[m] for m in kept)
+        for inner in inner_of.values():
+            if not inner:
+                continue
+            first = min(order.index(s) for s in inner)
+            before = sum(self.activation_bytes[m] for m in kept if order.index(m) < first)
+            peak = max(peak, before + sum(self.activation_bytes[s] for s in inner))
         static = self.param_bytes * (2 + self.optimizer_copies)
-        return int(static + sum(saved.values()) + transient)
+        return int(static + peak)
 
 
 def memory_model(model_json: dict[str, Any], knobs: dict[str, Any]) -> MemoryModel:
