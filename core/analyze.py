@@ -59,7 +59,7 @@ def predicted_step_us(g: Graph, sched: Schedule) -> dict[int, float]:
     return out
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for s, e in sorted(intervals):
         if merged and s <= merged[-1][1]:
@@ -69,11 +69,11 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
-def _length(intervals: list[tuple[float, float]]) -> float:
+def total_length(intervals: list[tuple[float, float]]) -> float:
     return sum(e - s for s, e in intervals)
 
 
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
         lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
@@ -116,10 +116,10 @@ def breakdown(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
                 comm.append((s, e))
             elif g.rank[node] == rank and cat in ("FW", "BW", "UPDATE", "COMPUTE"):
                 compute.append((s, e))
-        cu, mu = _union(compute), _union(comm)
-        overlap = _intersection(cu, mu)
-        busy = _length(_union(cu + mu))
-        out[rank] = {"step": t1 - t0, "compute": _length(cu), "communication": _length(mu),
+        cu, mu = union_intervals(compute), union_intervals(comm)
+        overlap = overlap_length(cu, mu)
+        busy = total_length(union_intervals(cu + mu))
+        out[rank] = {"step": t1 - t0, "compute": total_length(cu), "communication": total_length(mu),
                      "overlapped_communication": overlap, "idle": max(0.0, (t1 - t0) - busy)}
     return out
 
