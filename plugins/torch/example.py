@@ -10,6 +10,7 @@ or as a single process without torchrun. Rank 0 prints the run directory when it
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from collections.abc import Sequence
@@ -91,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parse_window(args.profile)
     rank, world, device = setup_distributed()
     began = time.monotonic()
-    run_dir = train(args, rank, world, device)  # the DDP model is freed when train returns
+    run_dir = train(args, rank, world, device)
+    gc.collect()  # free the DDP model before the process group: gloo can abort if it outlives it
     if rank == 0:
         print(f"[dpro example] {args.model}: {args.steps} steps on {world} rank(s) in {time.monotonic() - began:.1f} s")
         if run_dir is not None:

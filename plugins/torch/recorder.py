@@ -14,6 +14,7 @@ the events are turned into microseconds on the host clock once per profiled step
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import sys
 from collections.abc import Callable, Iterable
@@ -398,6 +399,12 @@ class TorchRecorder:
                 samples.append([float(nbytes), self.clock.now() - t0])
         return samples
 
+    def _peak_memory(self) -> int:
+        """Peak memory so far: CUDA's allocator peak on a GPU, the process's peak RSS on the CPU."""
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
     def _clock_pingpong(self) -> dict[int, list[list[float]]]:
         """NTP-style exchanges between rank 0 and every other rank, for clock alignment.
 
@@ -433,7 +440,8 @@ class TorchRecorder:
         self.batch_ready(end)  # a step without a forward still closes its IO event
         resolve = self._resolve
         t_start = resolve(log.start)
-        rows = [event_row("STEP", "STEP", HOST, t_start, resolve(end) - t_start, {"step": step})]
+        rows = [event_row("STEP", "STEP", HOST, t_start, resolve(end) - t_start,
+                          {"step": step, "peak_memory_bytes": self._peak_memory()})]
         for name, cat, tid, t0, t1, args in log.ops:
             ts = resolve(t0)
             rows.append(event_row(name, cat, tid, ts, resolve(t1) - ts, args))
