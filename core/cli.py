@@ -184,17 +184,9 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def _write_config(path: Any, doc: dict[str, Any]) -> None:
-    try:
-        from dpro.config import read_config, write_config
-    except ImportError:
-        from dpro.trace import write_json_atomic
+    from dpro.config import Config, write_config
 
-        write_json_atomic(path, doc)
-        return
-    from dpro.config import Config
-
-    write_config(path, Config.from_dict(doc) if hasattr(Config, "from_dict") else Config(**doc))
-    read_config(path)  # what we wrote must read back
+    write_config(path, Config.from_json(doc))
 
 
 SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info, _add_analyze, _add_whatif, _add_optimize)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config
 from dpro.plugins.torch.models import MODELS, get_example
 from dpro.plugins.torch.profiler import Profiler
 
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--no-profile", action="store_true", help="train without dpro (for comparison)")
+    parser.add_argument("--config", default=None,
+                        help="a dpro config.json to apply (default: $DPRO_CONFIG when set)")
     return parser
 
 
@@ -62,8 +65,13 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     example = get_example(args.model)
     torch.manual_seed(0)
     model = example.build().to(device)
+    ddp_args = {"bucket_cap_mb": args.bucket_cap_mb}
+    config = load_config(args.config, model=model, world_size=world)
+    if config is not None:
+        model = apply(model, config)            # recompute wrappers, before DDP wraps the model
+        ddp_args.update(ddp_kwargs(config, model=model))
     if world > 1:
-        model = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        model = DistributedDataParallel(model, **ddp_args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(rank)
