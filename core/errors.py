@@ -28,3 +28,20 @@ class TraceError(DproError):
         self.where = where
         at = f" ({where})" if where else ""
         super().__init__(f"{self.path}{at}: {problem}")
+
+
+class ConfigError(DproError):
+    """An applied config (``config.json``) that cannot be read, or that does not fit the job.
+
+    Args:
+        source: the config file at fault (or the API that was handed the config).
+        problem: what is wrong and how to fix it.
+        key: optionally the key inside the config, e.g. ``knobs["torch.ddp.bucket_cap_mb"]``.
+    """
+
+    def __init__(self, source: str | Path, problem: str, key: str | None = None) -> None:
+        self.source = str(source)
+        self.problem = problem
+        self.key = key
+        at = f" ({key})" if key else ""
+        super().__init__(f"{self.source}{at}: {problem}")

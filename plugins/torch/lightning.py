@@ -2,17 +2,29 @@
 
 The callback subclasses the Callback class of every Lightning package that is installed, so one
 class works with ``lightning.pytorch.Trainer`` and with ``pytorch_lightning.Trainer``.
+
+Given a dpro config (``config=`` or ``$DPRO_CONFIG``), the callback also applies it: in ``setup``,
+before the strategy wraps the LightningModule in DDP, it recomputes the config's modules and puts
+the bucket sizes into the DDP strategy's arguments; in ``on_train_start`` it registers gradient
+compression if the config asks for it. Modules that a LightningModule creates in
+``configure_model`` do not exist yet in ``setup`` (Lightning calls it afterwards), so such a model's
+fingerprint does not match and its config is refused.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from dpro.config import DPRO_CONFIG, Config
+from dpro.errors import ConfigError
+from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config, recomputed, register_compression
 from dpro.plugins.torch.recorder import TorchRecorder
 from dpro.record import check_window_fits, parse_steps
 
@@ -45,6 +57,10 @@ class DproCallback(*_callback_bases()):
     Args:
         run_dir: the run directory to create; None makes ``./dpro-runs/<timestamp>``.
         steps: training batches to record (default ``range(10, 20)``).
+        config: a dpro config.json to apply (default ``$DPRO_CONFIG``; None and unset: apply nothing).
+            Its recompute modules are wrapped and its bucket sizes passed to DDP in ``setup``, before
+            the strategy wraps the model; a config made for another job raises ``ConfigError``.
+        force: apply a config made for another job anyway (a warning lists what differs).
 
     Works with ``strategy="ddp"`` on CPU as on GPU: the DDP communication hook is registered on
     ``trainer.strategy.model`` when training starts (Lightning itself registers hooks on CUDA only).
@@ -54,11 +70,42 @@ class DproCallback(*_callback_bases()):
         >>> trainer = Trainer(strategy="ddp", devices=2, callbacks=[callback])  # doctest: +SKIP
     """
 
-    def __init__(self, run_dir: str | Path | None = None, steps: Iterable[int] = range(10, 20)) -> None:
+    def __init__(
+        self, run_dir: str | Path | None = None, steps: Iterable[int] = range(10, 20), *,
+        config: str | Path | None = None, force: bool = False,
+    ) -> None:
         super().__init__()
         self.run_dir = run_dir
         self.steps = parse_steps(steps)
+        self.config_path = config if config is not None else (os.environ.get(DPRO_CONFIG) or None)
+        self.force = force
+        self.config: Config | None = None
         self.recorder: TorchRecorder | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Apply the config before the strategy wraps the model: recompute, then the DDP bucket sizes."""
+        if self.config_path is None or stage != "fit":
+            return
+        self.config = load_config(self.config_path, model=pl_module, world_size=trainer.world_size,
+                                  force=self.force)
+        apply(pl_module, self.config)
+        kwargs = ddp_kwargs(self.config, model=pl_module)
+        if not kwargs:
+            return
+        strategy = trainer.strategy
+        ddp_args = getattr(strategy, "_ddp_kwargs", None)  # DDPStrategy passes these to DistributedDataParallel
+        if not isinstance(ddp_args, dict):
+            raise ConfigError(self.config.source, f"DproCallback: the config sets DDP bucket sizes but the "
+                              f"strategy {type(strategy).__name__} does not wrap the model in DistributedDataParallel;"
+                              f" use strategy='ddp' or a config made for this strategy", "knobs")
+        overridden = sorted(k for k in ("bucket_cap_mb", "bucket_cap_mb_list") if k in ddp_args
+                            and ddp_args[k] != kwargs.get(k))
+        if overridden and trainer.global_rank == 0:
+            print(f"[dpro] DproCallback: {self.config.source} overrides the strategy's {', '.join(overridden)}",
+                  file=sys.stderr)
+        for k in ("bucket_cap_mb", "bucket_cap_mb_list"):
+            ddp_args.pop(k, None)
+        ddp_args.update(kwargs)
 
     @staticmethod
     def _total_steps(trainer: Any) -> int | None:
@@ -74,10 +121,18 @@ class DproCallback(*_callback_bases()):
         wrapped = trainer.strategy.model
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        extra_knobs: dict[str, Any] = {"lightning.strategy": type(trainer.strategy).__name__}
+        if self.config is not None:
+            if self.config.knobs.get("gradient_compression") and ddp is None:
+                raise ConfigError(self.config.source, f"DproCallback: the config asks for gradient compression but "
+                                  f"the strategy {type(trainer.strategy).__name__} has no DDP model",
+                                  'knobs["gradient_compression"]')
+            if ddp is not None:
+                register_compression(ddp, self.config)  # before the recorder's COMM hook: DDP takes one
+            extra_knobs.update({"dpro.config": self.config.source, "recompute": recomputed(pl_module)})
         self.recorder = TorchRecorder(
             pl_module, optimizer, self.run_dir, self.steps,
-            total_steps=self._total_steps(trainer), ddp=ddp,
-            extra_knobs={"lightning.strategy": type(trainer.strategy).__name__},
+            total_steps=self._total_steps(trainer), ddp=ddp, extra_knobs=extra_knobs,
             versions=_lightning_versions(), who="DproCallback",
         )
         self.recorder.start()

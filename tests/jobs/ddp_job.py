@@ -1,8 +1,8 @@
 """A DDP training job for the tests: a bundled model, dpro's Profiler, an optional dpro config, an optional crash."""
 
 import argparse
-import gc
 import datetime
+import gc
 import os
 
 import torch

@@ -15,6 +15,7 @@ parser.add_argument("--model", default="mlp")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--profile", default="2:6")
 parser.add_argument("--run-dir", required=True)
+parser.add_argument("--config", default=None, help="a dpro config.json for DproCallback to apply")
 args = parser.parse_args()
 pl = importlib.import_module(args.package)
 
@@ -40,6 +41,6 @@ if __name__ == "__main__":
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[DproCallback(run_dir=args.run_dir, steps=range(start, stop))],
+        callbacks=[DproCallback(run_dir=args.run_dir, steps=range(start, stop), config=args.config)],
     )
     trainer.fit(Module(), loader)

@@ -1,0 +1,311 @@
+"""Apply a dpro config to a PyTorch job: the torch knobs of ``dpro.config.KNOBS``, each by one function.
+
+- ``torch.ddp.bucket_cap_mb``: ``ddp_kwargs`` -> ``DistributedDataParallel(bucket_cap_mb=)``
+- ``torch.ddp.first_bucket_cap_mb``: ``ddp_kwargs`` -> ``bucket_cap_mb_list=[first, rest]``
+- ``tensor_groups``: ``ddp_kwargs`` -> ``bucket_cap_mb_list`` (one cap per group, exact in bytes)
+- ``recompute``: ``apply`` / ``apply_recompute``: checkpoint wrappers, before DDP wraps the model
+- ``gradient_compression``: ``register_compression``: DDP's fp16/bf16 compress hook, after DDP
+- ``env``: the launcher (``dpro-launch``), before the process starts; ``load_config`` warns when unset
+
+A plain training loop::
+
+    model = build_model()
+    config = load_config(model=model)           # $DPRO_CONFIG, or None; refuses a config for another job
+    if config is not None:
+        model = apply(model, config)            # recompute: must happen before DDP wraps the model
+    ddp = DistributedDataParallel(model, **(ddp_kwargs(config, model=model) if config else {}))
+    if config is not None:
+        register_compression(ddp, config)       # before dpro's Profiler (DDP takes one comm hook)
+
+With Lightning, ``DproCallback(config=...)`` does the same (see ``dpro.plugins.torch.lightning``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
+from dpro.errors import ConfigError, UsageError
+from dpro.trace import model_fingerprint
+
+__all__ = [
+    "ENGINE",
+    "FRAMEWORK",
+    "apply",
+    "apply_recompute",
+    "ddp_kwargs",
+    "fingerprint",
+    "load_config",
+    "recomputed",
+    "register_compression",
+]
+
+FRAMEWORK = "torch"
+ENGINE = "torch-ddp"
+_DDP_DEFAULT_BUCKET_CAP_MB = 25.0
+_BUCKET, _FIRST, _GROUPS = "torch.ddp.bucket_cap_mb", "torch.ddp.first_bucket_cap_mb", "tensor_groups"
+
+
+def _key(knob: str) -> str:
+    return f'knobs["{knob}"]'
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _warn(message: str) -> None:
+    """Users hear from rank 0 only."""
+    if _rank() == 0:
+        warnings.warn(message, stacklevel=3)
+
+
+def fingerprint(model: nn.Module) -> str:
+    """The model hash dpro records in run.json (``TorchRecorder.fingerprint``): (name, shape, dtype) of the
+    trainable parameters of the model (the inner module of a DDP wrapper), in ``named_parameters`` order."""
+    return model_fingerprint((n, p.shape, str(p.dtype)) for n, p in _inner(model).named_parameters()
+                             if p.requires_grad)
+
+
+def load_config(
+    path: str | Path | None = None, *, model: nn.Module, world_size: int | None = None, force: bool = False,
+    engine: str = ENGINE,
+) -> Config | None:
+    """Read the config to apply to this job and check that it was made for it.
+
+    Args:
+        path: the config file; None reads ``$DPRO_CONFIG`` (set by ``dpro-launch``).
+        model: the model the config will be applied to (plain or DDP-wrapped).
+        world_size: this job's world size; None asks torch.distributed (1 when it is not initialized).
+        force: apply a config made for another job anyway (a warning lists what differs).
+        engine: the job's engine ("torch-ddp"; another torch engine, e.g. Horovod's, passes its own).
+
+    Returns:
+        The config, or None when no path is given and ``$DPRO_CONFIG`` is unset or empty.
+
+    Raises:
+        ConfigError: the file is not a valid config, or its fingerprint (framework "torch", the engine,
+            world size, model hash) does not match the job and ``force`` is False.
+    """
+    if path is None:
+        path = os.environ.get(DPRO_CONFIG) or None
+        if path is None:
+            return None
+    config = read_config(path)
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    mismatches = check_fingerprint(config, framework=FRAMEWORK, engine=engine, world_size=world_size,
+                                   model=fingerprint(model), force=force)
+    if mismatches:
+        _warn(f"dpro: applying {path} although it was made for another job (force=True): " + "; ".join(mismatches))
+    unset = sorted(k for k, v in config.knobs.get("env", {}).items() if os.environ.get(k) != v)
+    if unset:
+        _warn(f"dpro: {path} sets environment variables that are not in force here: {', '.join(unset)}; "
+              "they are set by dpro-launch before the job starts (or set them yourself)")
+    return config
+
+
+# ---- DDP arguments -----------------------------------------------------------------------------------
+
+
+def ddp_kwargs(config: Config, *, model: nn.Module | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``DistributedDataParallel`` from the config's bucket knobs.
+
+    - ``torch.ddp.bucket_cap_mb`` -> ``bucket_cap_mb``.
+    - ``torch.ddp.first_bucket_cap_mb`` (when it differs from the bucket size) -> ``bucket_cap_mb_list=
+      [first, bucket]``: DDP gives its first bucket the first cap and repeats the last cap for the rest.
+    - ``tensor_groups`` -> ``bucket_cap_mb_list``, one cap per group, each exactly the group's bytes.
+      DDP fills buckets with gradients in the order they become ready (after its first iteration,
+      when it rebuilds its buckets) and closes a bucket when it reaches its cap, so each bucket is
+      exactly one group provided the groups list every trainable gradient once, in gradient-ready
+      (backward) order, as ``model.json`` lists them, and the gradients of a group become ready one
+      after another. The first iteration still uses DDP's initial assignment (parameters in reverse
+      definition order). The groups need the parameter sizes, so pass ``model``; without it, or when
+      the parameters mix dtypes or devices (DDP buckets them separately), the groups are only
+      approximated by ``torch.ddp.bucket_cap_mb`` and a warning says so. Groups take precedence
+      over the two bucket sizes.
+
+    Args:
+        config: the applied config.
+        model: the model DDP will wrap (needed for ``tensor_groups``).
+
+    Returns:
+        A dict for ``DistributedDataParallel(model, **ddp_kwargs(config, model=model))``; empty when the
+        config sets no bucket knob.
+
+    Raises:
+        ConfigError: ``tensor_groups`` name a parameter the model does not have, or leave one out.
+    """
+    knobs = config.knobs
+    groups = knobs.get(_GROUPS)
+    if groups:
+        caps = _group_caps(config, groups, model)
+        if caps is not None:
+            return {"bucket_cap_mb_list": caps}
+    cap, first = knobs.get(_BUCKET), knobs.get(_FIRST)
+    if first is not None and first != (cap if cap is not None else _DDP_DEFAULT_BUCKET_CAP_MB):
+        return {"bucket_cap_mb_list": [first, cap if cap is not None else _DDP_DEFAULT_BUCKET_CAP_MB]}
+    return {} if cap is None else {"bucket_cap_mb": cap}
+
+
+def _group_caps(config: Config, groups: list[list[str]], model: nn.Module | None) -> list[float] | None:
+    """One cap (MiB) per tensor group, or None when the groups can only be approximated (with a warning)."""
+    fallback = (f"using torch.ddp.bucket_cap_mb ({config.knobs[_BUCKET]} MiB) instead" if _BUCKET in config.knobs
+                else "using DDP's default bucket size instead")
+    if model is None:
+        _warn(f"dpro: {config.source}: tensor_groups need the parameter sizes; call ddp_kwargs(config, "
+              f"model=model) to apply them; {fallback}")
+        return None
+    params = {n: p for n, p in _inner(model).named_parameters() if p.requires_grad}
+    key = _key(_GROUPS)
+    for i, group in enumerate(groups):
+        for j, name in enumerate(group):
+            if name not in params:
+                raise ConfigError(config.source, f"the model has no trainable parameter {name!r}", f"{key}[{i}][{j}]")
+    grouped = {name for group in groups for name in group}
+    left_out = [name for name in params if name not in grouped]
+    if left_out:
+        raise ConfigError(config.source, f"the groups leave out {len(left_out)} gradient(s): "
+                          f"{', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''}", key)
+    kinds = {(p.dtype, p.device) for p in params.values()}
+    if len(kinds) > 1:
+        _warn(f"dpro: {config.source}: DDP buckets each dtype and device separately, and the parameters mix "
+              f"{', '.join(sorted(f'{d}/{v}' for d, v in kinds))}; the tensor groups cannot be applied exactly; "
+              f"{fallback}")
+        return None
+    return [sum(params[n].numel() * params[n].element_size() for n in group) / 2**20 for group in groups]
+
+
+# ---- recomputation ----------------------------------------------------------------------------------
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module under ``apply_recompute``: non-reentrant activation checkpointing.
+
+    A bound method of the module (not a closure), so ``copy.deepcopy`` of the model rebinds it.
+    """
+    inner = self._dpro_inner_forward
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
+def apply_recompute(model: nn.Module, module_paths: Iterable[str], *, source: str = "apply_recompute") -> list[str]:
+    """Recompute the activations of the named submodules in backward instead of keeping them.
+
+    Each module's ``forward`` is wrapped, in place, with ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=False)``: its forward runs without saving intermediate activations, and runs again
+    during backward. The module's own hooks run once per call; hooks of its children also run
+    during the recomputation (dpro then records their FW events twice in a step). Under
+    ``torch.no_grad()`` the original forward runs. Wrapping a module twice is a no-op.
+
+    Call it before ``DistributedDataParallel`` wraps the model.
+
+    Args:
+        model: the model (not yet DDP-wrapped); paths are ``named_modules`` names, e.g. "encoder.0".
+        module_paths: the submodules to recompute.
+        source: how errors name the caller (e.g. the config file).
+
+    Returns:
+        The paths that are recomputed.
+
+    Raises:
+        UsageError: ``model`` is already wrapped in DDP.
+        ConfigError: a path names no submodule of ``model`` (nothing is wrapped then).
+    """
+    if isinstance(model, DistributedDataParallel):
+        raise UsageError("apply_recompute: the model is already wrapped in DistributedDataParallel; apply the "
+                         "config to the module before wrapping it (DDP must see the checkpointed forward)")
+    paths = list(module_paths)
+    modules = []
+    for i, path in enumerate(paths):
+        if not isinstance(path, str) or not path:
+            raise ConfigError(source, f"a module path must be a non-empty string, found {path!r}",
+                              f'{_key("recompute")}[{i}]')
+        try:
+            modules.append(model.get_submodule(path))
+        except AttributeError:
+            raise ConfigError(source, f"{type(model).__name__} has no submodule {path!r} (a path of "
+                              "model.named_modules(), e.g. 'encoder.0')", f'{_key("recompute")}[{i}]') from None
+    for module in modules:
+        if getattr(module, "_dpro_inner_forward", None) is None:
+            module._dpro_inner_forward = module.forward
+            module.forward = types.MethodType(_checkpointed_forward, module)
+    return paths
+
+
+def recomputed(model: nn.Module) -> list[str]:
+    """Paths of the submodules whose activations ``apply_recompute`` made recomputed."""
+    return [name for name, mod in _inner(model).named_modules()
+            if getattr(mod, "_dpro_inner_forward", None) is not None]
+
+
+def apply(model: nn.Module, config: Config) -> nn.Module:
+    """Apply the config's knobs that change the model object (``recompute``), in place; return the model.
+
+    Call it before wrapping the model in DDP; the DDP arguments come from ``ddp_kwargs(config,
+    model=model)`` and gradient compression from ``register_compression(ddp_model, config)``.
+
+    Raises:
+        ConfigError: a recompute path names no submodule.
+    """
+    paths = config.knobs.get("recompute") or []
+    if paths:
+        apply_recompute(model, paths, source=config.source)
+    return model
+
+
+# ---- gradient compression ----------------------------------------------------------------------------
+
+
+def register_compression(ddp_model: DistributedDataParallel, config: Config) -> str | None:
+    """Register DDP's fp16 or bf16 compression hook when ``gradient_compression`` asks for it.
+
+    DDP accepts one communication hook per model, and dpro's Profiler (or DproCallback) registers
+    one to time COMM. So for now compression and dpro's COMM timing are exclusive: register the
+    compression before creating the Profiler, which then records no COMM events (and says so).
+    bf16 needs NCCL on CUDA (torch refuses it on gloo); fp16 works on gloo and NCCL.
+
+    Returns:
+        The hook registered ("fp16_compress_hook" / "bf16_compress_hook"), or None when the config
+        asks for no compression.
+
+    Raises:
+        ConfigError: the DDP model already has a communication hook, or torch refuses the hook.
+    """
+    kind = config.knobs.get("gradient_compression")
+    if kind is None:
+        return None
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise UsageError(f"register_compression: expected the DistributedDataParallel model, got "
+                         f"{type(ddp_model).__name__}")
+    key = _key("gradient_compression")
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ConfigError(config.source, f"cannot register {kind} compression: the DDP model already has a "
+                          "communication hook (dpro's Profiler registers one to time COMM) and DDP takes one; "
+                          "call register_compression before creating the Profiler", key)
+    hook = default_hooks.fp16_compress_hook if kind == "fp16" else default_hooks.bf16_compress_hook
+    try:
+        ddp_model.register_comm_hook(ddp_model.process_group, hook)
+    except (TypeError, RuntimeError, ValueError) as err:
+        raise ConfigError(config.source, f"torch refused the {kind} compression hook: {err}", key) from err
+    if _rank() == 0:
+        print(f"[dpro] {config.source}: gradients are allreduced in {kind} ({hook.__name__})", file=sys.stderr)
+    return hook.__name__
