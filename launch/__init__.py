@@ -1,1 +1,6 @@
-"""dpro-launch: a drop-in for horovodrun that profiles, optimizes and applies (not built yet)."""
+"""``dpro-launch``: a drop-in for horovodrun that records the job, optimizes it and applies the result.
+
+The manual is the docstring of ``dpro.launch.cli``. The layers, as in torchrun: ``cli.build_parser`` ->
+``cli.config_from_args`` -> ``settings.LaunchConfig`` (validated) -> ``pipeline.run`` -> an engine of
+``engines.ENGINES``; ``env.HOROVOD_KNOBS`` is the one table from settings to environment variables.
+"""

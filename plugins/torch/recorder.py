@@ -17,6 +17,7 @@ import os
 import resource
 import socket
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,14 @@ PINGPONG_ROUNDS = 16
 PROBE_BYTES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
 PROBE_REPEAT = 5
 _NAME_BYTES = 4096
+
+_ACTIVE: weakref.WeakSet[TorchRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
+
+
+def active_recorders() -> list[TorchRecorder]:
+    """The recorders of this process that have been created and not closed yet (Profiler, DproCallback,
+    dpro-launch's auto-attach); lets auto-attach leave alone a script that records itself."""
+    return list(_ACTIVE)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -132,7 +141,12 @@ class TorchRecorder:
         total_steps: the run's length if known; a window beyond it is refused up front.
         ddp: the DDP wrapper when ``model`` is the inner module (Lightning holds them apart).
         extra_knobs: knobs in force that only the caller knows (e.g. Lightning's strategy).
+        engine: the engine named in run.json; None derives it (torch-ddp, torch-dist or torch).
         who: the API name used in error messages.
+
+    Engines other than torch.distributed (Horovod) subclass it and override the process-group
+    methods ``_process_group``, ``_gather_hosts``, ``_agree_run_dir``, ``_clock_pingpong``,
+    ``_comm_probe``, ``_backend_name`` and ``_run_extra``.
     """
 
     def __init__(
@@ -146,6 +160,7 @@ class TorchRecorder:
         ddp: DistributedDataParallel | None = None,
         extra_knobs: dict[str, Any] | None = None,
         versions: dict[str, str] | None = None,
+        engine: str | None = None,
         who: str = "dpro.plugins.torch.Profiler",
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -162,9 +177,8 @@ class TorchRecorder:
         check_window_fits(self.steps, total_steps, who)
         self.window = frozenset(self.steps)
         self.who = who
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.engine = engine
+        self.distributed, self.rank, self.world_size = self._process_group()
         self.host = socket.gethostname()
         self.clock = Clock.from_env(self.rank)
         self.cuda = self.params[0][1].is_cuda
@@ -173,7 +187,7 @@ class TorchRecorder:
         self.extra_knobs = dict(extra_knobs or {})
         self.versions = {"python": sys.version.split()[0], "torch": torch.__version__, **(versions or {})}
         self.run_dir = self._agree_run_dir(run_dir)
-        self.hosts = _gather_texts(self.host) if self.distributed else [self.host]
+        self.hosts = self._gather_hosts() if self.distributed else [self.host]
         self._param_name = {id(p): n for n, p in self.params}
         self._modules = recorded_modules(self.module)
         self._handles: list[Any] = []
@@ -188,8 +202,25 @@ class TorchRecorder:
         self._cuda_ref: tuple[Any, float] | None = None
         if self.ddp is not None:
             self._install_comm_hook()
+        _ACTIVE.add(self)
 
     # ---- setup -------------------------------------------------------------------------------
+
+    def _process_group(self) -> tuple[bool, int, int]:
+        """(distributed, rank, world size) of the job's process group."""
+        if dist.is_available() and dist.is_initialized():
+            return True, dist.get_rank(), dist.get_world_size()
+        return False, 0, 1
+
+    def _gather_hosts(self) -> list[str]:
+        return _gather_texts(self.host)
+
+    def _backend_name(self) -> str:
+        return dist.get_backend()
+
+    def _run_extra(self) -> dict[str, Any]:
+        """Engine-specific entries of run.json (rank 0, when recording starts)."""
+        return {}
 
     def _agree_run_dir(self, run_dir: str | Path | None) -> Path:
         """Rank 0 claims the directory; the others learn its name (or rank 0's error)."""
@@ -465,7 +496,7 @@ class TorchRecorder:
         self._last_ready = ready
         self._last_buckets = [
             {"index": row[5]["bucket"], "bytes": row[5]["bytes"], "tensors": row[5]["tensors"]}
-            for row in rows if row[1] == "COMM"
+            for row in rows if row[1] == "COMM" and "bucket" in row[5]
         ]
         if rank == 0 and len(self._writer.steps_done) == 1:
             self._write_model_json()
@@ -475,6 +506,7 @@ class TorchRecorder:
         if self._closed:
             return self.run_dir
         self._closed = True
+        _ACTIVE.discard(self)
         self._remove_hooks()
         self._recording = False
         if self._writer is None:
@@ -538,7 +570,7 @@ class TorchRecorder:
     def knobs(self) -> dict[str, Any]:
         knobs: dict[str, Any] = {"world_size": self.world_size, "device": "cuda" if self.cuda else "cpu"}
         if self.distributed:
-            knobs["backend"] = dist.get_backend()
+            knobs["backend"] = self._backend_name()
         if self.ddp is not None:
             ddp = self.ddp
             knobs.update({
@@ -568,7 +600,8 @@ class TorchRecorder:
             "dpro_version": dpro.__version__,
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "framework": "torch",
-            "engine": "torch-ddp" if self.ddp is not None else ("torch" if not self.distributed else "torch-dist"),
+            "engine": self.engine or (
+                "torch-ddp" if self.ddp is not None else ("torch" if not self.distributed else "torch-dist")),
             "versions": self.versions,
             "world_size": self.world_size,
             "hosts": self.hosts,
@@ -584,6 +617,7 @@ class TorchRecorder:
                         "rank 0 sends at t0, rank r receives at t1 and answers at t2, rank 0 receives at t3",
                 "pingpong_us": {str(r): rounds for r, rounds in pingpong.items()},
             },
+            **self._run_extra(),
         }
         write_json_atomic(self.run_dir / RUN_FILE, meta)
 

@@ -1,6 +1,7 @@
 """A Lightning DDP job on CPU with dpro's callback; --package picks lightning.pytorch or pytorch_lightning."""
 
 import argparse
+import gc
 import importlib
 
 import torch
@@ -33,7 +34,7 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-if __name__ == "__main__":
+def main() -> None:
     example = get_example(args.model)
     x, y = example.batch(example.batch_size * args.steps, torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, y), batch_size=example.batch_size)
@@ -44,3 +45,11 @@ if __name__ == "__main__":
         callbacks=[DproCallback(run_dir=args.run_dir, steps=range(start, stop), config=args.config)],
     )
     trainer.fit(Module(), loader)
+
+
+if __name__ == "__main__":
+    main()
+    gc.collect()  # free the DDP model before the process group goes: gloo can abort at exit otherwise
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

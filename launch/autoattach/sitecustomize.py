@@ -1,0 +1,53 @@
+"""dpro-launch's auto-attach: Python imports this at start-up because dpro-launch put this directory first
+on ``PYTHONPATH`` for the processes it starts.
+
+When ``DPRO_AUTO_RECORD=1`` (record) or a config is to be applied (``DPRO_CONFIG``, ``DPRO_APPLY_SEARCH``)
+and torch is installed, it calls ``dpro.plugins.torch.autoattach.install()``, which patches DDP and
+Lightning lazily, when the script imports them (nothing is imported here). Then it runs the
+``sitecustomize`` that would have run without this directory, if there is one. Any failure is printed and
+ignored: a dpro problem never stops the user's program from starting.
+"""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+
+def _dpro_attach() -> None:
+    wanted = os.environ.get("DPRO_AUTO_RECORD") == "1" or os.environ.get("DPRO_CONFIG") or os.environ.get(
+        "DPRO_APPLY_SEARCH")
+    if not wanted or importlib.util.find_spec("torch") is None:
+        return
+    name = "dpro.plugins.torch.autoattach"
+    module = sys.modules.get(name)
+    if module is None:
+        # Load the module file alone: the package dpro.plugins.torch imports torch, which must wait until
+        # the script imports it.
+        plugins = importlib.util.find_spec("dpro.plugins")
+        if plugins is None or not plugins.submodule_search_locations:
+            return
+        path = os.path.join(list(plugins.submodule_search_locations)[0], "torch", "autoattach.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    module.install()
+
+
+def _chain() -> None:
+    """Run the next ``sitecustomize`` on sys.path (the one this file hides), as Python would have."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+for _step in (_chain, _dpro_attach):
+    try:
+        _step()
+    except Exception as _err:  # noqa: BLE001 - like site.py: report and carry on
+        print(f"[dpro] sitecustomize: {_step.__name__[1:]} failed: {type(_err).__name__}: {_err}", file=sys.stderr)

@@ -1,0 +1,279 @@
+"""``dpro-launch``: run a distributed training job like ``horovodrun`` does, and record, optimize and tune it.
+
+Usage::
+
+    dpro-launch [horovodrun options] [dpro options] COMMAND [ARGS...]
+
+    dpro-launch -np 2 python train.py                        # 2 processes here; steps 10..19 recorded
+    dpro-launch -np 8 -H node1:4,node2:4 python train.py     # 4 per host; node2 over ssh
+    dpro-launch -np 2 --optimize python train.py             # ... then write RUN/analysis/config.json
+    dpro-launch -np 2 --apply dpro-runs/X/analysis/config.json python train.py
+    dpro-launch -np 2 --auto python train.py                 # profile, optimize, re-run, compare
+
+The script needs no change. dpro-launch puts a ``sitecustomize`` on the job's ``PYTHONPATH`` that, once
+the script builds its ``DistributedDataParallel`` model, attaches dpro's recorder to it and to the
+optimizer that steps it (one optimizer step is one iteration), and adds dpro's ``DproCallback`` to a
+Lightning ``Trainer``. A script that records itself (dpro's ``Profiler`` or ``DproCallback``) is recorded
+once, by itself. Iteration 0 ends before the recorder attaches, so the window starts at 1 or later.
+
+Engines (``--engine``)
+    torch      dpro starts one process per slot with the torch.distributed environment that torchrun gives
+               (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT;
+               OMP_NUM_THREADS=1 unless set). The rendezvous store is hosted by dpro's agent on host 0 on
+               a port it binds itself, so a taken port never stops a job. Other hosts are reached with
+               ``ssh`` (``-p``, ``-i``; no password prompts, no host-key questions): each runs the agent
+               with this interpreter (its absolute path) in this directory, with dpro's environment and the
+               local DPRO_*, HOROVOD_*, NCCL_*, GLOO_*, TORCH_*, OMP_*, MKL_*, CUDA_*, PYTHON*, PATH,
+               LD_LIBRARY_PATH and VIRTUAL_ENV variables. localhost, 127.0.0.1, ::1 and this machine's
+               hostname run here without ssh; any other name (even 127.0.0.2) goes through ssh.
+    horovod    the job goes to ``horovodrun`` (installed with Horovod) with the same options and dpro's
+               environment.
+    auto       (default) horovod if the script (the first ``*.py`` argument) contains ``import horovod``,
+               ``from horovod`` or ``horovod.torch``; torch otherwise.
+
+Faults. A rank that exits non-zero stops every other rank at once (SIGTERM, SIGKILL after 10 s) and
+dpro-launch exits with that rank's status (128+N for a signal N). Ctrl-C (or SIGTERM) is forwarded
+to every rank; ranks still running 10 s later are killed; a second Ctrl-C kills at once. Exit status
+130 (143). Each recorded step is journaled as it ends, so the steps a rank finished stay readable
+(``dpro info RUN``) however the job ends.
+
+horovodrun options (same names and meaning; Horovod's knobs reach the job as environment variables):
+    -np, --num-proc N              total number of processes (required)
+    -H, --hosts HOST:SLOTS,...     hosts and their slots, e.g. node1:4,node2:4 (default localhost:N); slots
+                                   are filled in order. A host without :SLOTS has one slot.
+    --hostfile FILE                one "HOST slots=N" per line (instead of -H)
+    -p, --ssh-port PORT            ssh port on every host
+    -i, --ssh-identity-file KEY    ssh private key
+    --gloo | --mpi                 Horovod controller (--mpi needs --engine horovod)
+    --start-timeout S              seconds for the hosts to start (default 30, or $HOROVOD_START_TIMEOUT)
+    --network-interfaces NICS      torch: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; horovod: passed on
+    --output-filename DIR          each rank's stdout/stderr go to DIR/rank.<r>/stdout, stderr
+    --verbose                      print the commands started on each host
+    --disable-cache                passed to horovodrun (the torch engine has no cache)
+    --config-file FILE             horovodrun's YAML file (params, autotune, timeline, stall_check,
+                                   logging, controller); the command line wins over it
+    --fusion-threshold-mb MB       HOROVOD_FUSION_THRESHOLD (bytes: MB * 1048576)
+    --cycle-time-ms MS             HOROVOD_CYCLE_TIME
+    --cache-capacity N             HOROVOD_CACHE_CAPACITY
+    --[no-]hierarchical-allreduce  HOROVOD_HIERARCHICAL_ALLREDUCE (1/0); likewise --[no-]hierarchical-allgather
+    --autotune                     HOROVOD_AUTOTUNE=1, with --autotune-log-file (HOROVOD_AUTOTUNE_LOG),
+                                   --autotune-warmup-samples, --autotune-steps-per-sample,
+                                   --autotune-bayes-opt-max-samples, --autotune-gaussian-process-noise
+                                   (HOROVOD_AUTOTUNE_<NAME>)
+    --timeline-filename FILE       HOROVOD_TIMELINE (and --timeline-mark-cycles: HOROVOD_TIMELINE_MARK_CYCLES)
+    --no-stall-check               HOROVOD_STALL_CHECK_DISABLE=1; --stall-check-warning-time-seconds,
+                                   --stall-check-shutdown-time-seconds
+    --log-level LEVEL              HOROVOD_LOG_LEVEL (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL)
+The table is ``dpro.launch.env.HOROVOD_KNOBS``. Any other option is an error (exit status 2).
+
+dpro options:
+    --engine {auto,torch,horovod}  see above (default auto)
+    --profile START:STOP           iterations to record (default 10:20, i.e. 10..19; START >= 1)
+    --no-profile                   record nothing (e.g. to run with --apply only)
+    --run-dir DIR                  the run directory (default a new ./dpro-runs/<timestamp>, or under
+                                   $DPRO_RUN_DIR); a directory that holds a run is refused
+    --optimize                     after a successful run: replay it, search bucket sizes, tensor groups and
+                                   recomputation, write RUN/analysis/config.json and print the summary
+                                   (files of other hosts are copied here first with scp)
+    --memory-budget SIZE           peak memory per rank for --optimize, e.g. 2GiB (enables recomputation)
+    --allow-compression            --optimize may choose fp16 gradient compression (changes numerics)
+    --apply FILE|auto              apply a dpro config: its "env" knobs are set for every process and
+                                   DPRO_CONFIG=FILE makes the ranks apply the rest (DDP bucket sizes and
+                                   recomputation before DDP wraps the model). "auto": each rank applies the
+                                   newest config under the run root made for its job (framework, engine,
+                                   world size and model); none found, the job runs as is. A config made for
+                                   another job is refused with the reason.
+    --force                        apply a config made for another job anyway
+    --auto                         profile -> optimize -> run again with the config, recorded into
+                                   RUN-applied -> print measured step before and after, the predicted step
+                                   and the knobs applied
+
+What a job gets in its environment: DPRO_LAUNCH=1, DPRO_AUTO_RECORD (1 or 0), DPRO_PROFILE=START:STOP,
+DPRO_RUN_DIR=RUN, DPRO_CONFIG (with --apply FILE), DPRO_APPLY_SEARCH (with --apply auto), DPRO_FORCE,
+the Horovod variables above (with the horovod engine, HOROVOD_TIMELINE=DYNAMIC when recording and no
+timeline is named, so that dpro's Horovod recorder can run the timeline for the window only), and
+PYTHONPATH with dpro's auto-attach directory first (a sitecustomize.py that also runs the one it hides,
+if any). After the job, RUN/launch.json records the command, hosts,
+settings and exit status.
+
+Python API: ``config_from_args(build_parser().parse_args(argv))`` or ``LaunchConfig(...)`` directly, then
+``dpro.launch.pipeline.run(config)``; engines are ``dpro.launch.engines.ENGINES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dpro import __version__
+from dpro.errors import DproError, UsageError
+from dpro.launch.settings import (
+    LOG_LEVELS,
+    HorovodSettings,
+    LaunchConfig,
+    detect_engine,
+    parse_hostfile,
+    parse_hosts,
+    parse_window,
+    read_horovod_config_file,
+)
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+EXIT_USAGE = 2
+
+
+def _upper(text: str) -> str:
+    return text.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dpro-launch`` argument parser: horovodrun's options, dpro's options, then the command."""
+    parser = argparse.ArgumentParser(
+        prog="dpro-launch", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a distributed training job (horovodrun's command line) and record, optimize and tune it.",
+        epilog="The full manual: python -c 'import dpro.launch.cli as m; print(m.__doc__)'",
+    )
+    parser.add_argument("--version", action="version", version=f"dpro-launch {__version__}")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")
+
+    procs = parser.add_argument_group("processes and hosts (horovodrun)")
+    procs.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
+                       help="total number of processes")
+    hosts = procs.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and slots, e.g. node1:4,node2:4")
+    hosts.add_argument("--hostfile", metavar="FILE", help="one 'HOST slots=N' per line")
+    procs.add_argument("-p", "--ssh-port", type=int, metavar="PORT", help="ssh port on every host")
+    procs.add_argument("-i", "--ssh-identity-file", metavar="KEY", help="ssh private key")
+    controller = procs.add_mutually_exclusive_group()
+    controller.add_argument("--gloo", dest="controller", action="store_const", const="gloo",
+                            help="Horovod's Gloo controller")
+    controller.add_argument("--mpi", dest="controller", action="store_const", const="mpi",
+                            help="Horovod's MPI controller (--engine horovod)")
+    procs.add_argument("--start-timeout", type=float, metavar="S", help="seconds for the hosts to start (default 30)")
+    procs.add_argument("--network-interfaces", "--network-interface", dest="network_interfaces", metavar="NICS",
+                       help="network interfaces for communication, comma-separated")
+    procs.add_argument("--output-filename", metavar="DIR", help="write each rank's output to DIR/rank.<r>/")
+    procs.add_argument("--verbose", action="store_true", help="print the commands started")
+    procs.add_argument("--disable-cache", action="store_true", help="passed to horovodrun")
+    procs.add_argument("--config-file", metavar="FILE", help="horovodrun's YAML settings; the command line wins")
+
+    params = parser.add_argument_group("tunable parameters (horovodrun; environment variables for Horovod)")
+    params.add_argument("--fusion-threshold-mb", type=float, metavar="MB", help="HOROVOD_FUSION_THRESHOLD")
+    params.add_argument("--cycle-time-ms", type=float, metavar="MS", help="HOROVOD_CYCLE_TIME")
+    params.add_argument("--cache-capacity", type=int, metavar="N", help="HOROVOD_CACHE_CAPACITY")
+    for name in ("allreduce", "allgather"):
+        group = params.add_mutually_exclusive_group()
+        group.add_argument(f"--hierarchical-{name}", dest=f"hierarchical_{name}", action="store_const", const=True,
+                           help=f"HOROVOD_HIERARCHICAL_{name.upper()}=1")
+        group.add_argument(f"--no-hierarchical-{name}", dest=f"hierarchical_{name}", action="store_const",
+                           const=False, help=f"HOROVOD_HIERARCHICAL_{name.upper()}=0")
+    tune = parser.add_argument_group("autotune (horovodrun)")
+    tune.add_argument("--autotune", action="store_const", const=True, help="HOROVOD_AUTOTUNE=1")
+    tune.add_argument("--autotune-log-file", metavar="FILE", help="HOROVOD_AUTOTUNE_LOG")
+    tune.add_argument("--autotune-warmup-samples", type=int, metavar="N", help="HOROVOD_AUTOTUNE_WARMUP_SAMPLES")
+    tune.add_argument("--autotune-steps-per-sample", type=int, metavar="N", help="HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE")
+    tune.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="N",
+                      help="HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES")
+    tune.add_argument("--autotune-gaussian-process-noise", type=float, metavar="X",
+                      help="HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE, in [0, 1]")
+    timeline = parser.add_argument_group("timeline, stall check, logging (horovodrun)")
+    timeline.add_argument("--timeline-filename", metavar="FILE", help="HOROVOD_TIMELINE")
+    timeline.add_argument("--timeline-mark-cycles", action="store_const", const=True,
+                          help="HOROVOD_TIMELINE_MARK_CYCLES=1")
+    timeline.add_argument("--no-stall-check", action="store_const", const=True, help="HOROVOD_STALL_CHECK_DISABLE=1")
+    timeline.add_argument("--stall-check-warning-time-seconds", type=int, metavar="S",
+                          help="HOROVOD_STALL_CHECK_TIME_SECONDS")
+    timeline.add_argument("--stall-check-shutdown-time-seconds", type=int, metavar="S",
+                          help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    timeline.add_argument("--log-level", type=_upper, choices=LOG_LEVELS, help="HOROVOD_LOG_LEVEL")
+
+    dpro = parser.add_argument_group("dpro")
+    dpro.add_argument("--engine", choices=("auto", "torch", "horovod"), default="auto",
+                      help="torch: dpro starts the processes; horovod: horovodrun; auto (default): horovod if "
+                           "the script imports horovod")
+    dpro.add_argument("--profile", default="10:20", metavar="START:STOP",
+                      help="iterations to record (default 10:20; START >= 1)")
+    dpro.add_argument("--no-profile", action="store_true", help="record nothing")
+    dpro.add_argument("--run-dir", metavar="DIR", help="the run directory (default ./dpro-runs/<timestamp>)")
+    dpro.add_argument("--optimize", action="store_true", help="after the run: write RUN/analysis/config.json")
+    dpro.add_argument("--memory-budget", metavar="SIZE", help="peak memory per rank for --optimize, e.g. 2GiB")
+    dpro.add_argument("--allow-compression", action="store_true", help="--optimize may choose fp16 compression")
+    dpro.add_argument("--apply", metavar="FILE|auto", help="apply a dpro config (auto: the newest made for this job)")
+    dpro.add_argument("--force", action="store_true", help="apply a config made for another job anyway")
+    dpro.add_argument("--auto", action="store_true",
+                      help="profile, optimize, re-run with the config, print before/after")
+    return parser
+
+
+_SETTINGS = tuple(HorovodSettings.__dataclass_fields__)
+
+
+def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> LaunchConfig:
+    """The validated ``LaunchConfig`` for parsed arguments.
+
+    Raises:
+        UsageError: a value that cannot be used, with how to fix it.
+    """
+    cwd = Path.cwd() if cwd is None else cwd
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    hosts = parse_hosts(args.hosts) if args.hosts else parse_hostfile(args.hostfile) if args.hostfile else []
+    settings, controller = ({}, None)
+    if args.config_file:
+        settings, controller = read_horovod_config_file(args.config_file)
+    for name in _SETTINGS:  # the command line wins over the config file
+        value = getattr(args, name, None)
+        if value is not None:
+            settings[name] = value
+    try:
+        horovod = HorovodSettings(**settings)
+    except TypeError as err:
+        raise UsageError(f"--config-file {args.config_file}: {err}") from None
+    engine = args.engine if args.engine != "auto" else detect_engine(command, cwd)
+    budget = None
+    if args.memory_budget:
+        from dpro.cli import parse_size
+
+        budget = parse_size(args.memory_budget)
+    apply = None
+    if args.apply:
+        apply = "auto" if args.apply == "auto" else Path(args.apply)
+    return LaunchConfig(
+        command=command, np=args.np, hosts=hosts, engine=engine, ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file, controller=args.controller or controller, horovod=horovod,
+        start_timeout=args.start_timeout, network_interfaces=args.network_interfaces,
+        output_filename=args.output_filename, verbose=args.verbose, disable_cache=args.disable_cache,
+        horovod_config_file=args.config_file, profile=None if args.no_profile else parse_window(args.profile),
+        run_dir=Path(args.run_dir) if args.run_dir else None, optimize=args.optimize, apply=apply, auto=args.auto,
+        memory_budget_bytes=budget, allow_compression=args.allow_compression, force=args.force, cwd=cwd,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dpro-launch`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    Wrong options exit with status 2 and argparse's message; a failed rank's status is returned.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except UsageError as err:
+        parser.error(str(err))
+    from dpro.launch.pipeline import run
+
+    try:
+        return run(config)
+    except DproError as err:
+        print(f"dpro-launch: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""The engines that start a job: ``ENGINES`` maps a name to a class with ``command(config)`` and ``launch(config)``.
+
+- ``torch``: dpro starts the processes itself, one agent per host (``dpro.launch.node``), locally or over
+  ssh; the agents give each process the torch.distributed environment (as torchrun does), host the
+  rendezvous store on a port they bind themselves, and stop every rank when one fails.
+- ``horovod``: the job goes to the real ``horovodrun`` with the same flags and dpro's environment.
+
+An engine is a small class: ``command(config)`` returns the argv lists it will run (one per host for
+torch; ``--verbose`` prints them), ``launch(config)`` runs the job and returns its exit status. A new
+engine registers itself in ``ENGINES``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import queue
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from dpro.errors import UsageError
+from dpro.launch.env import applied_env, horovodrun_flags, job_env
+from dpro.launch.node import DEFAULT_GRACE_S, PORT_LINE, exit_status
+from dpro.launch.settings import Host, LaunchConfig
+
+__all__ = ["ENGINES", "HorovodEngine", "TorchEngine", "ssh_argv", "remote_env"]
+
+PORT_PLACEHOLDER = "{master_port}"
+_FORWARDED_PREFIXES = ("DPRO_", "HOROVOD_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "MKL_", "CUDA_", "PYTHON")
+_FORWARDED_NAMES = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+
+
+def _say(message: str) -> None:
+    print(f"[dpro-launch] {message}", file=sys.stderr, flush=True)
+
+
+# ---- ssh --------------------------------------------------------------------------------------------
+
+
+def ssh_options(config: LaunchConfig) -> list[str]:
+    """Options shared by ssh and scp: no password prompts, no host-key questions, -p/-i from the command line."""
+    opts = ["-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "LogLevel=ERROR"]
+    if config.ssh_identity_file:
+        opts += ["-i", config.ssh_identity_file]
+    return opts
+
+
+def remote_env(added: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a remote host's agent gets: dpro's additions plus the local variables a job depends on
+    (DPRO_*, HOROVOD_*, NCCL_*, GLOO_*, TORCH_*, OMP_*, MKL_*, CUDA_*, PYTHON*, PATH, LD_LIBRARY_PATH, VIRTUAL_ENV)."""
+    base = os.environ if base is None else base
+    env = {k: v for k, v in base.items() if k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED_NAMES}
+    env.update(added)
+    return env
+
+
+def ssh_argv(config: LaunchConfig, host: Host, argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """``ssh [options] -- HOST 'cd CWD && exec env K=V ... ARGV'``: every word of the remote command quoted."""
+    assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
+    remote = f"cd {shlex.quote(str(config.cwd))} && exec env {assignments} {shlex.join(argv)}"
+    port = ["-p", str(config.ssh_port)] if config.ssh_port else []
+    return ["ssh", *port, *ssh_options(config), "--", host.name, remote]
+
+
+# ---- processes --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Agent:
+    label: str
+    proc: subprocess.Popen
+    remote: bool
+
+    def tell(self, word: str, *, close: bool = False) -> None:
+        """A line for the agent's stdin (INT, TERM); ``close`` ends its stdin, which stops it."""
+        stdin = self.proc.stdin
+        if stdin is None or stdin.closed:
+            return
+        try:
+            if word:
+                stdin.write(word.encode() + b"\n")
+                stdin.flush()
+            if close:
+                stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is not None:
+            return
+        if self.remote:  # ssh does not forward signals; the agent reads them from stdin
+            self.tell(signal.Signals(signum).name[3:], close=signum != signal.SIGINT)
+            return
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self) -> None:
+        self.tell("", close=True)
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class _PortReader:
+    """Reads node 0's agent's stdout: the announced port first, then relays everything to our stdout."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.port: queue.Queue[int | None] = queue.Queue()
+        threading.Thread(target=self._run, args=(stream,), daemon=True).start()
+
+    def _run(self, stream: IO[bytes]) -> None:
+        out = sys.stdout.buffer
+        announced = False
+        for line in iter(stream.readline, b""):
+            text = line.decode(errors="replace").strip()
+            if not announced and text.startswith(PORT_LINE):
+                announced = True
+                self.port.put(int(text[len(PORT_LINE):]))
+                break
+            out.write(line)
+            out.flush()
+        if not announced:
+            self.port.put(None)
+            return
+        fd = stream.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            out.write(chunk)
+            out.flush()
+
+
+class _Supervisor:
+    """Watches the agents: the first non-zero exit stops the rest; SIGINT/SIGTERM is forwarded once, then kills."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.agents: list[_Agent] = []
+        self.events: queue.Queue[tuple[str, int, int]] = queue.Queue()
+        self.interrupted = 0  # the signal that arrived, if any
+
+    def add(self, agent: _Agent) -> None:
+        self.agents.append(agent)
+        index = len(self.agents) - 1
+        threading.Thread(target=lambda: self.events.put(("exit", index, exit_status(agent.proc.wait()))),
+                         daemon=True).start()
+
+    def stop_all(self, signum: int, *, but: int | None = None) -> None:
+        for i, agent in enumerate(self.agents):
+            if i != but:
+                agent.signal(signum)
+
+    def kill_all(self) -> None:
+        for agent in self.agents:
+            agent.kill()
+
+    def wait(self) -> int:
+        """Until every agent has exited; returns the first failure's status (0 if none)."""
+        status: int | None = None
+        deadline: float | None = None
+        exited: set[int] = set()
+        signals = 0
+        while len(exited) < len(self.agents):
+            try:
+                kind, who, code = self.events.get(timeout=0.2)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    _say("ranks still running after the grace period; killing them")
+                    self.kill_all()
+                    deadline = None
+                continue
+            if kind == "signal":
+                signals += 1
+                if signals > 1:
+                    _say("second signal: killing every rank now")
+                    self.kill_all()
+                    continue
+                name = signal.Signals(who).name
+                _say(f"{name}: stopping every rank (again to kill at once)")
+                status = 128 + who if status is None else status
+                self.stop_all(who)
+                deadline = time.monotonic() + self.grace_s + 5
+                continue
+            exited.add(who)
+            if code != 0 and status is None:
+                status = code
+                if len(exited) < len(self.agents):
+                    _say(f"{self.agents[who].label} exited with status {code}; stopping the other hosts")
+                    self.stop_all(signal.SIGTERM, but=who)
+                    deadline = time.monotonic() + self.grace_s + 5
+        for agent in self.agents:
+            agent.tell("", close=True)
+        return status or 0
+
+
+class _Signals:
+    """Route SIGINT/SIGTERM to the supervisor while a job runs (handlers restored afterwards)."""
+
+    def __init__(self, supervisor: _Supervisor) -> None:
+        self.supervisor = supervisor
+        self.saved: dict[int, object] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.saved[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.supervisor.interrupted = signum
+        self.supervisor.events.put(("signal", int(signum), 0))
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+
+
+# ---- the torch engine --------------------------------------------------------------------------------
+
+
+def _master_addr(config: LaunchConfig) -> str:
+    placement = config.placement()
+    first = placement[0][0]
+    if len(placement) == 1 and first.local:
+        return "127.0.0.1"
+    if first.local and first.name in ("localhost", "127.0.0.1", "::1"):
+        return socket.getfqdn() or socket.gethostname()  # a name the other hosts can reach
+    return first.name
+
+
+def _run_id(config: LaunchConfig) -> str:
+    """TORCHELASTIC_RUN_ID of the job: the run directory's name, or a timestamp."""
+    return f"dpro-{config.run_dir.name}" if config.run_dir is not None else f"dpro-{dt.datetime.now():%Y%m%d-%H%M%S}"
+
+
+class TorchEngine:
+    """torch.distributed jobs (DDP, Lightning, plain collectives): one ``dpro.launch.node`` agent per host."""
+
+    name = "torch"
+
+    def __init__(self, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.grace_s = grace_s
+
+    def agent_argv(self, config: LaunchConfig, node: int, master_port: int | str, run_id: str = "dpro") -> list[str]:
+        placement = config.placement()
+        offset = sum(n for _, n in placement[:node])
+        argv = [sys.executable, "-m", "dpro.launch.node", "--node-rank", str(node), "--nnodes", str(len(placement)),
+                "--nproc", str(placement[node][1]), "--rank-offset", str(offset), "--world-size", str(config.np),
+                "--master-addr", _master_addr(config), "--master-port", str(master_port if node else 0),
+                "--run-id", run_id, "--watch-stdin", "--grace", str(self.grace_s),
+                "--start-timeout", str(max(config.start_timeout, 60.0))]
+        if config.output_filename:
+            out = Path(config.output_filename)
+            argv += ["--output-filename", str(out if out.is_absolute() else config.cwd / out)]
+        return [*argv, "--", *config.command]
+
+    def command(self, config: LaunchConfig, master_port: int | str = PORT_PLACEHOLDER) -> list[list[str]]:
+        """One argv per host: the local agent as is, a remote one wrapped in ssh (with its environment)."""
+        added = job_env(config)
+        out = []
+        for node, (host, _) in enumerate(config.placement()):
+            argv = self.agent_argv(config, node, master_port, _run_id(config))
+            out.append(argv if host.local else ssh_argv(config, host, argv, remote_env(added)))
+        return out
+
+    def launch(self, config: LaunchConfig) -> int:
+        """Start every host's agent (node 0 first: it binds the store's port), supervise, return the status."""
+        added = job_env(config)
+        local_env = {**os.environ, **added}
+        placement = config.placement()
+        supervisor = _Supervisor(self.grace_s)
+        run_id = _run_id(config)
+        with _Signals(supervisor):
+            try:
+                port = self._start(config, 0, "", local_env, added, supervisor, run_id)
+                if port is None:
+                    return supervisor.wait() or 1
+                for node in range(1, len(placement)):
+                    self._start(config, node, port, local_env, added, supervisor, run_id)
+            except BaseException:
+                supervisor.kill_all()
+                raise
+            return supervisor.wait()
+
+    def _start(self, config: LaunchConfig, node: int, port: int | str, local_env: dict[str, str],
+               added: dict[str, str], supervisor: _Supervisor, run_id: str) -> int | None:
+        host, nproc = config.placement()[node]
+        argv = self.agent_argv(config, node, port, run_id)
+        if not host.local:
+            argv = ssh_argv(config, host, argv, remote_env(added))
+        if config.verbose:
+            _say(f"host {host.name} ({nproc} ranks): {shlex.join(argv)}")
+        first = node == 0
+        try:
+            proc = subprocess.Popen(argv, env=local_env if host.local else None, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE if first else None, start_new_session=True,
+                                    cwd=config.cwd)
+        except FileNotFoundError as err:
+            raise UsageError(f"cannot start {argv[0]!r}: {err.strerror}" + (
+                "; the torch engine needs ssh to reach other hosts" if not host.local else "")) from err
+        supervisor.add(_Agent(f"host {host.name}", proc, remote=not host.local))
+        if not first:
+            return None
+        reader = _PortReader(proc.stdout)
+        deadline = time.monotonic() + config.start_timeout
+        while time.monotonic() < deadline:
+            if supervisor.interrupted:
+                return None  # supervisor.wait() handles the signal
+            try:
+                return reader.port.get(timeout=0.2)
+            except queue.Empty:
+                continue
+        _say(f"host {host.name} did not start within --start-timeout {config.start_timeout:g} s; stopping")
+        supervisor.kill_all()
+        return None
+
+
+# ---- the horovod engine ------------------------------------------------------------------------------
+
+
+HOROVOD_INSTALL = ("horovodrun is not installed. Install Horovod with PyTorch and Gloo support, e.g. "
+                   "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 pip install 'dpro[horovod]' "
+                   "(horovod 0.28.1; needs cmake and a C++ compiler; see the README), or run the job with "
+                   "--engine torch")
+
+
+def find_horovodrun() -> str | None:
+    """``horovodrun`` next to this Python (the same virtual environment), else on PATH."""
+    beside = Path(sys.executable).parent / "horovodrun"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("horovodrun")
+
+
+class HorovodEngine:
+    """Horovod jobs: the real ``horovodrun`` with horovodrun's flags and dpro's environment."""
+
+    name = "horovod"
+
+    def command(self, config: LaunchConfig) -> list[list[str]]:
+        exe = find_horovodrun()
+        if exe is None:
+            raise UsageError(HOROVOD_INSTALL)
+        argv = [exe, "-np", str(config.np)]
+        default_hosts = len(config.hosts) == 1 and config.hosts[0].name == "localhost"
+        if not default_hosts:
+            argv += ["-H", ",".join(str(h) for h in config.hosts)]
+        if config.ssh_port:
+            argv += ["-p", str(config.ssh_port)]
+        if config.ssh_identity_file:
+            argv += ["-i", config.ssh_identity_file]
+        if config.controller:
+            argv.append(f"--{config.controller}")
+        argv += ["--start-timeout", str(int(config.start_timeout))]
+        if config.network_interfaces:
+            argv += ["--network-interfaces", config.network_interfaces]
+        if config.output_filename:
+            argv += ["--output-filename", config.output_filename]
+        if config.verbose:
+            argv.append("--verbose")
+        if config.disable_cache:
+            argv.append("--disable-cache")
+        argv += horovodrun_flags(config.horovod, skip_env=applied_env(config))  # the config's env wins
+        return [argv + config.command]
+
+    def launch(self, config: LaunchConfig) -> int:
+        (argv,) = self.command(config)
+        if config.verbose:
+            _say(shlex.join(argv))
+        proc = subprocess.Popen(argv, env={**os.environ, **job_env(config)}, start_new_session=True, cwd=config.cwd)
+        supervisor = _Supervisor(DEFAULT_GRACE_S)
+        with _Signals(supervisor):
+            supervisor.add(_Agent("horovodrun", proc, remote=False))
+            return supervisor.wait()
+
+
+ENGINES: dict[str, type] = {TorchEngine.name: TorchEngine, HorovodEngine.name: HorovodEngine}

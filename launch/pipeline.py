@@ -1,0 +1,244 @@
+"""What ``dpro-launch`` does around the engine: claim the run directory, run, collect, optimize, re-run.
+
+- ``run(config)`` is the whole command: one job, then ``--optimize`` or the ``--auto`` loop.
+- ``run_job(config)`` claims the run directory, starts the engine, writes ``RUN/launch.json`` and says
+  where the recording is.
+- ``collect_remote(config, run_dir)`` copies the run files of the other hosts here (scp).
+- ``optimize_run(run_dir, ...)`` is ``dpro optimize``: context -> optimize -> ``RUN/analysis/config.json``.
+- ``measured_step_ms(run_dir)`` is dpro's measured step (median STEP of the slowest rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dpro.config import CONFIG_FILE, Config, read_config, write_config
+from dpro.errors import DproError, UsageError
+from dpro.launch.engines import ENGINES, ssh_options
+from dpro.launch.env import applied_env, horovod_env
+from dpro.launch.settings import LaunchConfig
+from dpro.record import claim_run_dir
+from dpro.trace import RUN_FILE, write_json_atomic
+
+__all__ = ["collect_remote", "find_recorded_run", "measured_step_ms", "optimize_run", "run", "run_job"]
+
+LAUNCH_FILE = "launch.json"
+ELSEWHERE_FILE = "recorded-elsewhere.json"  # written by dpro.plugins.torch.autoattach
+APPLIED_SUFFIX = "-applied"
+
+
+def _say(message: str) -> None:
+    print(f"[dpro-launch] {message}", file=sys.stderr, flush=True)
+
+
+def find_recorded_run(run_dir: Path) -> Path | None:
+    """Where the job's recording is: ``run_dir`` itself, a run the script made inside it (its own
+    ``Profiler(run_dir=None)`` under ``$DPRO_RUN_DIR``), or one named by ``recorded-elsewhere.json``."""
+    if (run_dir / RUN_FILE).is_file() or any(run_dir.glob("rank-*.json*")):
+        return run_dir
+    nested = sorted((p.parent for p in run_dir.glob(f"*/{RUN_FILE}")), key=lambda p: p.stat().st_mtime)
+    if nested:
+        return nested[-1]
+    note = run_dir / ELSEWHERE_FILE
+    if note.is_file():
+        runs = [Path(p) for p in json.loads(note.read_text(encoding="utf-8")).get("runs", [])]
+        runs = [p for p in runs if (p / RUN_FILE).is_file()]
+        if runs:
+            return runs[-1]
+    return None
+
+
+def collect_remote(config: LaunchConfig, run_dir: Path) -> None:
+    """Copy the files each remote host wrote into its own ``run_dir`` here (scp, the job's ssh options).
+
+    A file already here is kept (a host that shares this filesystem wrote it here already).
+    """
+    for host, _ in config.placement():
+        if host.local:
+            continue
+        with tempfile.TemporaryDirectory(prefix="dpro-collect-") as tmp:
+            port = ["-P", str(config.ssh_port)] if config.ssh_port else []
+            for protocol in ([], ["-O"]):  # SFTP (OpenSSH >= 9 default), then the legacy scp protocol
+                argv = ["scp", "-q", "-r", *protocol, *port, *ssh_options(config), f"{host.name}:{run_dir}/*", tmp]
+                proc = subprocess.run(argv, capture_output=True, text=True)
+                if proc.returncode == 0:
+                    break
+            else:
+                _say(f"could not copy the run files of host {host.name}: {proc.stderr.strip() or proc.returncode}")
+                continue
+            for item in Path(tmp).iterdir():
+                target = run_dir / item.name
+                if not target.exists():
+                    shutil.move(str(item), str(target))
+
+
+def measured_step_ms(run_dir: Path) -> float:
+    """dpro's measured step time of a run: the median STEP of the slowest rank, in ms."""
+    from dpro.align import align
+    from dpro.graph import step_model
+    from dpro.load import load_run
+
+    run = load_run(run_dir)
+    return step_model(run, align(run)).measured_step_us / 1000.0
+
+
+def optimize_run(run_dir: Path, *, memory_budget_bytes: int | None = None, allow_compression: bool = False,
+                 out: Path | None = None) -> tuple[Config, float]:
+    """``dpro optimize RUN``: search, confirm by replay, write ``RUN/analysis/config.json`` (or ``out``).
+
+    Returns:
+        The config as written, and the replayed step time of the run as recorded (ms), which the
+        config's predicted step time is to be compared with.
+    """
+    from dpro.load import load_run
+    from dpro.optimize import config_document, optimize
+    from dpro.whatif import context
+
+    ctx = context(load_run(run_dir))
+    result = optimize(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
+    path = out or run_dir / "analysis" / CONFIG_FILE
+    write_config(path, Config.from_json(config_document(result, ctx)))
+    config = read_config(path)
+    _print_optimize(result, path)
+    return config, result.baseline.predicted_step_ms
+
+
+def _print_optimize(result: Any, path: Path) -> None:
+    base, pred = result.baseline.predicted_step_ms, result.predicted.predicted_step_ms
+    print(f"measured step      {result.measured_step_ms:9.2f} ms")
+    print(f"replayed baseline  {base:9.2f} ms")
+    print(f"predicted          {pred:9.2f} ms  ({100 * (pred / base - 1) if base else 0.0:+.1f}%)")
+    for item in result.explain:
+        gain = item.get("predicted_gain_ms")
+        print(f"  {item['knob']:<26} {'' if gain is None else f'{gain:+8.2f} ms'}  {item['why']}")
+    shown = {k: v for k, v in result.knobs.items() if k != "tensor_groups"}
+    print(f"knobs: {json.dumps(shown)}" + (" (+ tensor_groups)" if "tensor_groups" in result.knobs else ""))
+    print(f"config written to {path}", flush=True)
+
+
+def _claim(config: LaunchConfig) -> LaunchConfig:
+    if config.profile is None:
+        return config
+    try:
+        run_dir = claim_run_dir(config.run_dir)
+    except UsageError as err:
+        raise UsageError(f"--run-dir: {err}") from None
+    return dataclasses.replace(config, run_dir=run_dir.resolve())
+
+
+def _note_overrides(config: LaunchConfig) -> None:
+    flags = horovod_env(config.horovod)
+    for name, value in applied_env(config).items():
+        if name in flags and flags[name] != value:
+            _say(f"{config.apply} sets {name}={value}; it overrides the command line's {flags[name]}")
+
+
+def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
+    """One job: claim the run directory, launch, collect remote files, find the recording.
+
+    Returns:
+        (exit status, the config as launched (run_dir claimed), the recorded run directory or None).
+    """
+    config = _claim(config)
+    _note_overrides(config)
+    engine = ENGINES[config.engine]()
+    if config.run_dir is not None:
+        _say(f"{config.engine} engine, {config.np} processes on "
+             f"{', '.join(f'{h.name}:{n}' for h, n in config.placement())}; recording steps "
+             f"{config.profile[0]}..{config.profile[1] - 1} into {config.run_dir}")
+    status = engine.launch(config)
+    if config.run_dir is None:
+        return status, config, None
+    if any(not h.local for h, _ in config.placement()):
+        collect_remote(config, config.run_dir)
+    _write_launch_file(config, status)
+    recorded = find_recorded_run(config.run_dir)
+    if recorded is None:
+        _say(f"nothing was recorded in {config.run_dir}: the job built no DistributedDataParallel model, or ended "
+             f"before iteration {config.profile[0]} (--profile {config.profile[0]}:{config.profile[1]})")
+    elif recorded != config.run_dir:
+        _say(f"the script recorded itself into {recorded}")
+    return status, config, recorded
+
+
+def _write_launch_file(config: LaunchConfig, status: int) -> None:
+    doc = {
+        "command": config.command, "engine": config.engine, "np": config.np,
+        "hosts": [{"name": h.name, "processes": n} for h, n in config.placement()],
+        "profile": list(config.profile) if config.profile else None,
+        "apply": str(config.apply) if config.apply is not None else None,
+        "horovod": config.horovod.given(), "exit_status": status, "cwd": str(config.cwd),
+    }
+    try:
+        write_json_atomic(config.run_dir / LAUNCH_FILE, doc)
+    except OSError as err:
+        _say(f"could not write {config.run_dir / LAUNCH_FILE}: {err}")
+
+
+def run(config: LaunchConfig) -> int:
+    """The whole ``dpro-launch`` command for ``config``; returns the exit status."""
+    status, launched, recorded = run_job(config)
+    if status != 0 or not config.optimize:
+        return status
+    if recorded is None:
+        _say("--optimize: there is no recorded run to optimize")
+        return 1
+    try:
+        tuned, replayed_ms = optimize_run(recorded, memory_budget_bytes=config.memory_budget_bytes,
+                             allow_compression=config.allow_compression)
+    except DproError as err:
+        _say(f"--optimize failed: {err}")
+        return 1
+    if not config.auto:
+        return 0
+    return _auto_rerun(launched, recorded, tuned, replayed_ms)
+
+
+def _auto_rerun(first: LaunchConfig, recorded: Path, tuned: Config, replayed_ms: float) -> int:
+    """``--auto``: run again with the config, profiled into RUN-applied, and compare."""
+    again = dataclasses.replace(first, run_dir=Path(f"{first.run_dir}{APPLIED_SUFFIX}"), apply=tuned.path,
+                                auto=False, optimize=False)
+    _say(f"--auto: re-running with {tuned.path}")
+    status, _, recorded_after = run_job(again)
+    if status != 0:
+        return status
+    if recorded_after is None:
+        _say("--auto: the re-run recorded nothing; no comparison")
+        return 1
+    print(format_comparison(recorded, recorded_after, tuned, replayed_ms), flush=True)
+    return 0
+
+
+def format_comparison(before: Path, after: Path, config: Config, replayed_ms: float) -> str:
+    """The ``--auto`` table: measured step before and after, the replay's prediction, and the knobs applied.
+
+    The predicted change is relative to the replay of the run as recorded (``replayed_ms``); the
+    measured change relative to the measured step before.
+    """
+    from dpro.info import format_table
+
+    before_ms, after_ms = measured_step_ms(before), measured_step_ms(after)
+    predicted = config.predicted.step_ms if config.predicted is not None else None
+
+    def change(ms: float | None, base: float) -> str:
+        return "" if ms is None or not base else f"{100 * (ms / base - 1):+.1f}%"
+
+    rows = [["before (measured)", f"{before_ms:.2f}", "", str(before)],
+            ["before (replayed)", f"{replayed_ms:.2f}", "", ""],
+            ["predicted with the config", "" if predicted is None else f"{predicted:.2f}",
+             change(predicted, replayed_ms), str(config.path)],
+            ["after (measured)", f"{after_ms:.2f}", change(after_ms, before_ms), str(after)]]
+    table = format_table(["", "step ms", "change", "run"], rows, align="<>><")
+    knobs = {k: v for k, v in config.knobs.items() if k != "tensor_groups"}
+    if "tensor_groups" in config.knobs:
+        knobs["tensor_groups"] = f"{len(config.knobs['tensor_groups'])} groups"
+    applied = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "none (the run was already the best found)"
+    gain = "" if predicted is None else f"predicted gain {replayed_ms - predicted:+.2f} ms; "
+    return f"\n{table}\n\n{gain}measured gain {before_ms - after_ms:+.2f} ms\nknobs applied: {applied}"

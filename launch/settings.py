@@ -1,0 +1,427 @@
+"""What one ``dpro-launch`` job is: the validated ``LaunchConfig`` and the small parsers that build it.
+
+``config_from_args`` (in ``dpro.launch.cli``) turns the command line into a ``LaunchConfig``; the Python API
+builds one directly. Every check lives in a ``__post_init__`` and raises ``UsageError`` with a message that
+says how to fix the value ("--hosts 'a:x': slots must be an integer, e.g. a:4").
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dpro.errors import UsageError
+
+__all__ = [
+    "ENGINE_NAMES",
+    "LOG_LEVELS",
+    "HorovodSettings",
+    "Host",
+    "LaunchConfig",
+    "detect_engine",
+    "is_local_host",
+    "parse_hostfile",
+    "parse_hosts",
+    "parse_window",
+    "read_horovod_config_file",
+]
+
+ENGINE_NAMES = ("torch", "horovod")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # horovod's config_parser.LOG_LEVELS
+DEFAULT_WINDOW = (10, 20)
+DEFAULT_START_TIMEOUT_S = 30.0  # horovodrun's default; HOROVOD_START_TIMEOUT overrides it, --start-timeout wins
+
+
+# ---- hosts -----------------------------------------------------------------------------------------
+
+
+def _local_names() -> frozenset[str]:
+    names = {"localhost", "127.0.0.1", "::1"}
+    for name in (socket.gethostname(), socket.getfqdn()):
+        if name:
+            names.add(name)
+    return frozenset(names)
+
+
+def is_local_host(name: str) -> bool:
+    """True for the names that mean this machine: localhost, 127.0.0.1, ::1, this hostname (exact match).
+
+    Any other name, even one that resolves to a loopback address such as 127.0.0.2, is reached over ssh.
+    """
+    return name in _local_names()
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of the job and the number of processes (slots) it may run."""
+
+    name: str
+    slots: int
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c.isspace() for c in self.name) or self.name.startswith("-"):
+            raise UsageError(f"host name {self.name!r} is not valid; give a host name or address, e.g. node1:4")
+        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
+            raise UsageError(f"host {self.name!r}: slots must be a positive integer, got {self.slots!r}")
+
+    @property
+    def local(self) -> bool:
+        return is_local_host(self.name)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.slots}"
+
+
+def _host_slots(item: str, where: str, example: str) -> Host:
+    name, sep, slots = item.strip().rpartition(":")
+    if not sep:  # "node1": one slot, as with mpirun
+        return Host(item.strip(), 1)
+    if not name:
+        raise UsageError(f"{where} {item!r}: the host name is missing; write HOST:SLOTS, e.g. {example}")
+    try:
+        count = int(slots)
+    except ValueError:
+        raise UsageError(f"{where} {item!r}: slots must be an integer, e.g. {name}:4") from None
+    if count < 1:
+        raise UsageError(f"{where} {item!r}: slots must be at least 1, e.g. {name}:1")
+    return Host(name, count)
+
+
+def parse_hosts(text: str) -> list[Host]:
+    """``"a:4,b:2"`` (horovodrun's ``-H``) -> hosts in order. A host without ``:SLOTS`` has one slot.
+
+    Raises:
+        UsageError: an empty list, a missing host name, slots that are not a positive integer, a host twice.
+    """
+    items = [item for item in text.split(",") if item.strip()]
+    if not items:
+        raise UsageError(f"--hosts {text!r}: no hosts given; write HOST:SLOTS[,HOST:SLOTS...], e.g. node1:4,node2:4")
+    hosts = [_host_slots(item, "--hosts", "node1:4") for item in items]
+    _check_unique(hosts, "--hosts")
+    return hosts
+
+
+def parse_hostfile(path: str | Path) -> list[Host]:
+    """A horovodrun/mpirun host file: one ``HOST slots=N`` (or ``HOST:N``, or ``HOST``) per line, ``#`` comments."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise UsageError(f"--hostfile {path}: cannot be read ({err.strerror or err})") from err
+    hosts = []
+    for n, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"--hostfile {path} line {n}:"
+        parts = line.split()
+        if len(parts) == 1:
+            hosts.append(_host_slots(parts[0], where, "node1 slots=4"))
+            continue
+        if len(parts) != 2 or not parts[1].startswith("slots="):
+            raise UsageError(f"{where} {line!r}: expected 'HOST slots=N', e.g. node1 slots=4")
+        try:
+            hosts.append(Host(parts[0], int(parts[1][len("slots="):])))
+        except ValueError:
+            raise UsageError(f"{where} {line!r}: slots must be an integer, e.g. {parts[0]} slots=4") from None
+    if not hosts:
+        raise UsageError(f"--hostfile {path}: no hosts in the file; write one 'HOST slots=N' per line")
+    _check_unique(hosts, f"--hostfile {path}")
+    return hosts
+
+
+def _check_unique(hosts: list[Host], where: str) -> None:
+    seen: set[str] = set()
+    for host in hosts:
+        if host.name in seen:
+            raise UsageError(f"{where}: host {host.name!r} is listed twice; give its slots once, e.g. "
+                             f"{host.name}:{sum(h.slots for h in hosts if h.name == host.name)}")
+        seen.add(host.name)
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """``"10:20"`` -> (10, 20): profile iterations 10..19. Iteration 0 cannot be recorded by dpro-launch.
+
+    Raises:
+        UsageError: not two integers, or not 1 <= START < STOP.
+    """
+    start, sep, stop = text.partition(":")
+    try:
+        first, last = int(start), int(stop)
+    except ValueError:
+        first = last = -1
+    if not sep or first < 0:
+        raise UsageError(f"--profile {text!r}: expected START:STOP iterations, e.g. 10:20")
+    if first < 1:
+        raise UsageError(f"--profile {text!r}: dpro-launch attaches at the end of iteration 0, so the window "
+                         f"starts at 1 or later, e.g. 1:{max(last, 2)}")
+    if last <= first:
+        raise UsageError(f"--profile {text!r}: STOP must be greater than START, e.g. {first}:{first + 10}")
+    return first, last
+
+
+# ---- which engine --------------------------------------------------------------------------------
+
+
+_HOROVOD_MARKS = ("import horovod", "from horovod", "horovod.torch")
+
+
+def detect_engine(command: list[str], cwd: Path | None = None) -> str:
+    """``--engine auto``: "horovod" when the command's script imports horovod, else "torch".
+
+    The script is the first argument ending in ``.py``; its text is scanned for ``import horovod``,
+    ``from horovod`` or ``horovod.torch`` (nothing is imported or run).
+    """
+    for word in command:
+        if word.endswith(".py"):
+            path = Path(word)
+            if not path.is_absolute() and cwd is not None:
+                path = cwd / path
+            try:
+                text = path.read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                return "torch"
+            return "horovod" if any(mark in text for mark in _HOROVOD_MARKS) else "torch"
+    return "torch"
+
+
+# ---- Horovod's tunable settings ------------------------------------------------------------------------
+
+
+@dataclass
+class HorovodSettings:
+    """horovodrun's tunable parameters (``--fusion-threshold-mb`` ...); None means "not given".
+
+    ``dpro.launch.env.HOROVOD_KNOBS`` maps each field to its environment variable and its horovodrun flag.
+    """
+
+    fusion_threshold_mb: float | None = None
+    cycle_time_ms: float | None = None
+    cache_capacity: int | None = None
+    hierarchical_allreduce: bool | None = None
+    hierarchical_allgather: bool | None = None
+    autotune: bool | None = None
+    autotune_log_file: str | None = None
+    autotune_warmup_samples: int | None = None
+    autotune_steps_per_sample: int | None = None
+    autotune_bayes_opt_max_samples: int | None = None
+    autotune_gaussian_process_noise: float | None = None
+    timeline_filename: str | None = None
+    timeline_mark_cycles: bool | None = None
+    no_stall_check: bool | None = None
+    stall_check_warning_time_seconds: int | None = None
+    stall_check_shutdown_time_seconds: int | None = None
+    log_level: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "autotune_warmup_samples",
+                     "autotune_steps_per_sample", "autotune_bayes_opt_max_samples",
+                     "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 0")
+        noise = self.autotune_gaussian_process_noise
+        if noise is not None and not 0 <= noise <= 1:
+            raise UsageError(f"--autotune-gaussian-process-noise {noise}: must be in [0, 1], e.g. 0.8")
+        if self.log_level is not None:
+            level = str(self.log_level).upper()
+            if level not in LOG_LEVELS:
+                raise UsageError(f"--log-level {self.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
+            self.log_level = level
+
+    def given(self) -> dict[str, Any]:
+        """The settings that were given (not None), by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+# horovodrun --config-file sections -> HorovodSettings fields (horovod/runner/common/util/config_parser.py)
+_CONFIG_FILE_KEYS = {
+    ("params", "fusion_threshold_mb"): "fusion_threshold_mb",
+    ("params", "cycle_time_ms"): "cycle_time_ms",
+    ("params", "cache_capacity"): "cache_capacity",
+    ("params", "hierarchical_allreduce"): "hierarchical_allreduce",
+    ("params", "hierarchical_allgather"): "hierarchical_allgather",
+    ("autotune", "enabled"): "autotune",
+    ("autotune", "log_file"): "autotune_log_file",
+    ("autotune", "warmup_samples"): "autotune_warmup_samples",
+    ("autotune", "steps_per_sample"): "autotune_steps_per_sample",
+    ("autotune", "bayes_opt_max_samples"): "autotune_bayes_opt_max_samples",
+    ("autotune", "gaussian_process_noise"): "autotune_gaussian_process_noise",
+    ("timeline", "filename"): "timeline_filename",
+    ("timeline", "mark_cycles"): "timeline_mark_cycles",
+    ("stall_check", "warning_time_seconds"): "stall_check_warning_time_seconds",
+    ("stall_check", "shutdown_time_seconds"): "stall_check_shutdown_time_seconds",
+    ("logging", "level"): "log_level",
+}
+
+
+def read_horovod_config_file(path: str | Path) -> tuple[dict[str, Any], str | None]:
+    """Read horovodrun's YAML ``--config-file``: (settings by ``HorovodSettings`` field, controller or None).
+
+    Raises:
+        UsageError: the file is missing, not YAML, or PyYAML is not installed.
+    """
+    path = Path(path)
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError(f"--config-file {path}: reading it needs PyYAML: pip install pyyaml") from None
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as err:
+        raise UsageError(f"--config-file {path}: cannot be read ({err.strerror or err})") from err
+    except yaml.YAMLError as err:
+        raise UsageError(f"--config-file {path}: not valid YAML: {err}") from err
+    if not isinstance(doc, dict):
+        raise UsageError(f"--config-file {path}: expected a YAML mapping with params, autotune, timeline, ... sections")
+    settings: dict[str, Any] = {}
+    for (section, key), name in _CONFIG_FILE_KEYS.items():
+        part = doc.get(section)
+        if isinstance(part, dict) and part.get(key) is not None:
+            settings[name] = part[key]
+    stall = doc.get("stall_check")
+    if isinstance(stall, dict) and "enabled" in stall:
+        settings["no_stall_check"] = not stall["enabled"]
+    controller = doc.get("controller")
+    if controller is not None and str(controller).lower() not in ("gloo", "mpi"):
+        raise UsageError(f"--config-file {path}: controller {controller!r} is not gloo or mpi")
+    return settings, (str(controller).lower() if controller is not None else None)
+
+
+# ---- the launch config -----------------------------------------------------------------------------
+
+
+@dataclass
+class LaunchConfig:
+    """One ``dpro-launch`` job, validated when it is made.
+
+    Args:
+        command: the training command, e.g. ``["python", "train.py", "--lr", "0.1"]``.
+        np: total number of processes (``-np``).
+        hosts: hosts and slots in order; processes fill each host's slots before the next (horovodrun's rule).
+            Empty means ``localhost:np``.
+        engine: "torch" (dpro starts the processes, torch.distributed environment) or "horovod" (horovodrun).
+        profile: the iterations to record, (START, STOP); None records nothing (``--no-profile``).
+        run_dir: the run directory; None makes ``./dpro-runs/<timestamp>`` (under ``$DPRO_RUN_DIR`` if set).
+        optimize: analyze the recorded run and write ``RUN/analysis/config.json`` afterwards.
+        apply: a dpro config.json to apply, or "auto" (the newest config made for this job under the run root).
+        auto: profile, optimize, re-run with the config, and print before/after.
+        memory_budget_bytes: peak memory per rank that ``optimize`` must respect (recomputation).
+        force: apply a config made for another job anyway.
+
+    Raises:
+        UsageError: any inconsistent or out-of-range value, with how to fix it.
+    """
+
+    command: list[str]
+    np: int
+    hosts: list[Host] = field(default_factory=list)
+    engine: str = "torch"
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    controller: str | None = None
+    horovod: HorovodSettings = field(default_factory=HorovodSettings)
+    start_timeout: float | None = None
+    network_interfaces: str | None = None
+    output_filename: str | None = None
+    verbose: bool = False
+    disable_cache: bool = False
+    horovod_config_file: str | None = None
+    profile: tuple[int, int] | None = DEFAULT_WINDOW
+    run_dir: Path | None = None
+    optimize: bool = False
+    apply: Path | str | None = None
+    auto: bool = False
+    memory_budget_bytes: int | None = None
+    allow_compression: bool = False
+    force: bool = False
+    cwd: Path = field(default_factory=Path.cwd)
+
+    def __post_init__(self) -> None:
+        self.command = list(self.command)
+        if not self.command:
+            raise UsageError("no command given; put the training command last, e.g. dpro-launch -np 2 python train.py")
+        if self.command[0].startswith("-"):
+            raise UsageError(f"unrecognized argument {self.command[0]!r} before the command; see dpro-launch --help")
+        if not isinstance(self.np, int) or self.np < 1:
+            raise UsageError(f"-np {self.np!r}: the number of processes must be a positive integer, e.g. -np 2")
+        if not self.hosts:
+            self.hosts = [Host("localhost", self.np)]
+        slots = sum(h.slots for h in self.hosts)
+        if slots < self.np:
+            listed = ",".join(str(h) for h in self.hosts)
+            raise UsageError(f"-np {self.np} asks for more processes than the hosts have slots ({listed}: {slots}); "
+                             f"lower -np or add slots, e.g. -H {self.hosts[0].name}:{self.np}")
+        if self.engine not in ENGINE_NAMES:
+            raise UsageError(f"--engine {self.engine!r}: expected auto, {' or '.join(ENGINE_NAMES)}")
+        if self.controller not in (None, "gloo", "mpi"):
+            raise UsageError(f"controller {self.controller!r}: expected gloo or mpi")
+        if self.controller == "mpi" and self.engine == "torch":
+            raise UsageError("--mpi selects Horovod's MPI controller; the torch engine starts its processes itself. "
+                             "Use --engine horovod, or drop --mpi")
+        if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
+            raise UsageError(f"--ssh-port {self.ssh_port}: expected a port number between 1 and 65535")
+        if self.ssh_identity_file is not None:
+            key = Path(self.ssh_identity_file).expanduser()
+            if not key.is_file():
+                raise UsageError(f"--ssh-identity-file {self.ssh_identity_file}: no such file")
+            self.ssh_identity_file = str(key.resolve())
+        if self.start_timeout is None:
+            env = os.environ.get("HOROVOD_START_TIMEOUT")
+            try:
+                self.start_timeout = float(env) if env else DEFAULT_START_TIMEOUT_S
+            except ValueError:
+                raise UsageError(f"HOROVOD_START_TIMEOUT={env!r}: expected seconds, e.g. 30") from None
+        if self.start_timeout <= 0:
+            raise UsageError(f"--start-timeout {self.start_timeout:g}: expected a positive number of seconds")
+        if self.profile is not None:
+            first, last = self.profile
+            if not 1 <= first < last:
+                raise UsageError(f"profile window {first}:{last}: expected 1 <= START < STOP, e.g. 10:20")
+        self.cwd = Path(self.cwd).resolve()
+        if self.run_dir is not None:
+            self.run_dir = Path(self.run_dir)
+            if not self.run_dir.is_absolute():
+                self.run_dir = self.cwd / self.run_dir
+        if self.auto:
+            if self.profile is None:
+                raise UsageError("--auto profiles, optimizes and re-runs; it cannot be combined with --no-profile")
+            if self.apply is not None:
+                raise UsageError("--auto writes and applies its own config; drop --apply")
+            self.optimize = True
+            again = Path(f"{self.run_dir}-applied") if self.run_dir is not None else None
+            if again is not None and again.is_dir() and any(again.iterdir()):
+                raise UsageError(f"--auto records the re-run into {again}, which already holds a run; "
+                                 "choose another --run-dir")
+        if self.optimize and self.profile is None:
+            raise UsageError("--optimize analyzes the recorded run; it cannot be combined with --no-profile")
+        if self.apply is not None and self.apply != "auto":
+            path = Path(self.apply)
+            path = path if path.is_absolute() else self.cwd / path
+            if not path.is_file():
+                raise UsageError(f"--apply {self.apply}: no such file; give the config.json that `dpro optimize` "
+                                 "wrote, or --apply auto")
+            self.apply = path
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise UsageError(f"--memory-budget {self.memory_budget_bytes}: expected a positive size, e.g. 2GiB")
+
+    @property
+    def world_size(self) -> int:
+        return self.np
+
+    def placement(self) -> list[tuple[Host, int]]:
+        """(host, processes on it) in order: each host's slots are filled before the next; unused hosts dropped."""
+        left, out = self.np, []
+        for host in self.hosts:
+            take = min(host.slots, left)
+            if take:
+                out.append((host, take))
+            left -= take
+        return out
+
+    @property
+    def multi_host(self) -> bool:
+        return len(self.placement()) > 1 or not self.placement()[0][0].local

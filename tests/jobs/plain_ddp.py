@@ -1,0 +1,51 @@
+"""An unmodified DDP training script: it never imports dpro. `dpro-launch -np 2 python plain_ddp.py` records it.
+
+Options: --steps N; --width W (hidden size); --crash-rank R --crash-step S (that rank dies with status 3 at
+that step, like a killed process); --print-env (each rank prints its torch.distributed environment);
+--tag T (ignored: lets a test find its own processes).
+"""
+
+import argparse
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--width", type=int, default=256)
+parser.add_argument("--crash-rank", type=int, default=-1)
+parser.add_argument("--crash-step", type=int, default=-1)
+parser.add_argument("--print-env", action="store_true")
+parser.add_argument("--tag", default="")
+args = parser.parse_args()
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+if args.print_env:
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS")
+    print("ENV " + " ".join(f"{n}={os.environ.get(n)}" for n in names), flush=True)
+
+
+def train() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
+                        nn.Linear(args.width, 10))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        if rank == args.crash_rank and step == args.crash_step:
+            os._exit(3)
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+train()
+dist.barrier()
+dist.destroy_process_group()

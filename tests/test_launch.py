@@ -1,0 +1,466 @@
+"""dpro-launch: horovodrun's command line, the settings -> environment table, and real jobs it starts
+(unmodified scripts recorded, --auto, a failing rank, Ctrl-C, a second host reached over a real sshd)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from jobrunner import JOBS, job_env, run_job
+
+from dpro.config import read_config
+from dpro.errors import UsageError
+from dpro.launch import engines
+from dpro.launch.cli import build_parser, config_from_args
+from dpro.launch.engines import HorovodEngine, TorchEngine
+from dpro.launch.env import AUTOATTACH_DIR, HOROVOD_KNOBS, horovod_env, horovodrun_flags
+from dpro.launch.env import job_env as launch_env
+from dpro.launch.settings import LaunchConfig, detect_engine, is_local_host, parse_hosts
+from dpro.load import load_run
+
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def parse(*argv: str, cwd: Path | None = None) -> LaunchConfig:
+    return config_from_args(build_parser().parse_args(list(argv)), cwd=cwd)
+
+
+def launcher(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "dpro.launch", *argv]
+
+
+def env_for_jobs() -> dict[str, str]:
+    """One thread per rank, and `python` in a command is this venv's."""
+    return job_env(PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""))
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flags", "field", "value", "env"), [
+    (["--fusion-threshold-mb", "32"], "fusion_threshold_mb", 32.0, {"HOROVOD_FUSION_THRESHOLD": "33554432"}),
+    (["--fusion-threshold-mb", "0.5"], "fusion_threshold_mb", 0.5, {"HOROVOD_FUSION_THRESHOLD": "524288"}),
+    (["--cycle-time-ms", "2.5"], "cycle_time_ms", 2.5, {"HOROVOD_CYCLE_TIME": "2.5"}),
+    (["--cache-capacity", "512"], "cache_capacity", 512, {"HOROVOD_CACHE_CAPACITY": "512"}),
+    (["--hierarchical-allreduce"], "hierarchical_allreduce", True, {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}),
+    (["--no-hierarchical-allgather"], "hierarchical_allgather", False, {"HOROVOD_HIERARCHICAL_ALLGATHER": "0"}),
+    (["--timeline-filename", "t.json"], "timeline_filename", "t.json", {"HOROVOD_TIMELINE": "t.json"}),
+    (["--timeline-filename", "t.json", "--timeline-mark-cycles"], "timeline_mark_cycles", True,
+     {"HOROVOD_TIMELINE": "t.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1"}),
+    (["--autotune"], "autotune", True, {"HOROVOD_AUTOTUNE": "1"}),
+    (["--autotune", "--autotune-log-file", "at.csv"], "autotune_log_file", "at.csv",
+     {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "at.csv"}),
+    (["--autotune", "--autotune-warmup-samples", "4"], "autotune_warmup_samples", 4,
+     {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "4"}),
+    (["--autotune", "--autotune-steps-per-sample", "7"], "autotune_steps_per_sample", 7,
+     {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "7"}),
+    (["--autotune", "--autotune-bayes-opt-max-samples", "9"], "autotune_bayes_opt_max_samples", 9,
+     {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "9"}),
+    (["--autotune", "--autotune-gaussian-process-noise", "0.3"], "autotune_gaussian_process_noise", 0.3,
+     {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.3"}),
+    (["--autotune-warmup-samples", "4"], "autotune_warmup_samples", 4, {}),  # as horovodrun: only with --autotune
+    (["--no-stall-check"], "no_stall_check", True, {"HOROVOD_STALL_CHECK_DISABLE": "1"}),
+    (["--stall-check-warning-time-seconds", "60"], "stall_check_warning_time_seconds", 60,
+     {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60"}),
+    (["--log-level", "debug"], "log_level", "DEBUG", {"HOROVOD_LOG_LEVEL": "DEBUG"}),
+])
+def test_horovodrun_settings_become_fields_and_environment(flags, field, value, env):
+    config = parse("-np", "2", *flags, "python", "train.py")
+    assert getattr(config.horovod, field) == value
+    assert horovod_env(config.horovod) == env
+    assert {k: v for k, v in launch_env(config).items() if k.startswith("HOROVOD_")} == env
+    # the same table gives horovodrun's flags, which parse back to the same settings
+    again = parse("-np", "2", *horovodrun_flags(config.horovod), "python", "train.py")
+    assert horovod_env(again.horovod) == env
+
+
+def test_every_horovod_knob_has_a_flag():
+    parser = build_parser()
+    options = {opt for action in parser._actions for opt in action.option_strings}
+    for knob in HOROVOD_KNOBS:
+        assert knob.flag in options, knob
+        assert knob.env.startswith("HOROVOD_")
+
+
+def test_process_and_host_flags(tmp_path):
+    key = tmp_path / "id_test"
+    key.write_text("not a real key")
+    config = parse("-np", "3", "-H", "a:2,b:2", "-p", "2222", "-i", str(key), "--gloo", "--start-timeout", "5",
+                   "--network-interfaces", "lo", "--output-filename", "logs", "--verbose", "--engine", "torch",
+                   "python", "train.py", "--lr", "0.1")
+    assert config.command == ["python", "train.py", "--lr", "0.1"]
+    assert [(h.name, h.slots) for h in config.hosts] == [("a", 2), ("b", 2)]
+    assert [(h.name, n) for h, n in config.placement()] == [("a", 2), ("b", 1)]
+    assert (config.ssh_port, config.ssh_identity_file, config.controller) == (2222, str(key.resolve()), "gloo")
+    assert (config.start_timeout, config.output_filename, config.verbose) == (5.0, "logs", True)
+    env = launch_env(config)
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    assert env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS")) == os.environ.get("OMP_NUM_THREADS", "1")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(AUTOATTACH_DIR)
+    assert (AUTOATTACH_DIR / "sitecustomize.py").is_file()
+
+
+def test_hostfile_and_defaults(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=2\nnode2:3\nnode3\n")
+    config = parse("-np", "6", "--hostfile", str(hostfile), "--engine", "torch", "python", "x.py")
+    assert [(h.name, h.slots) for h in config.hosts] == [("node1", 2), ("node2", 3), ("node3", 1)]
+    single = parse("-np", "2", "python", "x.py")
+    assert [(h.name, h.slots) for h in single.hosts] == [("localhost", 2)] and not single.multi_host
+    assert single.profile == (10, 20) and single.engine == "torch"
+
+
+def test_unknown_flag_exits_2_naming_it(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["-np", "2", "--min-np", "1", "python", "train.py"])
+    assert exc.value.code == 2
+    assert "--min-np" in capsys.readouterr().err
+
+
+def test_console_script_and_manual():
+    script = Path(sys.executable).parent / "dpro-launch"
+    if not script.is_file():
+        pytest.skip("dpro-launch is not installed as a console script (pip install -e .)")
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--fusion-threshold-mb" in out.stdout and "--auto" in out.stdout
+    import dpro.launch.cli as cli
+
+    for topic in ("--engine", "--apply FILE|auto", "Faults", "sitecustomize", "HOROVOD_FUSION_THRESHOLD"):
+        assert topic in cli.__doc__
+
+
+def test_auto_refuses_a_used_applied_directory(tmp_path):
+    (tmp_path / "r-applied").mkdir()
+    (tmp_path / "r-applied" / "run.json").write_text("{}")
+    with pytest.raises(UsageError, match="already holds a run"):
+        parse("-np", "2", "--auto", "--run-dir", "r", "python", "x.py", cwd=tmp_path)
+
+
+def test_unknown_flag_from_the_command_line(tmp_path):
+    proc = run_job(launcher("-np", "2", "--bogus-flag", "python", "x.py"), check=False, timeout=60)
+    assert proc.returncode == 2 and "--bogus-flag" in proc.stderr
+
+
+@pytest.mark.parametrize(("hosts", "message"), [
+    ("a:x", "--hosts 'a:x': slots must be an integer, e.g. a:4"),
+    ("a:0", "slots must be at least 1"),
+    (":4", "the host name is missing"),
+    ("a:1,a:2", "listed twice"),
+    (",", "no hosts given"),
+])
+def test_bad_hosts_are_explained(hosts, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_hosts(hosts)
+
+
+def test_bad_hosts_on_the_command_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        from dpro.launch.cli import main
+
+        main(["-np", "2", "-H", "a:x", "python", "x.py"])
+    assert exc.value.code == 2
+    assert "slots must be an integer, e.g. a:4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-np", "4", "-H", "a:1,b:2"], "more processes than the hosts have slots"),
+    (["-np", "0"], "positive integer"),
+    (["-np", "2", "--profile", "0:5"], "starts at 1 or later"),
+    (["-np", "2", "--profile", "6:2"], "STOP must be greater than START"),
+    (["-np", "2", "--profile", "ten"], "expected START:STOP"),
+    (["-np", "2", "--fusion-threshold-mb", "-1"], "must be >= 0"),
+    (["-np", "2", "--autotune-gaussian-process-noise", "2"], r"must be in \[0, 1\]"),
+    (["-np", "2", "--mpi", "--engine", "torch"], "--engine horovod"),
+    (["-np", "2", "--auto", "--no-profile"], "cannot be combined with --no-profile"),
+    (["-np", "2", "--optimize", "--no-profile"], "cannot be combined with --no-profile"),
+    (["-np", "2", "--apply", "missing.json"], "no such file"),
+    (["-np", "2", "--memory-budget", "lots"], "expected a size"),
+])
+def test_bad_values_are_explained(argv, message):
+    with pytest.raises(UsageError, match=message):
+        parse(*argv, "python", "x.py")
+
+
+def test_no_command_is_explained():
+    with pytest.raises(UsageError, match="no command given"):
+        parse("-np", "2")
+
+
+def test_config_file_loses_to_the_command_line(tmp_path):
+    yaml_file = tmp_path / "hvd.yaml"
+    yaml_file.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 3\nautotune:\n  enabled: true\n"
+                         "logging:\n  level: warning\ncontroller: gloo\n")
+    config = parse("-np", "2", "--config-file", str(yaml_file), "--fusion-threshold-mb", "16", "python", "x.py")
+    env = horovod_env(config.horovod)
+    assert env["HOROVOD_FUSION_THRESHOLD"] == str(16 * 2**20) and env["HOROVOD_CYCLE_TIME"] == "3"
+    assert env["HOROVOD_AUTOTUNE"] == "1" and env["HOROVOD_LOG_LEVEL"] == "WARNING"
+    assert config.controller == "gloo"
+
+
+def test_engine_auto_detects_horovod(tmp_path):
+    hvd = tmp_path / "hvd_train.py"
+    hvd.write_text("import torch\nimport horovod.torch as hvd\nhvd.init()\n")
+    assert detect_engine(["python", str(hvd)]) == "horovod"
+    assert detect_engine(["python", str(JOBS / "plain_ddp.py")]) == "torch"
+    assert parse("-np", "2", "python", "hvd_train.py", cwd=tmp_path).engine == "horovod"
+
+
+def test_local_host_names_are_exact():
+    assert is_local_host("localhost") and is_local_host("127.0.0.1") and is_local_host(socket.gethostname())
+    assert not is_local_host("127.0.0.2") and not is_local_host("localhost.example")
+
+
+def test_remote_command_is_quoted_word_by_word(tmp_path):
+    config = parse("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", "2200", "--engine", "torch",
+                   "python", "train.py", "--name", "a b; rm -rf /", "--q", "it's", cwd=tmp_path)
+    remote, local = TorchEngine().command(config, master_port=1234)
+    assert local[:3] == [sys.executable, "-m", "dpro.launch.node"]
+    assert remote[0] == "ssh" and remote[remote.index("--") + 1] == "127.0.0.2" and "2200" in remote
+    words = shlex.split(remote[-1])
+    assert words[:4] == ["cd", str(tmp_path.resolve()), "&&", "exec"]
+    assert words[words.index("--") + 1:] == ["python", "train.py", "--name", "a b; rm -rf /", "--q", "it's"]
+    assert sys.executable in words and "--node-rank" in words and "DPRO_AUTO_RECORD=1" in words
+    assert f"PYTHONPATH={AUTOATTACH_DIR}" in [w.split(os.pathsep)[0] for w in words]
+    assert local[local.index("--master-port") + 1] == "1234"
+
+
+def test_horovod_engine_passes_flags_or_says_how_to_install(tmp_path, monkeypatch):
+    config = parse("-np", "2", "-H", "a:1,b:1", "-p", "2222", "--engine", "horovod", "--fusion-threshold-mb", "32",
+                   "--cycle-time-ms", "2", "--autotune", "--log-level", "INFO", "python", "t.py", cwd=tmp_path)
+    monkeypatch.setattr(engines, "find_horovodrun", lambda: None)
+    with pytest.raises(UsageError, match="horovodrun is not installed.*pip install"):
+        HorovodEngine().command(config)
+    monkeypatch.setattr(engines, "find_horovodrun", lambda: "/opt/bin/horovodrun")
+    (argv,) = HorovodEngine().command(config)
+    assert argv[:3] == ["/opt/bin/horovodrun", "-np", "2"] and argv[-2:] == ["python", "t.py"]
+    assert argv[argv.index("-H") + 1] == "a:1,b:1" and argv[argv.index("-p") + 1] == "2222"
+    assert argv[argv.index("--fusion-threshold-mb") + 1] == "32.0"
+    assert "--autotune" in argv and argv[argv.index("--log-level") + 1] == "INFO"
+
+
+def test_horovod_engine_gets_a_dynamic_timeline_when_recording(tmp_path, monkeypatch):
+    monkeypatch.delenv("HOROVOD_TIMELINE", raising=False)
+    config = parse("-np", "2", "--engine", "horovod", "python", "t.py", cwd=tmp_path)
+    assert launch_env(config)["HOROVOD_TIMELINE"] == "DYNAMIC"
+    named = parse("-np", "2", "--engine", "horovod", "--timeline-filename", "tl.json", "python", "t.py", cwd=tmp_path)
+    assert launch_env(named)["HOROVOD_TIMELINE"] == "tl.json"
+    quiet = parse("-np", "2", "--engine", "horovod", "--no-profile", "python", "t.py", cwd=tmp_path)
+    assert "HOROVOD_TIMELINE" not in launch_env(quiet) and launch_env(quiet)["DPRO_AUTO_RECORD"] == "0"
+
+
+def test_an_applied_config_env_wins_over_flags(tmp_path):
+    from dpro.config import Config, write_config
+
+    cfg = write_config(tmp_path / "c.json", Config(
+        fingerprint={"framework": "torch", "engine": "horovod", "world_size": 2, "model": "x"},
+        knobs={"env": {"HOROVOD_FUSION_THRESHOLD": "8388608"}}))
+    config = parse("-np", "2", "--engine", "horovod", "--fusion-threshold-mb", "32", "--apply", str(cfg),
+                   "python", "t.py", cwd=tmp_path)
+    env = launch_env(config)
+    assert env["HOROVOD_FUSION_THRESHOLD"] == "8388608" and env["DPRO_CONFIG"] == str(cfg)
+    assert horovodrun_flags(config.horovod, skip_env=env) == []
+
+
+def test_autoattach_is_lazy_and_chains_the_users_sitecustomize(tmp_path):
+    user = tmp_path / "user_site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n")
+    code = ("import os, sys; print(os.environ.get('USER_SITECUSTOMIZE_RAN'), 'torch' in sys.modules, "
+            "'dpro.plugins.torch.autoattach' in sys.modules)")
+    env = job_env(PYTHONPATH=os.pathsep.join([str(AUTOATTACH_DIR), str(user)]), DPRO_AUTO_RECORD="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["1", "False", "True"], out.stderr
+
+
+# ---- real jobs ---------------------------------------------------------------------------------------------
+
+
+def _events(run, rank: int, cat: str) -> list[dict]:
+    return [e for e in run.ranks[rank].events if e["cat"] == cat]
+
+
+@pytest.mark.slow
+def test_unmodified_script_is_recorded(tmp_path):
+    script = JOBS / "plain_ddp.py"
+    code = [line for line in script.read_text().splitlines() if line.lstrip().startswith(("import ", "from "))]
+    assert code and not any("dpro" in line for line in code)  # the script never imports dpro
+    with socket.socket() as taken:  # a MASTER_PORT in the environment that is in use does not matter
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {**env_for_jobs(), "MASTER_PORT": str(taken.getsockname()[1])}
+        proc = run_job(launcher("-np", "2", "--profile", "2:6", "--run-dir", "run", "python", str(script),
+                                "--print-env"), env=env, cwd=tmp_path, timeout=180)
+    run = load_run(tmp_path / "run")
+    assert run.meta["world_size"] == 2 and run.meta["engine"] == "torch-ddp" and not run.problems
+    assert run.meta["knobs"]["dpro.launch"] == "autoattach"
+    for rank in (0, 1):
+        assert (tmp_path / "run" / f"rank-{rank}.json").is_file()
+        steps = [e["args"]["step"] for e in _events(run, rank, "STEP")]
+        assert steps == [2, 3, 4, 5]
+        assert _events(run, rank, "COMM") and _events(run, rank, "UPDATE")
+    env_lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("ENV "))
+    assert env_lines == [f"ENV RANK={r} LOCAL_RANK={r} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+                         f"OMP_NUM_THREADS=1" for r in (0, 1)]
+    launched = json.loads((tmp_path / "run" / "launch.json").read_text())
+    assert launched["exit_status"] == 0 and launched["engine"] == "torch"
+
+
+@pytest.mark.slow
+def test_a_script_with_its_own_profiler_is_recorded_once(tmp_path):
+    run_job(launcher("-np", "2", "--run-dir", "run", "--profile", "2:6", "python", str(JOBS / "self_profiled_ddp.py")),
+            env=env_for_jobs(), cwd=tmp_path, timeout=180)
+    runs = sorted(p.parent for p in tmp_path.rglob("run.json"))
+    assert len(runs) == 1, runs
+    (recorded,) = runs
+    assert recorded.parent == tmp_path / "run"  # its Profiler(run_dir=None) went under $DPRO_RUN_DIR
+    run = load_run(recorded)
+    assert "dpro.launch" not in run.meta["knobs"] and sorted(run.ranks) == [0, 1]
+
+
+@pytest.mark.slow
+def test_an_unmodified_lightning_script_gets_the_callback(tmp_path):
+    pytest.importorskip("lightning")
+    run_job(launcher("-np", "2", "--profile", "2:6", "--run-dir", "run", "python", str(JOBS / "plain_lightning.py")),
+            env=env_for_jobs(), cwd=tmp_path, timeout=300)
+    run = load_run(tmp_path / "run")
+    assert run.meta["knobs"]["lightning.strategy"] == "DDPStrategy" and sorted(run.ranks) == [0, 1]
+    assert [e["args"]["step"] for e in _events(run, 0, "STEP")] == [2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_auto_profiles_optimizes_reruns_and_compares(tmp_path):
+    proc = run_job(launcher("-np", "2", "--auto", "--profile", "3:9", "--run-dir", "runs/a", "python",
+                            str(JOBS / "plain_ddp.py"), "--steps", "10", "--width", "512"),
+                   env=env_for_jobs(), cwd=tmp_path, timeout=300)
+    before, after = tmp_path / "runs" / "a", tmp_path / "runs" / "a-applied"
+    config = read_config(before / "analysis" / "config.json")
+    assert load_run(before).ranks and load_run(after).ranks
+    for row in ("before (measured)", "predicted with the config", "after (measured)", "knobs applied:",
+                "predicted gain"):
+        assert row in proc.stdout, proc.stdout
+    applied = json.loads((after / "run.json").read_text())["knobs"]
+    assert applied["dpro.config"] == str(before / "analysis" / "config.json")
+    if "torch.ddp.bucket_cap_mb" in config.knobs:
+        assert applied["torch.ddp.bucket_cap_mb"] == config.knobs["torch.ddp.bucket_cap_mb"]
+
+    # --apply auto: the ranks pick the newest config made for their model under the run root
+    run_job(launcher("-np", "2", "--apply", "auto", "--profile", "2:4", "--run-dir", "runs/c", "python",
+                     str(JOBS / "plain_ddp.py"), "--steps", "6", "--width", "512"),
+            env=env_for_jobs(), cwd=tmp_path, timeout=180)
+    assert json.loads((tmp_path / "runs" / "c" / "run.json").read_text())["knobs"]["dpro.config"] == str(
+        before / "analysis" / "config.json")
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_the_job_with_its_status(tmp_path):
+    began = time.monotonic()
+    proc = run_job(launcher("-np", "2", "--profile", "1:50", "--run-dir", "run", "python", str(JOBS / "plain_ddp.py"),
+                            "--steps", "100000", "--crash-rank", "1", "--crash-step", "6"),
+                   env=env_for_jobs(), cwd=tmp_path, timeout=120, check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert time.monotonic() - began < 60  # a surviving rank would train 100000 steps
+    assert "rank 1 exited with status 3" in proc.stderr
+    run = load_run(tmp_path / "run")
+    assert run.ranks[0].steps[:5] == [1, 2, 3, 4, 5]  # the other rank's finished steps are readable
+    assert run.ranks[1].steps == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_and_keeps_their_steps(tmp_path):
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(launcher("-np", "2", "--profile", "1:100000", "--run-dir", "run", "python",
+                                     str(JOBS / "plain_ddp.py"), "--steps", "1000000", "--tag", tag),
+                            env=env_for_jobs(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "run").glob("rank-1.partial.jsonl")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    if shutil.which("pgrep"):
+        left = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True)
+        assert left.stdout.strip() == "", "ranks outlived the launcher"
+    run = load_run(tmp_path / "run")
+    for rank in (0, 1):
+        assert run.ranks[rank].steps, rank  # KeyboardInterrupt let each rank write what it finished
+
+
+# ---- a second host over ssh (a real sshd on loopback) --------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def sshd(tmp_path_factory):
+    """A real sshd on 127.0.0.2 with a generated host key; yields (port, client key)."""
+    sshd_bin = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not Path(sshd_bin).is_file() or not shutil.which("ssh-keygen") or not shutil.which("ssh"):
+        pytest.skip("no sshd/ssh/ssh-keygen here (apt-get install -y openssh-server openssh-client)")
+    home = tmp_path_factory.mktemp("sshd")
+    for name in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(home / name)], check=True)
+    (home / "authorized_keys").write_text((home / "client_key.pub").read_text())
+    (home / "authorized_keys").chmod(0o600)
+    port = _free_port()
+    (home / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.2\nHostKey {home / 'host_key'}\n"
+        f"AuthorizedKeysFile {home / 'authorized_keys'}\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nStrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\n"
+        f"PidFile {home / 'sshd.pid'}\nSubsystem sftp internal-sftp\n")
+    if os.geteuid() == 0:
+        Path("/run/sshd").mkdir(exist_ok=True)
+    daemon = subprocess.Popen([sshd_bin, "-D", "-e", "-f", str(home / "sshd_config")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        probe = ["ssh", "-p", str(port), "-i", str(home / "client_key"), "-o", "StrictHostKeyChecking=no",
+                 "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
+                 "127.0.0.2", "true"]
+        for _ in range(50):
+            if daemon.poll() is not None:
+                pytest.skip(f"sshd did not start: {daemon.stdout.read()[-500:]}")
+            if subprocess.run(probe, capture_output=True, timeout=30).returncode == 0:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.skip("could not log in to the test sshd")
+        yield port, home / "client_key"
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_host_over_ssh_records_and_is_collected(tmp_path, sshd):
+    port, key = sshd
+    proc = run_job(launcher("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", str(port), "-i", str(key),
+                            "--profile", "2:6", "--run-dir", "run", "--optimize", "--verbose", "python",
+                            str(JOBS / "plain_ddp.py"), "--print-env"),
+                   env=env_for_jobs(), cwd=tmp_path, timeout=240)
+    assert "ssh -p" in proc.stderr and "127.0.0.2" in proc.stderr  # rank 0 went through ssh
+    assert "could not copy" not in proc.stderr
+    run = load_run(tmp_path / "run")
+    assert run.meta["world_size"] == 2 and sorted(run.ranks) == [0, 1] and not run.problems
+    for rank in (0, 1):
+        assert [e["args"]["step"] for e in _events(run, rank, "STEP")] == [2, 3, 4, 5]
+    assert "MASTER_ADDR=127.0.0.2" in proc.stdout
+    assert (tmp_path / "run" / "analysis" / "config.json").is_file()
