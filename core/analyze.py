@@ -114,7 +114,7 @@ def breakdown(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
                 comm.append((s, e))
             elif g.rank[node] == rank and cat == "COMM" and g.duration[node] > 0:
                 comm.append((s, e))
-            elif g.rank[node] == rank and cat in ("FW", "BW", "UPDATE", "COMPUTE"):
+            elif g.rank[node] == rank and cat in ("FW", "BW", "UPDATE", "RECOMPUTE", "COMPUTE"):
                 compute.append((s, e))
         cu, mu = union_intervals(compute), union_intervals(comm)
         overlap = overlap_length(cu, mu)

@@ -19,7 +19,7 @@ TRACE_SCHEMA = "dpro.trace/1"
 RUN_SCHEMA = "dpro.run/1"
 MODEL_SCHEMA = "dpro.model/1"
 
-CATEGORIES = ("FW", "BW", "COMM", "UPDATE", "IO", "STEP")
+CATEGORIES = ("FW", "BW", "COMM", "UPDATE", "IO", "STEP", "RECOMPUTE")  # RECOMPUTE: checkpointed forward in backward
 QUEUES = ("compute", "comm", "host")
 QUEUE_ID = {name: i for i, name in enumerate(QUEUES)}
 

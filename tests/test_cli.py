@@ -31,7 +31,7 @@ def test_info_prints_engine_world_size_and_ranks(run_dir: Path, capsys: pytest.C
     assert "torch.ddp.bucket_cap_mb  25.0" in out
     rows = _rank_rows(out)
     assert sorted(rows) == [0, 1]
-    assert rows[0] == ["0", "node-a", "complete", "3..7", "10", "10", "10", "5", "5", "5", "9.00",
+    assert rows[0] == ["0", "node-a", "complete", "3..7", "10", "10", "10", "5", "5", "5", "0", "9.00",
                        "12.0", "KiB"]
     assert "problems: none" in out
 
@@ -50,7 +50,8 @@ def test_info_json_parses(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert summary["engine"] == "torch-ddp" and summary["world_size"] == 2
     assert summary["steps_asked"] == summary["steps_recorded"] == [3, 4, 5, 6, 7]
     assert [r["state"] for r in summary["ranks"]] == ["complete", "complete"]
-    assert summary["ranks"][1]["events"] == {"FW": 10, "BW": 10, "COMM": 10, "UPDATE": 5, "IO": 5, "STEP": 5}
+    assert summary["ranks"][1]["events"] == {"FW": 10, "BW": 10, "COMM": 10, "UPDATE": 5, "IO": 5, "STEP": 5,
+                                             "RECOMPUTE": 0}
     assert summary["ranks"][1]["step_ms_median"] == 9.0
     assert summary["ranks"][1]["comm_bytes_per_step"] == 12288
     assert summary["model"] == {"gradients": 4, "gradient_bytes": 12288, "buckets": 2, "modules": 3,

@@ -128,6 +128,7 @@ class _StepLog:
     bw_end: dict[str, Any] = field(default_factory=dict)
     grad_ready: dict[str, Any] = field(default_factory=dict)
     activation_bytes: dict[str, int] = field(default_factory=dict)
+    fw_open: dict[str, list[Any]] = field(default_factory=dict)  # module -> starts of forwards still running
 
 
 class TorchRecorder:
@@ -312,8 +313,7 @@ class TorchRecorder:
         a module whose input needs no gradient, when its parameters' gradients are ready. Tensor
         hooks cost far less than nn.Module's full backward hooks and survive in-place ops.
         """
-        starts: list[Any] = []  # a stack: a module may run again inside itself
-        fw_name = f"FW.{name}"
+        fw_name, recompute_name = f"FW.{name}", f"RECOMPUTE.{name}"
 
         def bw_start(grad: torch.Tensor) -> None:
             self._log.bw_start[name] = self._mark()
@@ -322,20 +322,28 @@ class TorchRecorder:
             self._log.bw_end[name] = self._mark()
 
         def pre(module: nn.Module, inputs: Any) -> None:
+            log = self._log
             now = self._mark()
-            if self._log.io_open:
+            if log.io_open:
                 self.batch_ready(now)
-            starts.append(now)
-            if torch.is_grad_enabled():
+            log.fw_open.setdefault(name, []).append(now)  # a stack: a module may run inside itself
+            if torch.is_grad_enabled() and not (log.bw_start or log.grad_ready):
                 for tensor in inputs:
                     if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                         tensor.register_hook(bw_end)
 
         def post(module: nn.Module, inputs: Any, output: Any) -> None:
-            nbytes = tensor_bytes(output)
             log = self._log
-            log.ops.append((fw_name, "FW", COMPUTE, starts.pop(), self._mark(),
-                            {"step": self._iteration, "bytes": nbytes}))
+            opened = log.fw_open.get(name)
+            if not opened:
+                return
+            start = opened.pop()
+            if log.bw_start or log.grad_ready:
+                # backward has begun: this is a checkpointed module computing its forward again
+                log.ops.append((recompute_name, "RECOMPUTE", COMPUTE, start, self._mark(), {"step": self._iteration}))
+                return
+            nbytes = tensor_bytes(output)
+            log.ops.append((fw_name, "FW", COMPUTE, start, self._mark(), {"step": self._iteration, "bytes": nbytes}))
             log.activation_bytes[name] = nbytes
             first = output if isinstance(output, torch.Tensor) else _first_tensor(output)
             if first is not None and first.requires_grad:
@@ -584,8 +592,15 @@ class TorchRecorder:
                 if not getattr(ddp, "_comm_hooks", None) or ddp._comm_hooks[0][0] == self._comm_hook
                 else "user hook",
             })
+            caps = getattr(getattr(ddp, "_bucket_config", None), "per_bucket_bytes_caps", ())
+            if caps:
+                knobs["torch.ddp.bucket_cap_mb_list"] = [c / 2**20 for c in caps]
         if self.optimizer is not None:
             knobs["optimizer"] = type(self.optimizer).__name__
+        from dpro.plugins.torch.apply import recomputed
+
+        if recomputed(self.module):
+            knobs["recompute"] = recomputed(self.module)
         knobs.update(self.extra_knobs)
         return knobs
 
