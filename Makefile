@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpro-installed
+HVD_STAMP := $(VENV)/.horovod-installed
 RUNS := dpro-runs
 
-.PHONY: example test lint venv
+.PHONY: example test lint venv horovod
 
 venv: $(STAMP)
 
@@ -25,7 +26,13 @@ example: $(STAMP)
 	$(VENV)/bin/dpro info $$(ls -d $(RUNS)/example-* | tail -n 1)
 	$(VENV)/bin/dpro analyze $$(ls -d $(RUNS)/example-* | tail -n 1)
 
-test: $(STAMP)
+# horovod 0.28.1 (PyTorch + Gloo) built from its sdist once into ~/.cache/dpro/wheels (~4 min), then installed
+horovod: $(HVD_STAMP)
+
+$(HVD_STAMP): $(STAMP) scripts/build_horovod.sh
+	bash scripts/build_horovod.sh $(VENV)
+
+test: $(STAMP) $(HVD_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 lint: $(STAMP)

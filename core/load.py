@@ -493,7 +493,21 @@ def load_run(path: str | Path) -> Run:
     for rank in sorted(set(range(run.world_size)) | set(ranks)):
         run.problems.extend(_rank_problems(run, rank, cut_lines.get(rank, [])))
     run.problems.extend(_step_set_problems(run))
+    _merge_horovod_timeline(run)
     return run
+
+
+def _merge_horovod_timeline(run: Run) -> None:
+    """Horovod runs: merge ``horovod-timeline.json`` (fused buffers) when the run holds one."""
+    from dpro.hvd_timeline import find_timeline, merge_horovod_timeline
+
+    path = find_timeline(run)
+    if path is None:
+        return
+    try:
+        merge_horovod_timeline(run, path)
+    except TraceError as err:
+        run.problems.append(f"{err}; Horovod fusion not merged (per-tensor COMM events kept)")
 
 
 def _rank_files(root: Path) -> tuple[dict[int, Path], dict[int, Path]]:

@@ -1,0 +1,320 @@
+"""Horovod: timeline parsing and merging (hand-written), the Horovod fusion search, and real
+``horovodrun -np 2 -H localhost:2 --gloo`` jobs recorded by ``record_horovod``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobrunner import JOBS, job_env, run_job
+from run_builder import make_run
+
+from dpro.errors import TraceError
+from dpro.hvd_timeline import (
+    TIMELINE_FILE,
+    fused_groups,
+    merge_horovod_timeline,
+    parse_timeline_text,
+    read_timeline,
+    tensor_ops,
+)
+from dpro.load import load_run
+from dpro.optimize import horovod_cycles, horovod_fusion, optimize
+from dpro.whatif import context
+
+HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
+needs_horovod = pytest.mark.skipif(
+    not HAVE_HOROVOD, reason="horovod is not installed in this venv (make horovod / scripts/build_horovod.sh)")
+
+OFFSET = 990_000.0   # rank 0's clock minus timeline time in the hand-written run
+SHAPES = {"fc2.bias": "[4]", "fc2.weight": "[4, 255]", "fc1.bias": "[255]", "fc1.weight": "[1793]"}
+BYTES = {"fc2.bias": 16, "fc2.weight": 4080, "fc1.bias": 1020, "fc1.weight": 7172}
+
+
+# ---- a hand-written Horovod timeline -------------------------------------------------------------
+
+
+def _timeline_events(steps: list[int]) -> list[dict[str, Any]]:
+    """Rank 0's timeline of a run whose steps each fuse (fc2.bias, fc2.weight) and (fc1.bias, fc1.weight)."""
+    pids = {name: i + 1 for i, name in enumerate(["broadcast.fc2.bias", *(f"allreduce.{n}" for n in SHAPES)])}
+    ev: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
+                                 "args": {"start_time_since_epoch_in_micros": 1_700_000_000_000_000}}]
+    for name, pid in pids.items():
+        ev.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+    b = pids["broadcast.fc2.bias"]
+    ev += [{"ph": "B", "name": "NEGOTIATE_BROADCAST", "ts": 100, "pid": b}, {"ph": "E", "ts": 110, "pid": b},
+           {"ph": "B", "name": "BROADCAST", "ts": 120, "pid": b}, {"ph": "E", "ts": 130, "pid": b}]
+    for step in steps:
+        t0 = 1_000_000.0 + step * 10_000 - OFFSET
+        for names, at in ((["fc2.bias", "fc2.weight"], 4120), (["fc1.bias", "fc1.weight"], 6120)):
+            p = [pids[f"allreduce.{n}"] for n in names]
+            for i, pid in enumerate(p):
+                ev += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": t0 + at + i, "pid": pid},
+                       {"ph": "X", "name": "0", "ts": t0 + at + i, "pid": pid, "dur": 0}]
+            ev += [{"ph": "E", "ts": t0 + at + 80, "pid": pid} for pid in p]
+            ev += [{"ph": "B", "name": "ALLREDUCE", "ts": t0 + at + 90 + i, "pid": pid} for i, pid in enumerate(p)]
+            for phase, start, end in (("MEMCPY_IN_FUSION_BUFFER", 100, 180), ("GLOO_ALLREDUCE", 180, 1280),
+                                      ("MEMCPY_OUT_FUSION_BUFFER", 1280, 1370)):
+                ev += [{"ph": "B", "name": phase, "ts": t0 + at + start, "pid": pid} for pid in p]
+                ev += [{"ph": "E", "ts": t0 + at + end, "pid": pid} for pid in p]
+            ev += [{"ph": "E", "ts": t0 + at + 1380, "pid": pid,
+                    "args": {"dtype": "float32", "shape": SHAPES[n]}} for pid, n in zip(p, names, strict=True)]
+    return ev
+
+
+def _timeline_text(events: list[dict[str, Any]]) -> str:
+    """Horovod's layout: '[' then one event per line, comma-separated, closed by ']'."""
+    return "[\n" + ",\n".join(json.dumps(e) for e in events) + "]"
+
+
+def _hvd_comm_events(rank: int, step: int) -> list[dict[str, Any]]:
+    """What record_horovod writes: one COMM event per tensor, launch to completion."""
+    t0 = 1_000_000.0 + step * 10_000 + rank * 50
+    out = []
+    for names, launch, done in ((["fc2.bias", "fc2.weight"], 4100, 5600), (["fc1.bias", "fc1.weight"], 6100, 7600)):
+        for i, n in enumerate(names):
+            out.append({"name": f"COMM.{n}.allreduce", "cat": "COMM", "ph": "X", "ts": t0 + launch + 10 * i,
+                        "dur": done - launch - 10 * i, "pid": rank, "tid": 1,
+                        "args": {"step": step, "bytes": BYTES[n], "tensors": [n], "op": "allreduce",
+                                 "phase": "allreduce", "hvd_name": n}})
+    return out
+
+
+def _horovod_run(root: Path, timeline: str | None, steps: tuple[int, ...] = (3, 4)) -> Path:
+    make_run(root, steps=steps)
+    meta = json.loads((root / "run.json").read_text())
+    meta.update(engine="horovod", knobs={"HOROVOD_FUSION_THRESHOLD": 48 * 2**20, "HOROVOD_CYCLE_TIME": 5.0})
+    (root / "run.json").write_text(json.dumps(meta))
+    for rank in (0, 1):
+        path = root / f"rank-{rank}.json"
+        doc = json.loads(path.read_text())
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "COMM"]
+        doc["traceEvents"] += [e for s in steps for e in _hvd_comm_events(rank, s)]
+        path.write_text(json.dumps(doc))
+    if timeline is not None:
+        (root / TIMELINE_FILE).write_text(timeline)
+    return root
+
+
+def test_timeline_phases_and_fused_groups() -> None:
+    events, truncated = parse_timeline_text(_timeline_text(_timeline_events([3])))
+    assert not truncated
+    ops, start_epoch, incomplete, _ = tensor_ops(events)
+    assert start_epoch == 1_700_000_000_000_000 and incomplete == 0
+    allreduce = [o for o in ops if o.op == "ALLREDUCE"]
+    assert [o.tensor for o in allreduce] == [f"allreduce.{n}" for n in SHAPES]
+    assert {o.key for o in allreduce} == set(SHAPES)
+    assert [o.nbytes for o in allreduce] == [BYTES[n] for n in SHAPES]
+    first = allreduce[0]
+    assert first.negotiate is not None and first.negotiate[1] - first.negotiate[0] == 80
+    assert first.activity_us == {"MEMCPY_IN_FUSION_BUFFER": 80, "GLOO_ALLREDUCE": 1100, "MEMCPY_OUT_FUSION_BUFFER": 90}
+    groups = [g for g in fused_groups(ops) if g.op == "ALLREDUCE"]
+    assert [g.tensors for g in groups] == [["allreduce.fc2.bias", "allreduce.fc2.weight"],
+                                           ["allreduce.fc1.bias", "allreduce.fc1.weight"]]
+    phases = groups[0].phases()
+    assert phases["allreduce_us"] == 1100 and phases["memcpy_in_us"] == 80 and phases["memcpy_out_us"] == 90
+    assert phases["negotiate_us"] == 79 and phases["queue_us"] == 10
+    assert groups[0].nbytes == 16 + 4080
+
+
+@pytest.mark.parametrize("cut", ["no-bracket", "trailing-comma", "mid-event"])
+def test_truncated_timeline_is_read_up_to_the_cut(cut: str, tmp_path: Path) -> None:
+    text = _timeline_text(_timeline_events([3, 4]))
+    body = text[:-1]  # without the closing ']'
+    cuts = {"no-bracket": body, "trailing-comma": body + ",\n",
+            "mid-event": body[: body.rindex('{"ph": "E"') + 15]}
+    path = tmp_path / TIMELINE_FILE
+    path.write_text(cuts[cut])
+    timeline = read_timeline(path)
+    assert timeline.truncated
+    complete = [o for o in timeline.ops if o.op == "ALLREDUCE"]
+    assert len(complete) == (8 if cut != "mid-event" else 7)
+    assert timeline.incomplete == (0 if cut != "mid-event" else 1)
+
+
+def test_broken_timeline_is_refused_with_the_file(tmp_path: Path) -> None:
+    lines = _timeline_text(_timeline_events([3])).split("\n")
+    lines[5] = lines[5][:10]  # corruption in the middle, complete events after it
+    path = tmp_path / TIMELINE_FILE
+    path.write_text("\n".join(lines))
+    with pytest.raises(TraceError, match="broken event in the middle"):
+        read_timeline(path)
+    path.write_text("")
+    with pytest.raises(TraceError, match="empty"):
+        read_timeline(path)
+
+
+def test_load_run_merges_the_timeline_into_fused_comm_events(tmp_path: Path) -> None:
+    run = load_run(_horovod_run(tmp_path / "run", _timeline_text(_timeline_events([3, 4]))))
+    assert run.problems == []
+    merged = run.meta["horovod"]["merged"]
+    assert merged["fused_groups"] == 5 and merged["steps"] == [3, 4]  # 4 fused allreduces + the broadcast
+    assert merged["offset_us"] == pytest.approx(OFFSET + 100)  # completions seen 100 µs after the ends
+    for rank in (0, 1):
+        comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM"]
+        assert sorted({e["name"] for e in comm}) == ["COMM.fusion0.allreduce", "COMM.fusion1.allreduce"]
+        for step in (3, 4):
+            this = sorted((e for e in comm if e["args"]["step"] == step), key=lambda e: e["ts"])
+            assert [e["args"]["tensors"] for e in this] == [["fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"]]
+            assert sum(e["args"]["bytes"] for e in this) == sum(BYTES.values())
+            assert this[0]["args"]["allreduce_us"] == 1100 and this[0]["args"]["fused"] == 2
+            t0 = 1_000_000.0 + step * 10_000 + rank * 50
+            assert this[0]["ts"] == t0 + 4110  # the rank's last launch of the group
+    end0 = next(e for e in run.ranks[0].events if e["name"] == "COMM.fusion0.allreduce" and e["args"]["step"] == 3)
+    assert end0["ts"] + end0["dur"] == pytest.approx(1_030_000 + 4120 + 1380 + 100)  # the timeline's end
+
+
+def test_truncated_timeline_merges_and_says_so(tmp_path: Path) -> None:
+    text = _timeline_text(_timeline_events([3, 4]))[:-1]
+    run = load_run(_horovod_run(tmp_path / "run", text))
+    assert any("cut off" in p for p in run.problems)
+    assert {e["name"] for e in run.ranks[0].events if e["cat"] == "COMM"} == {
+        "COMM.fusion0.allreduce", "COMM.fusion1.allreduce"}
+
+
+def test_unreadable_timeline_keeps_the_per_tensor_events(tmp_path: Path) -> None:
+    run = load_run(_horovod_run(tmp_path / "run", "{not a timeline"))
+    assert any("not a Horovod timeline" in p for p in run.problems)
+    assert any(e["name"] == "COMM.fc2.bias.allreduce" for e in run.ranks[0].events)
+    assert merge_horovod_timeline(load_run(make_run(tmp_path / "plain"))) is None  # no timeline: nothing to do
+
+
+# ---- the fusion search ---------------------------------------------------------------------------
+
+
+def test_horovod_cycles_fuse_what_is_ready_per_cycle() -> None:
+    units = [(["a"], 100, 10.0), (["b"], 100, 20.0), (["c"], 300, 1510.0), (["d"], 50, 1600.0)]
+    cost = lambda nbytes: nbytes / 10.0  # noqa: E731
+    buffers = horovod_cycles(units, threshold=1000, cycle_us=1000.0, phase_us=500.0, cost_us=cost, coordinate_us=5.0)
+    assert [b[0] for b in buffers] == [["a", "b"], ["c", "d"]]
+    assert buffers[0][2] == 505.0 and buffers[0][3] == 525.0
+    assert buffers[1][2] == 2505.0  # c and d are both ready at the cycle at 2500
+    small = horovod_cycles(units, threshold=150, cycle_us=1000.0, phase_us=500.0, cost_us=cost, coordinate_us=5.0)
+    assert [b[0] for b in small] == [["a"], ["b"], ["c"], ["d"]]
+    assert small[1][2] == small[0][3]  # buffers of one cycle run back to back
+
+
+def test_horovod_fusion_picks_a_setting_and_optimize_writes_env_knobs(tmp_path: Path) -> None:
+    run = load_run(_horovod_run(tmp_path / "run", _timeline_text(_timeline_events([3, 4]))))
+    ctx = context(run)
+    results = horovod_fusion(ctx)
+    assert len(results) == 8 * 5 + 1  # the grid, and the setting in force (48 MB is off the grid)
+    in_force = [r for r in results if r["in_force"]]
+    assert len(in_force) == 1 and in_force[0]["threshold_bytes"] == 48 * 2**20
+    best = results[0]
+    assert best["predicted_step_ms"] == min(r["predicted_step_ms"] for r in results)
+    assert best["threshold_bytes"] in {mb * 2**20 for mb in (1, 2, 4, 8, 16, 32, 64, 128)}
+    assert sorted(n for b in best["buffers"] for n in b) == sorted(BYTES)
+    assert sorted(n for g in best["tensor_groups"] for n in g) == sorted(BYTES)
+    result = optimize(ctx)
+    env = result.knobs["env"]
+    assert set(env) == {"HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"}
+    assert int(env["HOROVOD_FUSION_THRESHOLD"]) > 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
+    assert "torch.ddp.bucket_cap_mb" not in result.knobs
+    # 5 ms cycles on a 10 ms step: a shorter cycle must be predicted faster
+    assert float(env["HOROVOD_CYCLE_TIME"]) < 5.0
+    assert result.predicted.predicted_step_ms < result.baseline.predicted_step_ms
+
+
+# ---- real Horovod jobs ---------------------------------------------------------------------------
+
+
+def horovodrun(*args: str, env: dict[str, str] | None = None, timeout: float = 240, check: bool = True):
+    launcher = Path(sys.executable).with_name("horovodrun")
+    return run_job([str(launcher), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+                    str(JOBS / "hvd_job.py"), *args], env=env or job_env(), timeout=timeout, check=check)
+
+
+@pytest.fixture(scope="module")
+def hvd_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not HAVE_HOROVOD:
+        pytest.skip("horovod is not installed in this venv (make horovod / scripts/build_horovod.sh)")
+    root = tmp_path_factory.mktemp("hvd") / "run"
+    root.mkdir()
+    horovodrun("--model", "mlp", "--steps", "14", "--profile", "4:12", "--run-dir", str(root),
+               env=job_env(HOROVOD_TIMELINE=str(root / TIMELINE_FILE)))
+    return root
+
+
+@needs_horovod
+def test_horovod_job_is_recorded(hvd_run: Path) -> None:
+    meta = json.loads((hvd_run / "run.json").read_text())
+    assert meta["engine"] == "horovod" and meta["world_size"] == 2
+    assert meta["knobs"]["HOROVOD_FUSION_THRESHOLD"] == 128 * 2**20 and meta["knobs"]["HOROVOD_CYCLE_TIME"] == 1.0
+    assert meta["horovod"]["timeline"].endswith(TIMELINE_FILE)
+    model = json.loads((hvd_run / "model.json").read_text())
+    grad_bytes = model["param_bytes"]
+    for rank in (0, 1):
+        doc = json.loads((hvd_run / f"rank-{rank}.json").read_text())
+        assert doc["steps"] == list(range(4, 12))
+        events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+        for step in range(4, 12):
+            comm = [e for e in events if e["cat"] == "COMM" and e["args"]["step"] == step]
+            assert len(comm) == len(model["gradients"])
+            assert all(e["name"] == f"COMM.{e['args']['tensors'][0]}.allreduce" for e in comm)
+            assert sum(e["args"]["bytes"] for e in comm) == grad_bytes
+            updates = [e for e in events if e["cat"] == "UPDATE" and e["args"]["step"] == step]
+            assert len(updates) == 1  # torch's step hooks fire twice under Horovod; recorded once
+            assert any(e["cat"] == "BW" for e in events if e["args"]["step"] == step)
+
+
+@needs_horovod
+def test_horovod_timeline_is_merged(hvd_run: Path) -> None:
+    run = load_run(hvd_run)
+    merged = run.meta["horovod"]["merged"]
+    assert merged["offset_us"] is not None and merged["clock"].startswith("wall clock")
+    assert merged["probe_samples"] == 20
+    grad_bytes = run.model["param_bytes"]
+    names = {g["name"] for g in run.model["gradients"]}
+    used = merged.get("steps_used", merged["steps"])
+    assert used
+    for rank in (0, 1):
+        for step in used:
+            comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM" and e["args"]["step"] == step]
+            assert comm and all(e["name"].startswith("COMM.fusion") for e in comm)
+            assert sum(e["args"]["bytes"] for e in comm) == grad_bytes
+            assert sorted(n for e in comm for n in e["args"]["tensors"]) == sorted(names)
+            assert all("allreduce_us" in e["args"] and "negotiate_us" in e["args"] for e in comm)
+
+
+@needs_horovod
+def test_dpro_analyze_and_optimize_a_horovod_run(hvd_run: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(hvd_run), "--json"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    analysis = json.loads(out)
+    assert analysis["measured_step_ms"] > 0 and analysis["predicted_step_ms"] > 0
+    assert isinstance(analysis["error_pct"], float)
+    config_path = hvd_run.parent / "config.json"
+    subprocess.run([sys.executable, "-m", "dpro", "optimize", str(hvd_run), "--output", str(config_path)],
+                   capture_output=True, text=True, timeout=120, check=True)
+    config = json.loads(config_path.read_text())
+    assert config["fingerprint"]["engine"] == "horovod"
+    env = config["knobs"]["env"]
+    assert int(env["HOROVOD_FUSION_THRESHOLD"]) > 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
+
+
+@needs_horovod
+def test_a_killed_horovod_job_leaves_a_readable_timeline(hvd_run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "cut"
+    shutil.copytree(hvd_run, copy)
+    text = (copy / TIMELINE_FILE).read_text()
+    (copy / TIMELINE_FILE).write_text(text[: int(len(text) * 0.97)])  # as a kill leaves it
+    run = load_run(copy)
+    assert any("cut off" in p for p in run.problems)
+    assert run.meta["horovod"]["merged"]["truncated"]
+
+
+@needs_horovod
+def test_dynamic_timeline_is_written_into_the_run_dir(tmp_path: Path) -> None:
+    root = tmp_path / "dyn"
+    horovodrun("--model", "mlp", "--steps", "8", "--profile", "3:6", "--run-dir", str(root),
+               env=job_env(HOROVOD_TIMELINE="DYNAMIC"))
+    assert (root / TIMELINE_FILE).is_file()
+    run = load_run(root)
+    assert run.meta["horovod"]["merged"]["steps"]
