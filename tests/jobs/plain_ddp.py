@@ -7,6 +7,7 @@ that step, like a killed process); --print-env (each rank prints its torch.distr
 
 import argparse
 import datetime
+import gc
 import os
 
 import torch
@@ -47,5 +48,6 @@ def train() -> None:
 
 
 train()
+gc.collect()  # free the DDP model before the process group (gloo can abort at exit otherwise)
 dist.barrier()
 dist.destroy_process_group()

@@ -2,6 +2,7 @@
 pytorch_lightning. Started by dpro-launch, the Trainer gets dpro's DproCallback."""
 
 import argparse
+import gc
 import importlib
 import os
 
@@ -28,7 +29,7 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-if __name__ == "__main__":
+def main() -> None:
     gen = torch.Generator().manual_seed(0)
     n = 16 * args.steps * 2
     x, y = torch.randn(n, 32, generator=gen), torch.randint(0, 4, (n,), generator=gen)
@@ -36,3 +37,12 @@ if __name__ == "__main__":
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(Module(), DataLoader(TensorDataset(x, y), batch_size=16))
+
+
+if __name__ == "__main__":
+    main()
+    # free the DDP model before the process group: gloo (torch 2.13) can abort at exit when a DDP model
+    # outlives its process group; a careful script does this whether or not dpro is attached
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
