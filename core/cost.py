@@ -1,9 +1,9 @@
 """Stage 5, cost: models fitted from the run itself (never constants from another cluster).
 
 - ``CommModel``: time of an allreduce of ``bytes`` on ``world_size`` ranks, ring algorithm:
-  ``2 (N-1) * latency + 2 (N-1) / N * bytes * seconds_per_byte``. Fitted on the transfers measured
-  inside the profiled steps and, to pin the slope when the job has a single bucket size, on the
-  all_reduce probe the recorder runs at a few sizes when recording starts.
+  ``2 (N-1) * latency + 2 (N-1) / N * bytes * seconds_per_byte``. Its shape is fitted on the all_reduce
+  probe the recorder runs at a few sizes when recording starts (or on the in-step transfers), its level
+  on the recorded run itself (``dpro.whatif.calibrate``).
 - ``MemoryModel``: peak memory from parameter, gradient, optimizer-state and activation bytes.
 """
 
@@ -55,11 +55,12 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]], world_size: int) -> CommModel:
-    """Fit a ``CommModel`` from in-step ``transfers`` [(bytes, µs)] and the recording-time ``probe``.
+    """Fit a ``CommModel`` from the recording-time ``probe`` [[bytes, µs]] or in-step ``transfers``.
 
-    In-step transfers decide when they span sizes a factor 2 apart or more. Otherwise the probe gives
-    the slope and the in-step transfers move the intercept, so predictions keep the conditions the
-    job really ran under (a CPU busy with backward slows gloo down).
+    The probe (all_reduce alone, at four sizes, on the job's own process group and network) gives the
+    cleanest shape of latency vs bandwidth; in-step transfers overlap each other and backward, so they
+    are used only when there is no probe. ``dpro.whatif.calibrate`` then scales the model so the recorded
+    configuration replays to its measured step.
     """
     n = max(world_size, 2)
     hops, frac = 2 * (n - 1), 2 * (n - 1) / n
@@ -67,20 +68,14 @@ def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]
     def to_model(intercept: float, slope: float, source: str) -> CommModel:
         return CommModel(latency_us=intercept / hops, us_per_byte=slope / frac, world_size=world_size, source=source)
 
-    sizes = sorted({b for b, _ in transfers})
-    if len(sizes) >= 2 and sizes[-1] >= 2 * sizes[0]:
-        return to_model(*_line(transfers), "in-step transfers")
     by_size: dict[float, list[float]] = defaultdict(list)
     for nbytes, us in probe:
         by_size[nbytes].append(us)
-    probe_points = [(b, statistics.median(v)) for b, v in by_size.items()]
-    if len(probe_points) >= 2:
-        intercept, slope = _line(probe_points)
-        if transfers:
-            shift = statistics.median(us - (intercept + slope * b) for b, us in transfers)
-            intercept = max(0.0, intercept + shift)
-            return to_model(intercept, slope, "probe slope, in-step level")
-        return to_model(intercept, slope, "probe")
+    if len(by_size) >= 2:
+        return to_model(*_line([(b, statistics.median(v)) for b, v in by_size.items()]), "all_reduce probe")
+    sizes = sorted({b for b, _ in transfers})
+    if len(sizes) >= 2:
+        return to_model(*_line(transfers), "in-step transfers")
     if transfers:
         b, us = transfers[0]
         return to_model(0.0, us / b if b else 0.0, "one in-step size (no latency term)")

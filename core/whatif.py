@@ -16,6 +16,7 @@ models of ``dpro.cost`` and replayed by ``dpro.replay``:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -99,7 +100,42 @@ def context(run: Run) -> Context:
     comm = fit_comm_model(transfers, probe, run.world_size)
     knobs = dict((run.meta or {}).get("knobs", {}))
     grads = [(g["name"], int(g["bytes"])) for g in run.model["gradients"]]
-    return Context(run, base, comm, memory_model(run.model, knobs), grads, knobs)
+    return calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs))
+
+
+def calibrate(ctx: Context) -> Context:
+    """Scale the fitted ``CommModel`` so that the recorded configuration, rebuilt with the model's transfer
+    times, replays to the step time the measured transfers give.
+
+    The fit gives the shape (latency vs bandwidth); the run itself gives the level: collectives that
+    overlap each other and backward on a busy host run slower than the recording-time probe. Without
+    this, a what-if would compare a model-priced change against a measurement-priced baseline.
+    """
+    buckets = [list(b.get("tensors") or []) for b in (ctx.run.model or {}).get("buckets", [])]
+    names = {n for n, _ in ctx.gradients}
+    if not ctx.base.transfer or not buckets or {t for b in buckets for t in b} != names:
+        return ctx
+    target = predict(ctx, {}).predicted_step_ms
+    fitted = ctx.comm
+
+    def step_at(scale: float) -> float:
+        ctx.comm = dataclasses.replace(fitted, latency_us=fitted.latency_us * scale,
+                                       us_per_byte=fitted.us_per_byte * scale)
+        return predict(ctx, {"tensor_groups": buckets}).predicted_step_ms
+
+    lo, hi = 0.05, 20.0
+    if step_at(lo) >= target:
+        scale = lo
+    elif step_at(hi) <= target:
+        scale = hi
+    else:
+        for _ in range(24):  # bisection on a log scale: the step time grows with the scale
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
+        scale = (lo * hi) ** 0.5
+    ctx.comm = dataclasses.replace(fitted, latency_us=fitted.latency_us * scale, us_per_byte=fitted.us_per_byte * scale,
+                                   source=f"{fitted.source}, scaled x{scale:.2f} to replay the recorded run")
+    return ctx
 
 
 def ddp_buckets(gradients: list[tuple[str, int]], cap_mb: float, first_cap_mb: float | None = None) -> list[list[str]]:
