@@ -13,8 +13,12 @@ Usage::
 The script needs no change. dpro-launch puts a ``sitecustomize`` on the job's ``PYTHONPATH`` that, once
 the script builds its ``DistributedDataParallel`` model, attaches dpro's recorder to it and to the
 optimizer that steps it (one optimizer step is one iteration), and adds dpro's ``DproCallback`` to a
-Lightning ``Trainer``. A script that records itself (dpro's ``Profiler`` or ``DproCallback``) is recorded
-once, by itself. Iteration 0 ends before the recorder attaches, so the window starts at 1 or later.
+Lightning ``Trainer``. In a Horovod script, the optimizer ``hvd.DistributedOptimizer`` returns gets dpro's
+Horovod recorder (``record_horovod``) for the model that holds its parameters (found among the live
+``nn.Module`` objects: the one whose ``named_parameters()`` were passed as ``named_parameters=``, else
+the outermost module all of whose trainable parameters the optimizer updates); one ``step()`` of it is one
+iteration. A script that records itself (dpro's ``Profiler``, ``DproCallback`` or ``record_horovod``) is
+recorded once, by itself. Iteration 0 ends before the recorder attaches, so the window starts at 1 or later.
 
 Engines (``--engine``)
     torch      dpro starts one process per slot with the torch.distributed environment that torchrun gives
@@ -27,7 +31,9 @@ Engines (``--engine``)
                LD_LIBRARY_PATH and VIRTUAL_ENV variables. localhost, 127.0.0.1, ::1 and this machine's
                hostname run here without ssh; any other name (even 127.0.0.2) goes through ssh.
     horovod    the job goes to ``horovodrun`` (installed with Horovod) with the same options and dpro's
-               environment.
+               environment (horovodrun hands its whole environment to every rank, over ssh too). A
+               fractional --fusion-threshold-mb, which horovodrun's option refuses, is passed by
+               HOROVOD_FUSION_THRESHOLD alone.
     auto       (default) horovod if the script (the first ``*.py`` argument) contains ``import horovod``,
                ``from horovod`` or ``horovod.torch``; torch otherwise.
 
@@ -82,7 +88,10 @@ dpro options:
                                    recomputation before DDP wraps the model). "auto": each rank applies the
                                    newest config under the run root made for its job (framework, engine,
                                    world size and model); none found, the job runs as is. A config made for
-                                   another job is refused with the reason.
+                                   another job is refused with the reason. Horovod jobs: the "env" knobs
+                                   (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME) win over the flags;
+                                   "tensor_groups" become hvd.DistributedOptimizer(groups=) unless the script
+                                   passes groups; "recompute" is applied to the model found for the optimizer.
     --force                        apply a config made for another job anyway
     --auto                         profile -> optimize -> run again with the config, recorded into
                                    RUN-applied -> print measured step before and after, the predicted step

@@ -43,7 +43,7 @@ AUTOATTACH_DIR = Path(__file__).resolve().parent / "autoattach"
 """Holds the ``sitecustomize.py`` that attaches dpro to an unmodified script (prepended to PYTHONPATH)."""
 
 DPRO_LAUNCH = "DPRO_LAUNCH"              # "1" in every process dpro-launch starts
-DPRO_AUTO_RECORD = "DPRO_AUTO_RECORD"    # "1": attach a recorder to the script's DDP model
+DPRO_AUTO_RECORD = "DPRO_AUTO_RECORD"    # "1": attach a recorder to the script's DDP model / Horovod optimizer
 DPRO_PROFILE = "DPRO_PROFILE"            # the window, "START:STOP"
 DPRO_FORCE = "DPRO_FORCE"                # "1": apply a config made for another job anyway
 DPRO_APPLY_SEARCH = "DPRO_APPLY_SEARCH"  # --apply auto: the ranks pick the newest config made for their model here
@@ -58,18 +58,25 @@ def _flag(value: Any) -> str:
     return "1" if value else "0"
 
 
+def _whole_mb(mb: Any) -> str | None:
+    """horovodrun's --fusion-threshold-mb takes whole MB; a fraction goes by the environment only."""
+    return str(int(mb)) if float(mb).is_integer() else None
+
+
 @dataclass(frozen=True)
 class EnvKnob:
     """One horovodrun setting: its ``HorovodSettings`` field, environment variable and conversion.
 
     ``only_with`` names a setting that must be on for this one to count (autotune_* need --autotune;
-    the mark-cycles switch needs a timeline file), as in horovodrun. ``flag`` is the horovodrun option.
+    the mark-cycles switch needs a timeline file), as in horovodrun. ``flag`` is the horovodrun option,
+    ``to_flag`` its value (None: horovodrun cannot take it, the environment variable alone carries it).
     """
 
     setting: str
     env: str
     to_env: Callable[[Any], str] = str
     only_with: str | None = None
+    to_flag: Callable[[Any], str | None] = str
 
     @property
     def flag(self) -> str:
@@ -77,7 +84,7 @@ class EnvKnob:
 
 
 HOROVOD_KNOBS: tuple[EnvKnob, ...] = (
-    EnvKnob("fusion_threshold_mb", "HOROVOD_FUSION_THRESHOLD", _int_bytes),
+    EnvKnob("fusion_threshold_mb", "HOROVOD_FUSION_THRESHOLD", _int_bytes, to_flag=_whole_mb),
     EnvKnob("cycle_time_ms", "HOROVOD_CYCLE_TIME"),
     EnvKnob("cache_capacity", "HOROVOD_CACHE_CAPACITY"),
     EnvKnob("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", _flag),
@@ -111,7 +118,8 @@ def horovod_env(settings: HorovodSettings) -> dict[str, str]:
 
 def horovodrun_flags(settings: HorovodSettings, *, skip_env: Mapping[str, str] = ()) -> list[str]:
     """The horovodrun options for the given settings; settings whose variable is in ``skip_env`` are left out
-    (an applied config sets them instead)."""
+    (an applied config sets them instead), and so are values horovodrun's parser refuses (a fractional
+    --fusion-threshold-mb: ``job_env`` sets its variable in bytes)."""
     argv: list[str] = []
     for knob, value in _in_force(settings):
         if knob.env in skip_env:
@@ -122,7 +130,9 @@ def horovodrun_flags(settings: HorovodSettings, *, skip_env: Mapping[str, str] =
             elif knob.setting.startswith("hierarchical_"):
                 argv.append("--no-" + knob.flag[2:])
             continue
-        argv += [knob.flag, str(value)]
+        text = knob.to_flag(value)
+        if text is not None:
+            argv += [knob.flag, text]
     return argv
 
 

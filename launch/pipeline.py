@@ -161,8 +161,9 @@ def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
     _write_launch_file(config, status)
     recorded = find_recorded_run(config.run_dir)
     if recorded is None:
-        _say(f"nothing was recorded in {config.run_dir}: the job built no DistributedDataParallel model, or ended "
-             f"before iteration {config.profile[0]} (--profile {config.profile[0]}:{config.profile[1]})")
+        _say(f"nothing was recorded in {config.run_dir}: the job built no DistributedDataParallel model or "
+             f"hvd.DistributedOptimizer, or ended before iteration {config.profile[0]} "
+             f"(--profile {config.profile[0]}:{config.profile[1]})")
     elif recorded != config.run_dir:
         _say(f"the script recorded itself into {recorded}")
     return status, config, recorded

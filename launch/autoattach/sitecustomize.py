@@ -2,10 +2,10 @@
 on ``PYTHONPATH`` for the processes it starts.
 
 When ``DPRO_AUTO_RECORD=1`` (record) or a config is to be applied (``DPRO_CONFIG``, ``DPRO_APPLY_SEARCH``)
-and torch is installed, it calls ``dpro.plugins.torch.autoattach.install()``, which patches DDP and
-Lightning lazily, when the script imports them (nothing is imported here). Then it runs the
-``sitecustomize`` that would have run without this directory, if there is one. Any failure is printed and
-ignored: a dpro problem never stops the user's program from starting.
+and torch is installed, it calls ``dpro.plugins.torch.autoattach.install()``, which patches DDP, Lightning
+and ``horovod.torch.DistributedOptimizer`` lazily, when the script imports them (nothing is imported here).
+Then it runs the ``sitecustomize`` that would have run without this directory, if there is one. Any failure
+is printed and ignored: a dpro problem never stops the user's program from starting.
 """
 
 import importlib.machinery

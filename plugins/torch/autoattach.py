@@ -16,6 +16,21 @@ post-import hook on ``sys.meta_path`` and patches, when (and if) the script impo
   left alone, and rank 0 leaves a note in ``$DPRO_RUN_DIR/recorded-elsewhere.json`` naming where it recorded.
 - Lightning's ``Trainer.__init__`` (``lightning.pytorch`` and ``pytorch_lightning``): a ``DproCallback`` is
   added unless the callbacks hold one; it records and applies the config itself.
+- Horovod's ``horovod.torch.DistributedOptimizer`` (the factory; same signature and result): the optimizer
+  it returns gets a ``HorovodRecorder`` (``dpro.plugins.torch.horovod``) at the end of its first step, as
+  above (one ``step()`` of the Horovod optimizer = one iteration; torch's step hooks fire once per class
+  level of Horovod's optimizer, so nested calls are counted once). With ``$DPRO_CONFIG`` (or a config
+  made for this model and engine ``horovod`` under ``$DPRO_APPLY_SEARCH``) its ``recompute`` is applied to
+  the model and its ``tensor_groups`` become ``groups=`` (unless the script passes ``groups``/
+  ``num_groups``); its ``env`` knobs (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``) were set by
+  the launcher. Horovod knows no model, only parameters, so the model is found (``owning_model``) as
+  the ``nn.Module`` instances alive in the process (``gc.get_objects()``) that hold the optimizer's
+  first parameter, walked up through their parents to the outermost one whose trainable parameters
+  are all in the optimizer; a module whose ``named_parameters()`` equal the ``named_parameters=`` given
+  to Horovod (names and tensors) is taken first. Limits: the model must be an ``nn.Module`` alive when
+  the optimizer is built; parameters of the optimizer outside that module (e.g. a loss module's) are
+  allreduced but not attributed to a layer; a parameter shared by two unrelated models picks the
+  larger; with several Horovod optimizers the first one to finish a step is recorded.
 
 The recorder is closed at interpreter exit, so a run shorter than the window still leaves its steps.
 Nothing here raises into the user's import of torch: a failure to patch is printed and ignored.
@@ -37,13 +52,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["install", "installed"]
+__all__ = ["install", "installed", "owning_model"]
 
 # The variables dpro-launch sets (dpro.launch.env names them too; a plugin does not import the launcher).
 AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
 CONFIG, APPLY_SEARCH, FORCE = "DPRO_CONFIG", "DPRO_APPLY_SEARCH", "DPRO_FORCE"
 ELSEWHERE_FILE = "recorded-elsewhere.json"
 WHO = "dpro-launch"
+HVD_ENGINE = "horovod"  # the engine dpro.plugins.torch.horovod records (a config's fingerprint names it)
 
 
 def _rank() -> int:
@@ -54,7 +70,7 @@ def _rank() -> int:
             return dist.get_rank()
     except ImportError:
         pass
-    return int(os.environ.get("RANK", "0") or 0)
+    return int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or 0)
 
 
 def _say(message: str) -> None:
@@ -142,6 +158,9 @@ class _State:
     lightning_callback: bool = False
     config_applied: bool = False
     config_source: str | None = None
+    hvd_candidates: list[tuple[weakref.ref, weakref.ref]] = field(default_factory=list)  # (optimizer, model)
+    hvd_depth: dict[int, int] = field(default_factory=dict)  # id(optimizer) -> step() calls running
+    hvd_hooks: list[Any] = field(default_factory=list)
 
     # -- the config ----------------------------------------------------------------------------------
 
@@ -237,6 +256,118 @@ class _State:
         self.optimizer = weakref.ref(optimizer)
         self.recorder.start()
         self.recorder.step()  # iteration 0 ended with this optimizer step
+
+    # -- Horovod ------------------------------------------------------------------------------------
+
+    def hvd_config_for(self, model: Any, world_size: int) -> Any:
+        """The config to apply to a Horovod job's model (engine ``horovod``), or None."""
+        path = os.environ.get(CONFIG) or None
+        search = os.environ.get(APPLY_SEARCH) or None
+        if path is None and search is None:
+            return None
+        from dpro.plugins.torch.apply import fingerprint, load_config
+
+        if path is None:
+            from dpro.config import find_config
+
+            wanted = {"framework": "torch", "engine": HVD_ENGINE, "world_size": world_size,
+                      "model": fingerprint(model)}
+            found = find_config(search, wanted)
+            if found is None:
+                _say(f"--apply auto: no config made for this job (horovod, world size {world_size}, model "
+                     f"{wanted['model'][:12]}) under {search}; running without one")
+                return None
+            path = str(found)
+        config = load_config(path, model=model, world_size=world_size, force=os.environ.get(FORCE) == "1",
+                             engine=HVD_ENGINE)
+        _say(f"applying {path}")
+        self.config_applied = True
+        self.config_source = path
+        return config
+
+    def hvd_optimizer_built(self, optimizer: Any, model: Any) -> None:
+        """A ``hvd.DistributedOptimizer`` was built for ``model``: watch its steps (first step: attach)."""
+        if not self.record or self.decided or model is None:
+            return
+        self.hvd_candidates.append((weakref.ref(optimizer), weakref.ref(model)))
+        if not self.hvd_hooks:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+            self.hvd_hooks = [register_optimizer_step_pre_hook(self.on_hvd_step_begin),
+                              register_optimizer_step_post_hook(self.on_hvd_step_end)]
+
+    def _hvd_watched(self, optimizer: Any) -> Any:
+        """The model of a watched Horovod optimizer, or None."""
+        for opt_ref, model_ref in self.hvd_candidates:
+            if opt_ref() is optimizer:
+                return model_ref()
+        return None
+
+    def on_hvd_step_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.decided and (self.optimizer is None or self.optimizer() is not optimizer):
+            return
+        if self.decided or self._hvd_watched(optimizer) is not None:
+            self.hvd_depth[id(optimizer)] = self.hvd_depth.get(id(optimizer), 0) + 1
+
+    def on_hvd_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer post-step hook; the outermost ``step()`` of the Horovod optimizer ends an iteration."""
+        depth = self.hvd_depth.get(id(optimizer), 0)
+        if depth == 0:
+            return
+        self.hvd_depth[id(optimizer)] = depth = depth - 1
+        if depth:
+            return  # the wrapped optimizer's own step, inside Horovod's
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.step()
+            if recorder.iteration > recorder.steps[-1]:
+                self.hvd_unhook()
+            return
+        if self.decided:
+            return
+        model = self._hvd_watched(optimizer)
+        self.decided = True
+        self.hvd_candidates = []
+        self.hvd_attach(model, optimizer)
+
+    def hvd_attach(self, model: Any, optimizer: Any) -> None:
+        from dpro.errors import DproError
+        from dpro.plugins.torch.apply import recomputed
+        from dpro.plugins.torch.horovod import HorovodRecorder
+        from dpro.plugins.torch.recorder import active_recorders
+
+        others = active_recorders()
+        if others:  # the script records itself (record_horovod)
+            self.elsewhere = sorted({str(Path(r.run_dir).resolve()) for r in others})
+            self.hvd_unhook()
+            return
+        steps = [s for s in range(*self.window) if s >= 1]
+        knobs: dict[str, Any] = {"dpro.launch": "autoattach", "recompute": recomputed(model)}
+        if self.config_source:
+            knobs["dpro.config"] = self.config_source
+        try:
+            self.recorder = HorovodRecorder(model, optimizer, self.run_dir, steps, extra_knobs=knobs, who=WHO)
+        except DproError as err:
+            _say(f"not recording: {err}")
+            self.hvd_unhook()
+            return
+        self.optimizer = weakref.ref(optimizer)
+        self.recorder.start()
+        self.recorder.step()  # iteration 0 ended with this optimizer step
+
+    def hvd_unhook(self) -> None:
+        """Stop watching steps. Called from the global post hook: the pre hook goes at once; the post hook
+        goes when it is the last global post hook (torch iterates that dict while calling it), else it
+        stays, doing nothing."""
+        self.hvd_candidates = []
+        self.optimizer = None
+        self.hvd_depth.clear()
+        for handle in self.hvd_hooks:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks and next(reversed(hooks)) != handle.id:
+                continue
+            handle.remove()
+        self.hvd_hooks = []
 
     def unhook(self) -> None:
         if self.hook is not None:
@@ -366,6 +497,158 @@ def _search_config_in_setup(callback: Any, search: str) -> None:
     callback.setup = setup
 
 
+def owning_model(params: list[Any], named: list[tuple[str, Any]] | None = None,
+                 objects: list[Any] | None = None) -> Any:
+    """The model (``nn.Module``) that an optimizer's parameters belong to, or None.
+
+    Horovod is given parameters, not a model, so the modules are searched: the ``nn.Module`` instances in
+    ``objects`` (default: ``gc.get_objects()`` after a collection, every object the collector tracks,
+    which includes every module) that hold ``params[0]`` directly, and their ancestors (modules holding
+    them in ``_modules``). With ``named`` (Horovod's ``named_parameters``), an ancestor whose
+    ``named_parameters()`` are exactly those names and tensors is the model (the script passed
+    ``model.named_parameters()``). Otherwise the model is the outermost one whose trainable parameters
+    are all in ``params`` (walking up stops at a module holding a trainable parameter the optimizer
+    does not update); of several such, the one with the most parameters, then the outermost found.
+    """
+    if not params:
+        return None
+    import gc
+
+    from torch import nn
+
+    if objects is None:
+        gc.collect()  # a module that is already garbage must not be taken for the model
+        objects = gc.get_objects()
+    first = params[0]
+    wanted = {id(p) for p in params}
+    parents: dict[int, list[Any]] = {}
+    owners = []
+    module_type = nn.Module
+    for module in objects:
+        if not issubclass(type(module), module_type):  # type(), not isinstance: no object's __class__ is asked
+            continue
+        for child in module._modules.values():
+            if child is not None:
+                parents.setdefault(id(child), []).append(module)
+        if any(p is first for p in module._parameters.values()):
+            owners.append(module)
+    ancestors: list[Any] = []  # breadth first: the owners, their parents, ...
+    seen: set[int] = set()
+    queue = list(owners)
+    while queue:
+        module = queue.pop(0)
+        if id(module) not in seen:
+            seen.add(id(module))
+            ancestors.append(module)
+            queue.extend(parents.get(id(module), ()))
+    if named is not None:
+        given = sorted((n, id(p)) for n, p in named)
+        for module in ancestors:
+            if sorted((n, id(p)) for n, p in module.named_parameters()) == given:
+                return module
+    owner_ids = {id(m) for m in owners}
+    valid: dict[int, int] = {}  # id(module) -> trainable parameters, for modules that qualify
+    best: tuple[int, Any] | None = None
+    for module in ancestors:
+        children = module._modules.values()
+        if id(module) not in owner_ids and not any(c is not None and id(c) in valid for c in children):
+            continue  # not reached through qualifying modules
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable or any(id(p) not in wanted for p in trainable):
+            continue
+        valid[id(module)] = len(trainable)
+        if best is None or len(trainable) >= best[0]:
+            best = (len(trainable), module)
+    return None if best is None else best[1]
+
+
+def _patch_horovod(module: ModuleType) -> None:
+    """Wrap ``horovod.torch.DistributedOptimizer`` (and ``horovod.torch.optimizer``'s) for ``_State``."""
+    original = getattr(module, "DistributedOptimizer", None)
+    if original is None or getattr(original, "_dpro_patched", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def DistributedOptimizer(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
+        state = _STATE
+        if state is None or not (state.record or os.environ.get(CONFIG) or os.environ.get(APPLY_SEARCH)):
+            return original(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # let Horovod report the mistake
+        named = bound.arguments.get("named_parameters")
+        if named is not None and not isinstance(named, (list, tuple)):
+            try:  # e.g. model.named_parameters(), a generator: read once here, Horovod gets the list (as it
+                named = list(named)  # would make itself)
+                bound.arguments["named_parameters"] = named
+            except TypeError:
+                pass  # Horovod reports it
+        model = None
+        try:
+            inner = bound.arguments["optimizer"]
+            params = [p for group in inner.param_groups for p in group["params"]]
+            pairs = named if isinstance(named, (list, tuple)) and all(
+                isinstance(x, tuple) and len(x) == 2 for x in named) else None
+            model = owning_model(params, pairs)
+            if model is None:
+                _say("no nn.Module holds the parameters given to hvd.DistributedOptimizer: the job is not "
+                     "recorded and no config is applied")
+            else:
+                _hvd_apply_config(state, module, model, bound)
+        except Exception as err:  # never break the user's optimizer
+            if isinstance(err, _ConfigRefused):
+                raise err.__cause__ from None
+            _say(f"could not prepare hvd.DistributedOptimizer: {type(err).__name__}: {err}")
+        optimizer = original(*bound.args, **bound.kwargs)
+        try:
+            state.hvd_optimizer_built(optimizer, model)
+        except Exception as err:
+            _say(f"not recording: {type(err).__name__}: {err}")
+        return optimizer
+
+    DistributedOptimizer._dpro_patched = True
+    module.DistributedOptimizer = DistributedOptimizer
+    inner_module = sys.modules.get("horovod.torch.optimizer")
+    if inner_module is not None and getattr(inner_module, "DistributedOptimizer", None) is original:
+        inner_module.DistributedOptimizer = DistributedOptimizer
+
+
+class _ConfigRefused(Exception):
+    """A config that does not fit the job: raised to the script, as ``load_config`` would."""
+
+
+def _hvd_apply_config(state: _State, hvd: ModuleType, model: Any, bound: inspect.BoundArguments) -> None:
+    """Apply the dpro config (if any) before Horovod builds its optimizer: recompute on the model,
+    ``tensor_groups`` as ``groups=`` unless the script passes groups."""
+    try:
+        world = hvd.size()
+    except ValueError:  # not initialized: Horovod will say so
+        world = int(os.environ.get("HOROVOD_SIZE", "1") or 1)
+    from dpro.errors import ConfigError
+
+    try:
+        config = state.hvd_config_for(model, world)
+        if config is None:
+            return
+        from dpro.plugins.torch.apply import apply
+
+        apply(model, config)
+    except ConfigError as err:
+        raise _ConfigRefused() from err
+    groups = config.knobs.get("tensor_groups")
+    if not groups or bound.arguments.get("groups") is not None or bound.arguments.get("num_groups"):
+        return
+    params = dict(model.named_parameters())
+    unknown = [n for group in groups for n in group if n not in params]
+    if unknown:
+        _say(f"{config.source}: tensor_groups name parameters the model does not have ({', '.join(unknown[:3])}); "
+             "not applied")
+        return
+    bound.arguments["groups"] = [[params[n] for n in group] for group in groups if len(group) > 1] or None
+
+
 def install() -> None:
     """Install the post-import patches (once per process). Reads the DPRO_* variables set by dpro-launch."""
     global _STATE, _FINDER
@@ -379,4 +662,5 @@ def install() -> None:
     _FINDER.when_imported("torch.nn.parallel.distributed", _patch_ddp)
     _FINDER.when_imported("lightning.pytorch.trainer.trainer", _patch_trainer)
     _FINDER.when_imported("pytorch_lightning.trainer.trainer", _patch_trainer)
+    _FINDER.when_imported("horovod.torch", _patch_horovod)
     atexit.register(_STATE.at_exit)

@@ -103,7 +103,7 @@ class HorovodRecorder(TorchRecorder):
     """``TorchRecorder`` on Horovod's process group, timing ``hvd.DistributedOptimizer``'s allreduces."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path | None,
-                 steps: Iterable[int], *, total_steps: int | None = None,
+                 steps: Iterable[int], *, total_steps: int | None = None, extra_knobs: dict[str, Any] | None = None,
                  who: str = "dpro.plugins.torch.horovod.record_horovod") -> None:
         if not hvd.is_initialized():
             raise UsageError(f"{who}: Horovod is not initialized; call hvd.init() before recording")
@@ -112,7 +112,7 @@ class HorovodRecorder(TorchRecorder):
                              f"{type(optimizer).__name__}")
         self.hvd_optimizer = optimizer
         extra = {**horovod_knobs(), "optimizer": type(optimizer).__name__,
-                 "horovod.groups": _groups_knob(optimizer)}
+                 "horovod.groups": _groups_knob(optimizer), **(extra_knobs or {})}
         # optimizer=None: TorchRecorder's UPDATE hooks would fire twice under Horovod (see _install_hooks)
         super().__init__(model, None, run_dir, steps, total_steps=total_steps, extra_knobs=extra,
                          versions={"horovod": horovod.__version__}, engine=ENGINE, who=who)

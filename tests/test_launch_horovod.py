@@ -1,0 +1,271 @@
+"""dpro-launch with Horovod: an unmodified Horovod script recorded through ``hvd.DistributedOptimizer``
+(auto-attach), horovodrun's knobs reaching the job, ``--auto`` end to end, a self-recording script left
+alone, and the auto-attach patch in one process (step counting, the model search, a config's groups).
+
+The real jobs are ``dpro-launch -np 2 -H localhost:2 --gloo ...`` (horovodrun underneath)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from jobrunner import JOBS, job_env, run_job
+
+from dpro.hvd_timeline import TIMELINE_FILE
+from dpro.launch import engines
+from dpro.launch.cli import build_parser, config_from_args
+from dpro.launch.env import AUTOATTACH_DIR
+from dpro.load import load_run
+
+HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None and importlib.util.find_spec("horovod.torch") is not None
+pytestmark = pytest.mark.skipif(
+    not HAVE_HOROVOD, reason="horovod (with PyTorch) is not installed in this venv (make horovod / "
+                             "scripts/build_horovod.sh)")
+
+VENV_BIN = str(Path(sys.executable).parent)
+PLAIN = JOBS / "plain_hvd.py"
+
+
+def env_for_jobs(**extra: str) -> dict[str, str]:
+    """One thread per rank, `python` is this venv's, and no timeline named from outside."""
+    env = job_env(PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""), **extra)
+    env.pop("HOROVOD_TIMELINE", None)
+    return env
+
+
+def launcher(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "dpro.launch", "-np", "2", "-H", "localhost:2", "--gloo", *argv]
+
+
+def _rank_events(run_dir: Path, rank: int) -> list[dict]:
+    doc = json.loads((run_dir / f"rank-{rank}.json").read_text())
+    return [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+
+
+# ---- the environment horovodrun gets (no job) ----------------------------------------------------------
+
+
+def test_horovodrun_gets_dpros_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("HOROVOD_TIMELINE", raising=False)
+    config = config_from_args(build_parser().parse_args(
+        ["-np", "2", "-H", "localhost:2", "--gloo", "--profile", "2:8", "--run-dir", "run",
+         "--fusion-threshold-mb", "0.5", "--cycle-time-ms", "2", "python", str(PLAIN)]), cwd=tmp_path)
+    assert config.engine == "horovod"  # detected from the script
+    seen = {}
+
+    class Popen:
+        stdin = None
+
+        def __init__(self, argv, env, **kw):
+            seen.update(argv=argv, env=env)
+            self.pid = os.getpid()
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(engines, "find_horovodrun", lambda: "/opt/bin/horovodrun")
+    monkeypatch.setattr(engines.subprocess, "Popen", Popen)
+    assert engines.HorovodEngine().launch(config) == 0
+    env, argv = seen["env"], seen["argv"]
+    assert env["DPRO_AUTO_RECORD"] == "1" and env["DPRO_PROFILE"] == "2:8"
+    assert env["DPRO_RUN_DIR"] == str(config.run_dir)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(AUTOATTACH_DIR)
+    assert env["HOROVOD_TIMELINE"] == "DYNAMIC"  # the recorder runs it for the window, into the run dir
+    assert env["HOROVOD_FUSION_THRESHOLD"] == str(2**19) and env["HOROVOD_CYCLE_TIME"] == "2.0"
+    # horovodrun's --fusion-threshold-mb takes whole MB: half a MB goes by the environment alone
+    assert "--fusion-threshold-mb" not in argv and argv[argv.index("--cycle-time-ms") + 1] == "2.0"
+    assert argv[-2:] == ["python", str(PLAIN)] and "--gloo" in argv
+
+
+# ---- the patch in one process (Horovod runs alone without horovodrun) ------------------------------------
+
+ONE_PROCESS = textwrap.dedent("""
+    import sys
+    import horovod.torch as hvd
+    import torch
+    from torch import nn
+
+    hvd.init()
+    torch.manual_seed(0)
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+            self.head = nn.Linear(16, 4)
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+    model = Net()
+    loss_fn = nn.Linear(4, 4)  # another module alive in the process, not trained
+    names = None if "--no-names" in sys.argv else model.named_parameters()  # a generator, read once
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=names)
+    assert hvd.DistributedOptimizer.__wrapped__.__module__ == "horovod.torch.optimizer"
+    for _ in range(7):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    groups = getattr(opt, "_groups", None)
+    print("GROUPS", sorted(len(g) for g in groups) if isinstance(groups, list) else groups)
+""")
+
+
+def _one_process(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "one.py"
+    script.write_text(ONE_PROCESS)
+    full = env_for_jobs(PYTHONPATH=str(AUTOATTACH_DIR), DPRO_AUTO_RECORD="1", DPRO_PROFILE="2:5", **env)
+    proc = subprocess.run([sys.executable, str(script), *args], env=full, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.parametrize("names", [True, False])
+def test_distributed_optimizer_gets_a_recorder_one_step_per_iteration(tmp_path, names):
+    run_dir = tmp_path / "run"
+    _one_process(tmp_path, *([] if names else ["--no-names"]), DPRO_RUN_DIR=str(run_dir))
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["engine"] == "horovod" and meta["knobs"]["dpro.launch"] == "autoattach"
+    events = _rank_events(run_dir, 0)
+    # torch's step hooks fire twice per Horovod step (the wrapper class and the wrapped optimizer's): counted once
+    assert sorted(e["args"]["step"] for e in events if e["cat"] == "STEP") == [2, 3, 4]
+    fw = {e["name"] for e in events if e["cat"] == "FW"}
+    assert {"FW.body.0", "FW.body.2", "FW.head"} <= fw  # the model found is Net, not a part of it
+    model = json.loads((run_dir / "model.json").read_text())
+    assert sorted(g["name"] for g in model["gradients"]) == sorted(
+        ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias", "head.weight", "head.bias"])
+
+
+def test_a_horovod_config_applies_its_groups(tmp_path):
+    from torch import nn
+
+    from dpro.config import Config, write_config
+    from dpro.plugins.torch.apply import fingerprint
+
+    class Net(nn.Module):  # the same names and shapes as the script's model
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+            self.head = nn.Linear(16, 4)
+
+    groups = [["head.bias", "head.weight", "body.2.bias", "body.2.weight"], ["body.0.bias", "body.0.weight"]]
+    cfg = write_config(tmp_path / "config.json", Config(
+        fingerprint={"framework": "torch", "engine": "horovod", "world_size": 1, "model": fingerprint(Net())},
+        knobs={"tensor_groups": groups}))
+    run_dir = tmp_path / "run"
+    proc = _one_process(tmp_path, DPRO_RUN_DIR=str(run_dir), DPRO_CONFIG=str(cfg))
+    assert "GROUPS [2, 4]" in proc.stdout  # hvd.DistributedOptimizer(groups=) got the config's groups
+    knobs = json.loads((run_dir / "run.json").read_text())["knobs"]
+    assert knobs["horovod.groups"] == "explicit" and knobs["dpro.config"] == str(cfg)
+
+
+def test_owning_model_is_the_outermost_fully_trained_module():
+    from torch import nn
+
+    from dpro.plugins.torch.autoattach import owning_model
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    wrapper = nn.ModuleDict({"net": net})
+    teacher = nn.Linear(3, 3)
+    both = nn.ModuleDict({"student": net, "teacher": teacher})  # holds parameters the optimizer does not train
+    objects = [net, net[0], net[2], wrapper, teacher, both]
+    params = list(net.parameters())
+    assert owning_model(params, objects=objects) is wrapper
+    assert owning_model(params, list(net.named_parameters()), objects=objects) is net  # the names decide
+    assert owning_model(list(net[2].parameters()), objects=objects) is net[2]
+    assert owning_model([nn.Parameter(net[0].weight.detach().clone())], objects=objects) is None
+    assert owning_model(params) in (net, wrapper)  # the real gc search finds them too
+
+
+# ---- real jobs ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The unmodified script, recorded, with horovodrun's knobs on the command line."""
+    cwd = tmp_path_factory.mktemp("plain_hvd")
+    proc = run_job(launcher("--profile", "2:8", "--run-dir", "run", "--fusion-threshold-mb", "4",
+                            "--cycle-time-ms", "2", "python", str(PLAIN)),
+                   env=env_for_jobs(), cwd=cwd, timeout=120)
+    return cwd / "run", proc
+
+
+def test_an_unmodified_horovod_script_is_recorded(plain_run):
+    run_dir, proc = plain_run
+    code = [line for line in PLAIN.read_text().splitlines() if line.lstrip().startswith(("import ", "from "))]
+    assert code and not any("dpro" in line for line in code)  # the script never imports dpro
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["engine"] == "horovod" and meta["world_size"] == 2
+    assert meta["knobs"]["dpro.launch"] == "autoattach" and meta["knobs"]["backend"] == "gloo"
+    model = json.loads((run_dir / "model.json").read_text())
+    for rank in (0, 1):
+        events = _rank_events(run_dir, rank)
+        assert sorted({e["args"]["step"] for e in events if e["cat"] == "STEP"}) == list(range(2, 8))
+        for cat in ("FW", "BW", "COMM", "UPDATE"):
+            assert any(e["cat"] == cat for e in events), (rank, cat)
+        for step in range(2, 8):  # one COMM per gradient per step before the timeline is merged
+            comm = [e for e in events if e["cat"] == "COMM" and e["args"]["step"] == step]
+            assert sum(e["args"]["bytes"] for e in comm) == model["param_bytes"]
+    launched = json.loads((run_dir / "launch.json").read_text())
+    assert launched["engine"] == "horovod" and launched["exit_status"] == 0
+
+
+def test_the_horovod_timeline_is_captured_and_merged(plain_run):
+    run_dir, _ = plain_run
+    if not (run_dir / TIMELINE_FILE).is_file():
+        pytest.skip("Horovod wrote no timeline (HOROVOD_TIMELINE=DYNAMIC not honoured)")
+    run = load_run(run_dir)
+    merged = run.meta["horovod"]["merged"]
+    used = merged.get("steps_used", merged["steps"])
+    assert used
+    names = sorted(g["name"] for g in run.model["gradients"])
+    for rank in (0, 1):
+        for step in used:
+            comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM" and e["args"]["step"] == step]
+            assert comm and all(e["name"].startswith("COMM.fusion") for e in comm)
+            assert sorted(n for e in comm for n in e["args"]["tensors"]) == names
+
+
+def test_horovodrun_knobs_reach_the_job(plain_run):
+    run_dir, proc = plain_run
+    assert "HVD size=2 fusion=4194304 cycle=2.0" in proc.stdout  # what the ranks see
+    knobs = json.loads((run_dir / "run.json").read_text())["knobs"]
+    assert knobs["HOROVOD_FUSION_THRESHOLD"] == 4 * 2**20 and knobs["HOROVOD_CYCLE_TIME"] == 2.0
+
+
+def test_a_script_recording_itself_is_recorded_once(tmp_path):
+    run_job(launcher("--profile", "2:6", "--run-dir", "run", "python", str(JOBS / "hvd_job.py"), "--steps", "8",
+                     "--profile", "3:6"), env=env_for_jobs(), cwd=tmp_path, timeout=120)
+    runs = sorted(p.parent for p in tmp_path.rglob("run.json"))
+    assert len(runs) == 1, runs
+    (recorded,) = runs
+    assert recorded.parent == tmp_path / "run"  # record_horovod(run_dir=None) went under $DPRO_RUN_DIR
+    meta = json.loads((recorded / "run.json").read_text())
+    assert "dpro.launch" not in meta["knobs"] and meta["profiled_steps"] == [3, 4, 5]
+
+
+def test_auto_on_a_horovod_job(tmp_path):
+    proc = run_job(launcher("--auto", "--profile", "2:8", "--run-dir", "runs/a", "python", str(PLAIN)),
+                   env=env_for_jobs(), cwd=tmp_path, timeout=180)
+    before, after = tmp_path / "runs" / "a", tmp_path / "runs" / "a-applied"
+    config = json.loads((before / "analysis" / "config.json").read_text())
+    assert config["fingerprint"]["engine"] == "horovod" and config["fingerprint"]["world_size"] == 2
+    env = config["knobs"]["env"]
+    assert int(env["HOROVOD_FUSION_THRESHOLD"]) > 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
+    for row in ("before (measured)", "before (replayed)", "predicted with the config", "after (measured)",
+                "knobs applied:", "HOROVOD_FUSION_THRESHOLD"):
+        assert row in proc.stdout, proc.stdout
+    applied = json.loads((after / "run.json").read_text())
+    assert applied["engine"] == "horovod" and applied["world_size"] == 2
+    knobs = applied["knobs"]
+    assert knobs["dpro.config"] == str(before / "analysis" / "config.json")
+    assert knobs["HOROVOD_FUSION_THRESHOLD"] == int(env["HOROVOD_FUSION_THRESHOLD"])
+    assert knobs["HOROVOD_CYCLE_TIME"] == float(env["HOROVOD_CYCLE_TIME"])
+    assert f"fusion={env['HOROVOD_FUSION_THRESHOLD']} cycle={env['HOROVOD_CYCLE_TIME']}" in proc.stdout
