@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -313,7 +314,8 @@ def test_unmodified_script_is_recorded(tmp_path):
         steps = [e["args"]["step"] for e in _events(run, rank, "STEP")]
         assert steps == [2, 3, 4, 5]
         assert _events(run, rank, "COMM") and _events(run, rank, "UPDATE")
-    env_lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("ENV "))
+    # two ranks print to one pipe: their lines can interleave, so find each record by its shape
+    env_lines = sorted(re.findall(r"ENV RANK=\d .*?OMP_NUM_THREADS=\d+", proc.stdout))
     assert env_lines == [f"ENV RANK={r} LOCAL_RANK={r} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
                          f"OMP_NUM_THREADS=1" for r in (0, 1)]
     launched = json.loads((tmp_path / "run" / "launch.json").read_text())
