@@ -1,5 +1,5 @@
 # The two commands of the README. Both build what they need on a fresh machine:
-#   make example   profile a 2-rank DDP job of a bundled model, show what was recorded and analyze it
+#   make example   profile a 2-rank DDP job of a bundled model; show what was recorded, analyze and optimize it
 #   make test      run the test suite (real multi-process jobs)
 PYTHON ?= python3
 VENV := .venv
@@ -25,6 +25,7 @@ example: $(STAMP)
 		-m dpro.plugins.torch.example --model transformer --steps 30 --profile 10:20 --run-dir $(RUNS)/example-$$(date +%Y%m%d-%H%M%S)
 	$(VENV)/bin/dpro info $$(ls -d $(RUNS)/example-* | tail -n 1)
 	$(VENV)/bin/dpro analyze $$(ls -d $(RUNS)/example-* | tail -n 1)
+	$(VENV)/bin/dpro optimize $$(ls -d $(RUNS)/example-* | tail -n 1)
 
 # horovod 0.28.1 (PyTorch + Gloo) built from its sdist once into ~/.cache/dpro/wheels (~4 min), then installed
 horovod: $(HVD_STAMP)
