@@ -234,7 +234,6 @@ class _State:
         self.attach(ddp, optimizer)
 
     def attach(self, ddp: Any, optimizer: Any) -> None:
-        from dpro.errors import DproError
         from dpro.plugins.torch.apply import recomputed
         from dpro.plugins.torch.recorder import TorchRecorder, active_recorders
 
@@ -243,19 +242,7 @@ class _State:
             self.elsewhere = sorted({str(Path(r.run_dir).resolve()) for r in others})
             self.unhook()
             return
-        steps = [s for s in range(*self.window) if s >= 1]
-        knobs = {"dpro.launch": "autoattach", "recompute": recomputed(ddp.module)}
-        if self.config_source:
-            knobs["dpro.config"] = self.config_source
-        try:
-            self.recorder = TorchRecorder(ddp, optimizer, self.run_dir, steps, extra_knobs=knobs, who=WHO)
-        except DproError as err:
-            _say(f"not recording: {err}")
-            self.unhook()
-            return
-        self.optimizer = weakref.ref(optimizer)
-        self.recorder.start()
-        self.recorder.step()  # iteration 0 ended with this optimizer step
+        self._start(TorchRecorder, ddp, recomputed(ddp.module), optimizer, self.unhook)
 
     # -- Horovod ------------------------------------------------------------------------------------
 
@@ -331,7 +318,6 @@ class _State:
         self.hvd_attach(model, optimizer)
 
     def hvd_attach(self, model: Any, optimizer: Any) -> None:
-        from dpro.errors import DproError
         from dpro.plugins.torch.apply import recomputed
         from dpro.plugins.torch.horovod import HorovodRecorder
         from dpro.plugins.torch.recorder import active_recorders
@@ -341,15 +327,22 @@ class _State:
             self.elsewhere = sorted({str(Path(r.run_dir).resolve()) for r in others})
             self.hvd_unhook()
             return
+        self._start(HorovodRecorder, model, recomputed(model), optimizer, self.hvd_unhook)
+
+    def _start(self, recorder_class: Any, model: Any, recompute: list[str], optimizer: Any,
+               unhook: Callable[[], None]) -> None:
+        """Create the recorder (DDP or Horovod) after iteration 0's optimizer step and count that step."""
+        from dpro.errors import DproError
+
         steps = [s for s in range(*self.window) if s >= 1]
-        knobs: dict[str, Any] = {"dpro.launch": "autoattach", "recompute": recomputed(model)}
+        knobs: dict[str, Any] = {"dpro.launch": "autoattach", "recompute": recompute}
         if self.config_source:
             knobs["dpro.config"] = self.config_source
         try:
-            self.recorder = HorovodRecorder(model, optimizer, self.run_dir, steps, extra_knobs=knobs, who=WHO)
+            self.recorder = recorder_class(model, optimizer, self.run_dir, steps, extra_knobs=knobs, who=WHO)
         except DproError as err:
             _say(f"not recording: {err}")
-            self.hvd_unhook()
+            unhook()
             return
         self.optimizer = weakref.ref(optimizer)
         self.recorder.start()
