@@ -199,6 +199,13 @@ def _transfer_times(comm_by_step: dict[tuple[str, int], dict[int, tuple[float, f
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def occurrence_name(name: str, earlier: int) -> str:
+    """The node name of an op's run in a step after ``earlier`` runs of it: ``FW.fc1``, ``FW.fc1#2``, ...
+    An op runs several times per step under gradient accumulation (one forward and backward per
+    micro-batch) or when a module is called twice; each run is a node of its own."""
+    return name if earlier == 0 else f"{name}#{earlier + 1}"
+
+
 def step_model(run: Run, alignment: Alignment) -> StepModel:
     """Summarise the profiled steps of every rank (aligned clocks) into one median step."""
     steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
@@ -226,16 +233,19 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
             work = [e for i, e in enumerate(work) if i not in drop]
             work.sort(key=lambda e: e["ts"])
             last_end: dict[int, float] = {}
+            runs: dict[str, int] = defaultdict(int)
             for e in work:
                 q = trace.queues.get(e["tid"], str(e["tid"]))
                 start = e["ts"] - t0
                 gap = max(0.0, start - last_end.get(e["tid"], 0.0))
                 last_end[e["tid"]] = max(last_end.get(e["tid"], 0.0), start + e["dur"])
-                per_op[(rank, e["name"])].append((start, e["dur"], gap, e["args"]))
-                queue_of[(rank, e["name"])] = q
-                cat_of[e["name"]] = e["cat"]
+                name = occurrence_name(e["name"], runs[e["name"]])
+                runs[e["name"]] += 1
+                per_op[(rank, name)].append((start, e["dur"], gap, e["args"]))
+                queue_of[(rank, name)] = q
+                cat_of[name] = e["cat"]
                 if e["cat"] == "COMM":
-                    comm_by_step[(e["name"], step)][rank] = (e["ts"] - shift, e["ts"] + e["dur"] - shift)
+                    comm_by_step[(name, step)][rank] = (e["ts"] - shift, e["ts"] + e["dur"] - shift)
             tail_us[rank].append(max(0.0, boundary["dur"] - max(last_end.values(), default=0.0)))
     ops: dict[int, list[OpStats]] = defaultdict(list)
     for (rank, name), samples in per_op.items():

@@ -8,6 +8,7 @@ import sys
 import pytest
 from jobrunner import JOBS, run_job
 
+from dpro.analyze import analyze_run
 from dpro.load import load_run
 
 
@@ -36,3 +37,58 @@ def test_window_beyond_max_steps_is_refused_before_training(tmp_path):
                     "--run-dir", str(tmp_path / "run")], timeout=240, check=False, cwd=tmp_path)
     assert proc.returncode != 0 and "only 4 steps" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def _steps_of(trace):
+    for step in trace.steps:
+        yield step, [e for e in trace.events if e["args"]["step"] == step]
+
+
+def _end(e):
+    return e["ts"] + e["dur"]
+
+
+@pytest.mark.slow
+def test_automatic_optimization_update_is_the_optimizer_only(tmp_path):
+    """Lightning runs training_step and backward inside optimizer.step(closure): UPDATE must not span them."""
+    run_dir = tmp_path / "run"
+    run_job([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--steps", "8",
+             "--profile", "2:6", "--run-dir", str(run_dir)], timeout=240, cwd=tmp_path)
+    run = load_run(run_dir)
+    for rank, trace in run.ranks.items():
+        for step, events in _steps_of(trace):
+            (update,) = [e for e in events if e["cat"] == "UPDATE"]
+            work = [e for e in events if e["cat"] in ("FW", "BW", "COMM")]
+            assert work, (rank, step)
+            assert all(_end(e) <= update["ts"] + 1.0 for e in work), (rank, step, update)
+            step_event = next(e for e in events if e["cat"] == "STEP")
+            assert update["dur"] < 0.5 * step_event["dur"], (rank, step)
+    analysis = analyze_run(run)[0]
+    assert not any(row["op"] == "UPDATE.optimizer" and row["share_pct"] > 40 for row in analysis.critical_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimization", ["automatic", "manual"])
+def test_gradient_accumulation_step_holds_every_micro_batch(tmp_path, optimization):
+    """Two batches per optimizer step: one recorded step holds two forwards and backwards, one allreduce
+    of every gradient and one UPDATE; the graph keeps both micro-batches as nodes of their own."""
+    run_dir = tmp_path / "run"
+    run_job([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--steps", "6",
+             "--profile", "2:5", "--accumulate", "2", "--optimization", optimization, "--run-dir", str(run_dir)],
+            timeout=240, cwd=tmp_path)
+    run = load_run(run_dir)
+    grad_bytes = run.model["param_bytes"]
+    for rank, trace in run.ranks.items():
+        assert trace.steps == [2, 3, 4], rank
+        for step, events in _steps_of(trace):
+            names = [e["name"] for e in events]
+            assert names.count("FW.net.0") == 2 and names.count("BW.net.0") == 2, (rank, step, names)
+            assert names.count("UPDATE.optimizer") == 1, (rank, step)
+            assert sum(e["args"]["bytes"] for e in events if e["cat"] == "COMM") == grad_bytes
+            fws = sorted(e["ts"] for e in events if e["name"] == "FW.net.0")
+            bws = sorted(e["ts"] for e in events if e["name"] == "BW.net.0")
+            assert fws[0] < bws[0] < fws[1] < bws[1], (rank, step)  # micro-batch 1, then 2
+            assert not any(e["cat"] == "RECOMPUTE" for e in events)
+    analysis, g, _, _ = analyze_run(run)
+    assert "FW.net.0#2" in g.names and "BW.net.0#2" in g.names
+    assert analysis.predicted_step_ms > 0

@@ -94,3 +94,30 @@ def test_default_run_dir_is_new_and_timestamped(tmp_path, monkeypatch):
             train(prof, model, opt, 1)
         dirs.append(prof.run_dir)
     assert dirs[0] != dirs[1] and all(d.parent == tmp_path / "runs" for d in dirs)
+
+
+def test_closure_work_is_not_update(tmp_path):
+    """optimizer.step(closure) (LBFGS calls it several times): forwards and backwards inside the closure are
+    recorded as FW/BW, each call a micro-batch of its own, and UPDATE starts after the last one."""
+    model = small_model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    x = torch.randn(4, 8)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    with Profiler(model, opt, run_dir=tmp_path / "run", steps=range(1, 3)) as prof:
+        for _ in range(4):
+            opt.step(closure)
+            prof.step()
+    trace = load_run(tmp_path / "run").ranks[0]
+    for step in trace.steps:
+        events = [e for e in trace.events if e["args"]["step"] == step]
+        (update,) = [e for e in events if e["cat"] == "UPDATE"]
+        fws = [e for e in events if e["name"] == "FW.0"]
+        assert len(fws) >= 2  # LBFGS evaluated the closure more than once
+        assert len([e for e in events if e["name"] == "BW.0"]) == len(fws)
+        assert all(e["ts"] + e["dur"] <= update["ts"] + 1.0 for e in events if e["cat"] in ("FW", "BW"))

@@ -57,7 +57,15 @@ import torch
 from torch import nn
 
 from dpro.errors import UsageError
-from dpro.plugins.torch.recorder import COMM, COMPUTE, PINGPONG_ROUNDS, PROBE_BYTES, PROBE_REPEAT, TorchRecorder
+from dpro.plugins.torch.recorder import (
+    COMM,
+    COMPUTE,
+    PINGPONG_ROUNDS,
+    PROBE_BYTES,
+    PROBE_REPEAT,
+    TorchRecorder,
+    timed_closure,
+)
 from dpro.record import claim_run_dir
 
 __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE", "HorovodRecorder",
@@ -303,10 +311,11 @@ class HorovodRecorder(TorchRecorder):
         self._handles += [opt.register_step_pre_hook(self._hvd_update_pre),
                           opt.register_step_post_hook(self._hvd_update_post)]
 
-    def _hvd_update_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _hvd_update_pre(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
         # fires for the wrapper's step (before synchronize) and again for the wrapped optimizer's step
         self._update_start = self._mark()
         self._update_open = True
+        return timed_closure(args, kwargs, self._closure_ended)
 
     def _hvd_update_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._update_open:

@@ -52,11 +52,12 @@ def _lightning_versions() -> dict[str, str]:
 
 
 class DproCallback(*_callback_bases()):
-    """Record steps ``steps`` (counted in training batches from 0) of ``Trainer.fit``.
+    """Record steps ``steps`` (optimizer steps counted from 0, Lightning's ``global_step``) of ``Trainer.fit``.
 
     Args:
         run_dir: the run directory to create; None makes ``./dpro-runs/<timestamp>``.
-        steps: training batches to record (default ``range(10, 20)``).
+        steps: optimizer steps to record (default ``range(10, 20)``); one step is one training batch, or
+            ``accumulate_grad_batches`` batches when gradients are accumulated.
         config: a dpro config.json to apply (default ``$DPRO_CONFIG``; None and unset: apply nothing).
             Its recompute modules are wrapped and its bucket sizes passed to DDP in ``setup``, before
             the strategy wraps the model; a config made for another job raises ``ConfigError``.
@@ -81,6 +82,7 @@ class DproCallback(*_callback_bases()):
         self.force = force
         self.config: Config | None = None
         self.recorder: TorchRecorder | None = None
+        self._global_step = 0
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Apply the config before the strategy wraps the model: recompute, then the DDP bucket sizes."""
@@ -135,6 +137,7 @@ class DproCallback(*_callback_bases()):
             total_steps=self._total_steps(trainer), ddp=ddp, extra_knobs=extra_knobs,
             versions=_lightning_versions(), who="DproCallback",
         )
+        self._global_step = trainer.global_step
         self.recorder.start()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -143,9 +146,12 @@ class DproCallback(*_callback_bases()):
             self.recorder.batch_ready()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """One training batch (iteration) ended."""
-        if self.recorder is not None:
-            self.recorder.step()
+        """A training batch ended; it ends an iteration when an optimizer stepped during it (with
+        ``accumulate_grad_batches=k`` an iteration is k batches: their forwards and backwards, one update)."""
+        if self.recorder is None or trainer.global_step == self._global_step:
+            return
+        self._global_step = trainer.global_step
+        self.recorder.step()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Write what was recorded, even if the run was shorter than the window."""

@@ -118,17 +118,60 @@ def _gather_floats(values: list[float]) -> list[list[float]]:
 
 
 @dataclass
+class _BackwardMarks:
+    """Raw marks of one backward pass (a step has several under gradient accumulation)."""
+
+    bw_start: dict[str, Any] = field(default_factory=dict)    # module -> gradient of its output arrived
+    bw_end: dict[str, Any] = field(default_factory=dict)      # module -> gradient of its input complete
+    grad_ready: dict[str, Any] = field(default_factory=dict)  # parameter -> gradient accumulated
+
+    def __bool__(self) -> bool:
+        return bool(self.bw_start or self.grad_ready)
+
+
+@dataclass
 class _StepLog:
     """Raw marks of one profiled step, resolved to microseconds when the step ends."""
 
     start: Any = None
     io_open: bool = True
     ops: list[tuple[str, str, int, Any, Any, dict]] = field(default_factory=list)  # name, cat, tid, t0, t1, args
-    bw_start: dict[str, Any] = field(default_factory=dict)
-    bw_end: dict[str, Any] = field(default_factory=dict)
-    grad_ready: dict[str, Any] = field(default_factory=dict)
+    backward: _BackwardMarks = field(default_factory=_BackwardMarks)   # the pass running or last run
+    passes: list[_BackwardMarks] = field(default_factory=list)         # earlier passes of this step
     activation_bytes: dict[str, int] = field(default_factory=dict)
     fw_open: dict[str, list[Any]] = field(default_factory=dict)  # module -> starts of forwards still running
+
+    def new_pass(self) -> None:
+        """A forward after a finished backward: the next micro-batch of the same optimizer step."""
+        self.passes.append(self.backward)
+        self.backward = _BackwardMarks()
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread (a checkpointed module's forward
+    recomputed there is RECOMPUTE, not the next micro-batch's forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def timed_closure(args: tuple, kwargs: dict, on_end: Callable[[], None]) -> tuple[tuple, dict] | None:
+    """``optimizer.step(closure)``'s arguments with the closure wrapped to call ``on_end`` when it
+    returns, or None when there is no closure. Lightning's automatic optimization, LBFGS and
+    ``step(closure)`` loops run forward, backward and communication inside the closure: they are
+    recorded as themselves, and UPDATE (the optimizer's own work) starts when the closure ends."""
+    # torch passes the hook step()'s own arguments: args[0] is the optimizer, a positional closure is args[1]
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        return None
+
+    def closure_then_mark(*a: Any, **kw: Any) -> Any:
+        try:
+            return closure(*a, **kw)
+        finally:
+            on_end()
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_mark}
+    return (args[0], closure_then_mark, *args[2:]), kwargs
 
 
 class TorchRecorder:
@@ -316,18 +359,21 @@ class TorchRecorder:
         fw_name, recompute_name = f"FW.{name}", f"RECOMPUTE.{name}"
 
         def bw_start(grad: torch.Tensor) -> None:
-            self._log.bw_start[name] = self._mark()
+            self._log.backward.bw_start[name] = self._mark()
 
         def bw_end(grad: torch.Tensor) -> None:
-            self._log.bw_end[name] = self._mark()
+            self._log.backward.bw_end[name] = self._mark()
 
         def pre(module: nn.Module, inputs: Any) -> None:
             log = self._log
             now = self._mark()
             if log.io_open:
                 self.batch_ready(now)
+            recomputing = in_backward()
+            if log.backward and not recomputing:
+                log.new_pass()  # gradient accumulation: the next micro-batch's forward
             log.fw_open.setdefault(name, []).append(now)  # a stack: a module may run inside itself
-            if torch.is_grad_enabled() and not (log.bw_start or log.grad_ready):
+            if torch.is_grad_enabled() and not recomputing:
                 for tensor in inputs:
                     if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                         tensor.register_hook(bw_end)
@@ -338,8 +384,8 @@ class TorchRecorder:
             if not opened:
                 return
             start = opened.pop()
-            if log.bw_start or log.grad_ready:
-                # backward has begun: this is a checkpointed module computing its forward again
+            if in_backward():
+                # a checkpointed module computing its forward again inside backward
                 log.ops.append((recompute_name, "RECOMPUTE", COMPUTE, start, self._mark(), {"step": self._iteration}))
                 return
             nbytes = tensor_bytes(output)
@@ -353,12 +399,16 @@ class TorchRecorder:
 
     def _grad_ready(self, name: str) -> Callable:
         def hook(param: torch.Tensor) -> None:
-            self._log.grad_ready[name] = self._mark()
+            self._log.backward.grad_ready[name] = self._mark()
 
         return hook
 
-    def _update_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _closure_ended(self) -> None:
         self._update_start = self._mark()
+
+    def _update_pre(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
+        self._update_start = self._mark()
+        return timed_closure(args, kwargs, self._closure_ended)
 
     def _update_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._log.ops.append(("UPDATE.optimizer", "UPDATE", COMPUTE, self._update_start, self._mark(),
@@ -489,15 +539,16 @@ class TorchRecorder:
             rows.append(event_row(name, cat, tid, ts, resolve(t1) - ts, args))
             if cat == "FW":
                 self._fired.add(name[3:])
-        ready = {n: resolve(m) for n, m in log.grad_ready.items()}
         grads_of = self._grads_by_module()
-        for name, t0 in log.bw_start.items():
-            grads = [g for g in grads_of.get(name, ()) if g in ready]
-            ends = [resolve(log.bw_end[name])] if name in log.bw_end else []
-            ts = resolve(t0)
-            t1 = max(ends + [ready[g] for g in grads]) if (ends or grads) else ts
-            rows.append(event_row(f"BW.{name}", "BW", COMPUTE, ts, t1 - ts,
-                                  {"step": step, "grads": grads, "grads_ready_us": [ready[g] for g in grads]}))
+        for marks in [*log.passes, log.backward]:
+            ready = {n: resolve(m) for n, m in marks.grad_ready.items()}
+            for name, t0 in marks.bw_start.items():
+                grads = [g for g in grads_of.get(name, ()) if g in ready]
+                ends = [resolve(marks.bw_end[name])] if name in marks.bw_end else []
+                ts = resolve(t0)
+                t1 = max(ends + [ready[g] for g in grads]) if (ends or grads) else ts
+                rows.append(event_row(f"BW.{name}", "BW", COMPUTE, ts, t1 - ts,
+                                      {"step": step, "grads": grads, "grads_ready_us": [ready[g] for g in grads]}))
         rows.sort(key=lambda row: row[3])
         self._writer.end_step(step, rows)
         self._last_log = log

@@ -1,4 +1,8 @@
-"""A Lightning DDP job on CPU with dpro's callback; --package picks lightning.pytorch or pytorch_lightning."""
+"""A Lightning DDP job on CPU with dpro's callback; --package picks lightning.pytorch or pytorch_lightning.
+
+--optimization automatic (Lightning's default: optimizer.step(closure) runs the forward and backward) or
+manual (training_step calls manual_backward and opt.step); --accumulate K accumulates K batches per step.
+"""
 
 import argparse
 import gc
@@ -17,6 +21,8 @@ parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--profile", default="2:6")
 parser.add_argument("--run-dir", required=True)
 parser.add_argument("--config", default=None, help="a dpro config.json for DproCallback to apply")
+parser.add_argument("--optimization", choices=["automatic", "manual"], default="automatic")
+parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
 args = parser.parse_args()
 pl = importlib.import_module(args.package)
 
@@ -25,10 +31,23 @@ class Module(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = get_example(args.model).build()
+        self.automatic_optimization = args.optimization == "automatic"
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        last = (batch_idx + 1) % args.accumulate == 0
+        if last:
+            self.manual_backward(loss / args.accumulate)
+            opt.step()
+            opt.zero_grad()
+        else:
+            with self.trainer.strategy.model.no_sync():  # DDP: no allreduce until the last micro-batch
+                self.manual_backward(loss / args.accumulate)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -36,11 +55,12 @@ class Module(pl.LightningModule):
 
 def main() -> None:
     example = get_example(args.model)
-    x, y = example.batch(example.batch_size * args.steps, torch.Generator().manual_seed(0))
+    x, y = example.batch(example.batch_size * args.steps * args.accumulate, torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, y), batch_size=example.batch_size)
     start, stop = (int(v) for v in args.profile.split(":"))
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, logger=False,
+        accumulate_grad_batches=args.accumulate if args.optimization == "automatic" else 1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[DproCallback(run_dir=args.run_dir, steps=range(start, stop), config=args.config)],
     )
