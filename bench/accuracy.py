@@ -1,13 +1,17 @@
 """Replay accuracy: measured vs predicted step time of real recorded runs, side by side.
 
 For each bundled model x DDP bucket size x network, a 2-rank gloo DDP job is recorded for real,
-then ``dpro analyze`` predicts its step time. Networks: loopback (both ranks on this machine) and
+then ``dpro analyze`` predicts its step time. Lightning (automatic and manual optimization, gradient
+accumulation; tests/jobs/lightning_job.py) and Horovod (an unmodified script, tests/jobs/plain_hvd.py,
+recorded by ``dpro-launch``) jobs are recorded ``--repeat`` times each on loopback, each recording a
+row, and every case is summarised by its median and worst |error|. Networks: loopback (both ranks on this machine) and
 the emulated cluster network of ``dpro.testbed`` (one rank per network namespace, 1 Gbit/s links
 with 0.1 ms delay where the kernel has netem; skipped with the reason where namespaces are refused).
 The PyTorch profiler traces in ../shared/data/kineto (real A100 / V100 runs) are reported in the same
 table when present.
 
     python bench/accuracy.py [--models mlp,transformer,wide_mlp] [--buckets 1,25] [--networks loopback,1gbit]
+                             [--frameworks ddp,lightning,horovod] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -24,6 +28,36 @@ from dpro import testbed
 from dpro.analyze import analyze_path
 
 KINETO_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
+JOBS = Path(__file__).resolve().parents[1] / "tests" / "jobs"
+LIGHTNING_CASES = {  # label -> lightning_job.py arguments
+    "lightning auto": ["--optimization", "automatic"],
+    "lightning manual": ["--optimization", "manual"],
+    "lightning accumulate 2": ["--optimization", "automatic", "--accumulate", "2"],
+}
+HOROVOD_CASES = {  # label -> plain_hvd.py arguments (an unmodified script, recorded by dpro-launch)
+    "horovod width 256": ["--width", "256"],
+    "horovod width 1024": ["--width", "1024"],
+}
+
+
+def _run(cmd: list[str], **kwargs: object) -> None:
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600, **kwargs)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+
+
+def record_lightning(case: str, model: str, run_dir: Path, steps: int, window: str) -> None:
+    _run([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--model", model,
+          "--steps", str(steps), "--profile", window, "--run-dir", str(run_dir), *LIGHTNING_CASES[case]],
+         cwd=run_dir.parent)
+
+
+def record_horovod(case: str, run_dir: Path, steps: int, window: str) -> None:
+    launcher = Path(sys.executable).with_name("dpro-launch")
+    _run([str(launcher), "-np", "2", "-H", "localhost:2", "--gloo", "--profile", window, "--run-dir", str(run_dir),
+          sys.executable, str(JOBS / "plain_hvd.py"), "--steps", str(steps), *HOROVOD_CASES[case]],
+         cwd=run_dir.parent)
 
 
 def example_argv(model: str, bucket_mb: float, run_dir: Path, steps: int, window: str) -> list[str]:
@@ -52,7 +86,7 @@ def record_emulated(cluster: testbed.Cluster, model: str, bucket_mb: float, run_
 
 def kineto_rows() -> list[tuple[str, str, str, float, float, float]]:
     try:
-        from dpro.kineto import analyze_kineto
+        from dpro.io.kineto import analyze_kineto
     except ImportError:
         return []
     rows = []
@@ -69,7 +103,11 @@ def main() -> int:
     parser.add_argument("--networks", default="loopback,1gbit", help="loopback and/or tc rates such as 1gbit")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--profile", default="8:20")
+    parser.add_argument("--frameworks", default="ddp,lightning,horovod")
+    parser.add_argument("--repeat", type=int, default=3, help="recordings of each Lightning and Horovod case")
+    parser.add_argument("--lightning-model", default="mlp")
     args = parser.parse_args()
+    frameworks = args.frameworks.split(",")
     models, buckets = args.models.split(","), [float(b) for b in args.buckets.split(",")]
     rows: list[tuple[str, str, str, float, float, float]] = []
     print(f"{'network':<14} {'model':<24} {'bucket MB':>9} {'measured ms':>12} {'predicted ms':>13} {'error %':>8}",
@@ -80,8 +118,21 @@ def main() -> int:
         net, model, bucket, measured, predicted, err = row
         print(f"{net:<14} {model:<24} {bucket:>9} {measured:>12.2f} {predicted:>13.2f} {err:>+8.2f}", flush=True)
 
+    by_case: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for network in args.networks.split(","):
+        for i in range(args.repeat):  # cases alternate, so a slow spell of the machine hits them alike
+            cases = [(c, "lightning") for c in LIGHTNING_CASES if "lightning" in frameworks]
+            cases += [(c, "horovod") for c in HOROVOD_CASES if "horovod" in frameworks]
+            for case, kind in cases:
+                run_dir = Path(tmp) / f"{kind}-{case.replace(' ', '-')}-{i}"
+                if kind == "lightning":
+                    record_lightning(case, args.lightning_model, run_dir, args.steps, args.profile)
+                else:
+                    record_horovod(case, run_dir, args.steps, args.profile)
+                a = analyze_path(run_dir)
+                by_case.setdefault(case, []).append(a.error_pct)
+                show(("loopback", case, "-", a.measured_step_ms, a.predicted_step_ms, a.error_pct))
+        for network in (args.networks.split(",") if "ddp" in frameworks else []):
             runs = []
             if network == "loopback":
                 for model in models:
@@ -111,6 +162,11 @@ def main() -> int:
     errors = [abs(r[5]) for r in rows]
     for row in kineto_rows():
         show(row)
+    if by_case:
+        print(f"\n{'case':<24} {'recordings':>10} {'median |error| %':>17} {'worst |error| %':>16}")
+        for case, errs in by_case.items():
+            mags = [abs(e) for e in errs]
+            print(f"{case:<24} {len(errs):>10} {statistics.median(mags):>17.2f} {max(mags):>16.2f}")
     if errors:
         print(f"\n|error| over the recorded runs: median {statistics.median(errors):.2f} %, max {max(errors):.2f} % "
               f"({len(errors)} runs). Kineto rows are left out of it: their same-config replay keeps every measured "

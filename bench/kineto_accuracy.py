@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dpro.info import format_table
-from dpro.kineto import analyze_traces, graph_from_kineto, load_kineto
-from dpro.replay import replay
+from dpro.io.kineto import analyze_traces, graph_from_kineto, load_kineto
+from dpro.report.tables import format_table
+from dpro.sim.replay import replay
 
 DEFAULT = sorted(Path("/work/shared/data/kineto").glob("*.json.gz"))
 GPU_CATEGORIES = ("KERNEL", "MEMCPY", "MEMSET", "NCCL")

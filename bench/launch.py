@@ -215,9 +215,9 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
 
 def check_settings(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -> list[dict]:
     """Measure other settings and set them next to dpro's replayed prediction for them."""
-    from dpro.load import load_run
+    from dpro.io.load import load_run
     from dpro.optimize import horovod_fusion
-    from dpro.whatif import context, predict
+    from dpro.sim.whatif import context, predict
 
     ctx = context(load_run(work / "dpro-run"))
     results = horovod_fusion(ctx)

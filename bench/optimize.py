@@ -23,9 +23,9 @@ from accuracy import example_argv  # noqa: E402
 
 from dpro import testbed  # noqa: E402
 from dpro.config import Config, write_config  # noqa: E402
-from dpro.load import load_run  # noqa: E402
+from dpro.io.load import load_run  # noqa: E402
 from dpro.optimize import config_document, optimize  # noqa: E402
-from dpro.whatif import context  # noqa: E402
+from dpro.sim.whatif import context  # noqa: E402
 
 
 def run_job(network: str, cluster: testbed.Cluster | None, argv: list[str], port: int) -> None:

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from dpro.graph import Graph, GraphBuilder
-from dpro.replay import plan_levels, replay
+from dpro.dag.graph import Graph, GraphBuilder
+from dpro.sim.replay import plan_levels, replay
 
 
 def data_parallel_dag(ranks: int, ops_per_rank: int, comm_every: int = 16, seed: int = 0) -> Graph:

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy import record_emulated, record_loopback  # noqa: E402
 
 from dpro import testbed  # noqa: E402
-from dpro.load import load_run  # noqa: E402
-from dpro.whatif import context, predict  # noqa: E402
+from dpro.io.load import load_run  # noqa: E402
+from dpro.sim.whatif import context, predict  # noqa: E402
 
 BASE_MB = 25.0
 TARGETS_MB = (1.0, 5.0, 100.0)

@@ -16,10 +16,26 @@ from typing import Any
 
 import numpy as np
 
-from dpro.align import Alignment, align
-from dpro.graph import Graph, StepModel, graph_from_steps, step_model
-from dpro.load import Run, load_run
-from dpro.replay import Schedule, critical_path, plan_levels, replay
+from dpro.dag.align import Alignment, align
+from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model
+from dpro.io.load import Run, load_run
+from dpro.sim.replay import Schedule, critical_path, plan_levels, replay
+
+__all__ = [
+    "Analysis",
+    "DEFAULT_ITERATIONS",
+    "analyze_path",
+    "analyze_run",
+    "breakdown",
+    "critical_ops",
+    "error_pct",
+    "overlap_length",
+    "predicted_step_us",
+    "stragglers",
+    "total_length",
+    "union_intervals",
+]
+
 
 DEFAULT_ITERATIONS = 4
 
@@ -189,7 +205,7 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> tuple[Analysi
 
 def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Analysis:
     """Analyze a run directory, and write ``analysis/replay.json`` (measured and replayed timelines)."""
-    from dpro.report import write_replay_trace
+    from dpro.report.perfetto import write_replay_trace
 
     run = load_run(path)
     analysis, g, sched, alignment = analyze_run(run, iterations)

@@ -17,6 +17,13 @@ from typing import Any
 from dpro import __version__
 from dpro.errors import DproError
 
+__all__ = [
+    "EXIT_ERROR",
+    "build_parser",
+    "parse_size",
+]
+
+
 EXIT_ERROR = 2
 
 
@@ -32,8 +39,8 @@ def _add_info(subparsers: Any) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from dpro.info import format_run_summary, summarize_run
-    from dpro.load import load_run
+    from dpro.io.load import load_run
+    from dpro.report.info import format_run_summary, summarize_run
 
     summary = summarize_run(load_run(args.run))
     print(json.dumps(summary, indent=2) if args.json else format_run_summary(summary))
@@ -59,12 +66,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dpro.analyze import analyze_path
-    from dpro.report import format_analysis
+    from dpro.report.text import format_analysis
 
     if len(args.run) == 1 and Path(args.run[0]).is_dir():
         analysis = analyze_path(args.run[0], iterations=args.iterations)
     else:
-        from dpro.kineto import analyze_kineto
+        from dpro.io.kineto import analyze_kineto
 
         analysis = analyze_kineto([Path(p) for p in args.run])
     print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
@@ -87,8 +94,8 @@ def _add_whatif(subparsers: Any) -> None:
 
 
 def _cmd_whatif(args: argparse.Namespace) -> int:
-    from dpro.load import load_run
-    from dpro.whatif import context, parse_settings, predict
+    from dpro.io.load import load_run
+    from dpro.sim.whatif import context, parse_settings, predict
 
     knobs = parse_settings(args.settings)
     ctx = context(load_run(args.run))
@@ -107,7 +114,7 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    from dpro.info import format_bytes, format_table
+    from dpro.report.tables import format_bytes, format_table
 
     rows = [["measured (this run)", f"{result['measured_step_ms']:.2f}", "", ""],
             ["replayed as recorded", f"{base.predicted_step_ms:.2f}",
@@ -156,9 +163,9 @@ def parse_size(text: str) -> int:
 def _cmd_optimize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dpro.load import load_run
+    from dpro.io.load import load_run
     from dpro.optimize import config_document, optimize
-    from dpro.whatif import context
+    from dpro.sim.whatif import context
 
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     ctx = context(load_run(args.run))

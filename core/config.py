@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import ConfigError
-from dpro.trace import write_json_atomic
+from dpro.record.trace import write_json_atomic
 
 __all__ = [
     "CONFIG_FILE",

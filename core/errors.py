@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+__all__ = [
+    "ConfigError",
+    "DproError",
+    "TraceError",
+    "UsageError",
+]
+
+
 
 class DproError(Exception):
     """Root of every error dpro raises on purpose."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from dpro.config import DPRO_CONFIG
 from dpro.launch.settings import HorovodSettings, LaunchConfig
-from dpro.record import RUN_DIR_ENV
+from dpro.record.protocol import RUN_DIR_ENV
 
 __all__ = [
     "AUTOATTACH_DIR",
@@ -190,7 +190,7 @@ def job_env(config: LaunchConfig, *, base: Mapping[str, str] | None = None) -> d
 
 def apply_search_root(config: LaunchConfig) -> Path:
     """Where ``--apply auto`` looks for configs: the run root (the parent of the run directory)."""
-    from dpro.record import DEFAULT_RUN_ROOT
+    from dpro.record.protocol import DEFAULT_RUN_ROOT
 
     if config.run_dir is not None:
         return config.run_dir.parent

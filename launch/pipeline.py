@@ -24,8 +24,8 @@ from dpro.errors import DproError, UsageError
 from dpro.launch.engines import ENGINES, ssh_options
 from dpro.launch.env import applied_env, horovod_env
 from dpro.launch.settings import LaunchConfig
-from dpro.record import claim_run_dir
-from dpro.trace import RUN_FILE, write_json_atomic
+from dpro.record.protocol import claim_run_dir
+from dpro.record.trace import RUN_FILE, write_json_atomic
 
 __all__ = ["collect_remote", "find_recorded_run", "measured_step_ms", "optimize_run", "run", "run_job"]
 
@@ -81,9 +81,9 @@ def collect_remote(config: LaunchConfig, run_dir: Path) -> None:
 
 def measured_step_ms(run_dir: Path) -> float:
     """dpro's measured step time of a run: the median STEP of the slowest rank, in ms."""
-    from dpro.align import align
-    from dpro.graph import step_model
-    from dpro.load import load_run
+    from dpro.dag.align import align
+    from dpro.dag.graph import step_model
+    from dpro.io.load import load_run
 
     run = load_run(run_dir)
     return step_model(run, align(run)).measured_step_us / 1000.0
@@ -97,9 +97,9 @@ def optimize_run(run_dir: Path, *, memory_budget_bytes: int | None = None, allow
         The config as written, and the replayed step time of the run as recorded (ms), which the
         config's predicted step time is to be compared with.
     """
-    from dpro.load import load_run
+    from dpro.io.load import load_run
     from dpro.optimize import config_document, optimize
-    from dpro.whatif import context
+    from dpro.sim.whatif import context
 
     ctx = context(load_run(run_dir))
     result = optimize(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
@@ -223,7 +223,7 @@ def format_comparison(before: Path, after: Path, config: Config, replayed_ms: fl
     The predicted change is relative to the replay of the run as recorded (``replayed_ms``); the
     measured change relative to the measured step before.
     """
-    from dpro.info import format_table
+    from dpro.report.tables import format_table
 
     before_ms, after_ms = measured_step_ms(before), measured_step_ms(after)
     predicted = config.predicted.step_ms if config.predicted is not None else None

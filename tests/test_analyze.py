@@ -10,9 +10,9 @@ from jobrunner import job_env, run_job, torchrun
 
 pytest.importorskip("torch")
 
-from dpro.align import align  # noqa: E402
 from dpro.analyze import analyze_path  # noqa: E402
-from dpro.load import load_run  # noqa: E402
+from dpro.dag.align import align  # noqa: E402
+from dpro.io.load import load_run  # noqa: E402
 
 SKEW_US = 2_000_000.0
 

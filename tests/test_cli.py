@@ -11,8 +11,9 @@ import pytest
 from run_builder import write_journal
 
 from dpro.cli import build_parser, main
-from dpro.info import format_bytes, format_table, summarize_run
-from dpro.load import load_run
+from dpro.io.load import load_run
+from dpro.report.info import summarize_run
+from dpro.report.tables import format_bytes, format_table
 
 
 def _rank_rows(text: str) -> dict[int, list[str]]:

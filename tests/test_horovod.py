@@ -15,8 +15,7 @@ import pytest
 from jobrunner import JOBS, job_env, run_job
 from run_builder import make_run
 
-from dpro.errors import TraceError
-from dpro.hvd_timeline import (
+from dpro.engines.horovod.timeline import (
     TIMELINE_FILE,
     fused_groups,
     merge_horovod_timeline,
@@ -24,9 +23,10 @@ from dpro.hvd_timeline import (
     read_timeline,
     tensor_ops,
 )
-from dpro.load import load_run
+from dpro.errors import TraceError
+from dpro.io.load import load_run
 from dpro.optimize import horovod_cycles, horovod_fusion, optimize
-from dpro.whatif import context
+from dpro.sim.whatif import context
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
 needs_horovod = pytest.mark.skipif(

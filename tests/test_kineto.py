@@ -1,4 +1,4 @@
-"""dpro.kineto on real PyTorch profiler traces: two recorded on GPUs by others, one recorded here on CPU."""
+"""dpro.io.kineto on real PyTorch profiler traces: two recorded on GPUs by others, one recorded here on CPU."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from dpro.errors import TraceError
-from dpro.kineto import analyze_kineto, analyze_traces, graph_from_kineto, load_kineto, short_name
-from dpro.replay import replay
+from dpro.io.kineto import analyze_kineto, analyze_traces, graph_from_kineto, load_kineto, short_name
+from dpro.sim.replay import replay
 
 DATA = Path("/work/shared/data/kineto")
 DDP = DATA / "ddp2_rank0_nccl.json.gz"
@@ -252,7 +252,7 @@ def test_cli_reports_bad_trace(tmp_path: Path) -> None:
 
 
 def test_core_does_not_import_torch() -> None:
-    code = "import sys, dpro.kineto; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, dpro.io.kineto; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -21,13 +21,13 @@ from jobrunner import JOBS, job_env, run_job
 
 from dpro.config import read_config
 from dpro.errors import UsageError
+from dpro.io.load import load_run
 from dpro.launch import engines
 from dpro.launch.cli import build_parser, config_from_args
 from dpro.launch.engines import HorovodEngine, TorchEngine
 from dpro.launch.env import AUTOATTACH_DIR, HOROVOD_KNOBS, horovod_env, horovodrun_flags
 from dpro.launch.env import job_env as launch_env
 from dpro.launch.settings import LaunchConfig, detect_engine, is_local_host, parse_hosts
-from dpro.load import load_run
 
 VENV_BIN = str(Path(sys.executable).parent)
 

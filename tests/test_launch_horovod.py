@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from jobrunner import JOBS, job_env, run_job
 
-from dpro.hvd_timeline import TIMELINE_FILE
+from dpro.engines.horovod.timeline import TIMELINE_FILE
+from dpro.io.load import load_run
 from dpro.launch import engines
 from dpro.launch.cli import build_parser, config_from_args
 from dpro.launch.env import AUTOATTACH_DIR
-from dpro.load import load_run
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None and importlib.util.find_spec("horovod.torch") is not None
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""dpro.load: reading and validating run directories written by hand in the documented format."""
+"""dpro.io.load: reading and validating run directories written by hand in the documented format."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from run_builder import make_run, rank_doc, run_doc, step_events, write_journal, write_json
 
 from dpro.errors import DproError, TraceError
-from dpro.load import format_steps, load_journal, load_rank_file, load_run, step_times_ms
-from dpro.record import RankTraceWriter
-from dpro.trace import event_row
+from dpro.io.load import format_steps, load_journal, load_rank_file, load_run, step_times_ms
+from dpro.record.protocol import RankTraceWriter
+from dpro.record.trace import event_row
 
 
 def test_valid_run_loads(run_dir: Path) -> None:

@@ -9,12 +9,12 @@ import sys
 import pytest
 from jobrunner import run_job, torchrun
 
-from dpro.cost import CommModel, MemoryModel, fit_comm_model
+from dpro.dag.graph import OpStats, StepModel
 from dpro.errors import UsageError
-from dpro.graph import OpStats, StepModel
-from dpro.load import load_run
+from dpro.io.load import load_run
 from dpro.optimize import best_grouping, best_recompute, recompute_candidates
-from dpro.whatif import Context, ddp_buckets, parse_settings, predict
+from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model
+from dpro.sim.whatif import Context, ddp_buckets, parse_settings, predict
 
 
 def synthetic_context(ready_us: list[float], sizes: list[int], latency: float = 50.0, per_byte: float = 0.001):
@@ -98,7 +98,7 @@ def transformer_run(tmp_path_factory):
 
 
 def test_recompute_choice_matches_brute_force(transformer_run):
-    from dpro.whatif import context
+    from dpro.sim.whatif import context
 
     ctx = context(load_run(transformer_run))
     cands = recompute_candidates(ctx)

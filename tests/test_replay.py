@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpro.graph import GraphBuilder
-from dpro.replay import critical_path, plan_levels, replay
+from dpro.dag.graph import GraphBuilder
+from dpro.sim.replay import critical_path, plan_levels, replay
 
 
 def test_serial_chain_on_one_queue_adds_durations_and_gaps():

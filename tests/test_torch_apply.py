@@ -17,11 +17,11 @@ from torch import nn  # noqa: E402
 
 from dpro.config import DPRO_CONFIG, Config, write_config  # noqa: E402
 from dpro.errors import ConfigError, UsageError  # noqa: E402
-from dpro.load import load_run  # noqa: E402
+from dpro.io.load import load_run  # noqa: E402
 from dpro.plugins.torch import apply, ddp_kwargs, load_config  # noqa: E402
 from dpro.plugins.torch.apply import apply_recompute, fingerprint, recomputed  # noqa: E402
 from dpro.plugins.torch.models import TinyTransformer, get_example  # noqa: E402
-from dpro.trace import model_fingerprint  # noqa: E402
+from dpro.record.trace import model_fingerprint  # noqa: E402
 
 
 def make_config(model: nn.Module, world_size: int = 1, **knobs) -> Config:

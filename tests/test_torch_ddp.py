@@ -10,7 +10,7 @@ from jobrunner import run_job, torchrun
 
 torch = pytest.importorskip("torch")
 
-from dpro.load import load_run  # noqa: E402
+from dpro.io.load import load_run  # noqa: E402
 from dpro.plugins.torch.models import get_example  # noqa: E402
 from dpro.plugins.torch.recorder import recorded_modules  # noqa: E402
 

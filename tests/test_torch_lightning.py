@@ -9,7 +9,7 @@ import pytest
 from jobrunner import JOBS, run_job
 
 from dpro.analyze import analyze_run
-from dpro.load import load_run
+from dpro.io.load import load_run
 
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])

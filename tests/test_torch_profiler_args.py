@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dpro.errors import UsageError  # noqa: E402
-from dpro.load import load_run  # noqa: E402
+from dpro.io.load import load_run  # noqa: E402
 from dpro.plugins.torch import Profiler  # noqa: E402
 
 

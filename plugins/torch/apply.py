@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
 from dpro.errors import ConfigError, UsageError
-from dpro.trace import model_fingerprint
+from dpro.record.trace import model_fingerprint
 
 __all__ = [
     "ENGINE",

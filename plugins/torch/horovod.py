@@ -28,7 +28,7 @@ transfers Horovod really made come from its timeline. Horovod opens ``HOROVOD_TI
   when the profiled window begins (``hvd.start_timeline``) and stops it when recording ends.
 - any other path: recorded in run.json; ``dpro.load.load_run`` reads it from there if it still exists.
 
-``dpro.load.load_run`` merges the timeline when it finds it (``dpro.hvd_timeline``): the per-tensor
+``dpro.load.load_run`` merges the timeline when it finds it (``dpro.engines.horovod.timeline``): the per-tensor
 events become one ``COMM.fusion<k>.allreduce`` event per fused buffer, with Horovod's phases.
 
 Example (run with ``horovodrun -np 2 -H localhost:2 --gloo python train.py``)::
@@ -66,13 +66,13 @@ from dpro.plugins.torch.recorder import (
     TorchRecorder,
     timed_closure,
 )
-from dpro.record import claim_run_dir
+from dpro.record.protocol import claim_run_dir
 
 __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE", "HorovodRecorder",
            "horovod_knobs", "record_horovod"]
 
 ENGINE = "horovod"
-TIMELINE_FILE = "horovod-timeline.json"  # the name dpro.hvd_timeline looks for in a run directory
+TIMELINE_FILE = "horovod-timeline.json"  # the name dpro.engines.horovod.timeline looks for in a run directory
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # horovod 0.28.1 operations.cc
 DEFAULT_CYCLE_TIME_MS = 1.0  # horovod 0.28.1 operations.cc
 _NAME_BYTES = 4096

@@ -26,7 +26,7 @@ from dpro.config import DPRO_CONFIG, Config
 from dpro.errors import ConfigError
 from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config, recomputed, register_compression
 from dpro.plugins.torch.recorder import TorchRecorder
-from dpro.record import check_window_fits, parse_steps
+from dpro.record.protocol import check_window_fits, parse_steps
 
 
 def _callback_bases() -> tuple[type, ...]:

@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dpro
 from dpro.errors import UsageError
-from dpro.record import Clock, RankTraceWriter, check_window_fits, claim_run_dir, parse_steps
-from dpro.trace import (
+from dpro.record.protocol import Clock, RankTraceWriter, check_window_fits, claim_run_dir, parse_steps
+from dpro.record.trace import (
     MODEL_FILE,
     MODEL_SCHEMA,
     QUEUE_ID,

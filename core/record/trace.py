@@ -15,6 +15,25 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+__all__ = [
+    "CATEGORIES",
+    "MODEL_FILE",
+    "MODEL_SCHEMA",
+    "QUEUES",
+    "QUEUE_ID",
+    "RUN_FILE",
+    "RUN_SCHEMA",
+    "TRACE_SCHEMA",
+    "event_row",
+    "journal_file",
+    "model_fingerprint",
+    "queue_metadata",
+    "rank_file",
+    "row_event",
+    "write_json_atomic",
+]
+
+
 TRACE_SCHEMA = "dpro.trace/1"
 RUN_SCHEMA = "dpro.run/1"
 MODEL_SCHEMA = "dpro.model/1"

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpro.graph import Graph
+from dpro.dag.graph import Graph
+
+__all__ = [
+    "LevelPlan",
+    "Schedule",
+    "critical_path",
+    "plan_levels",
+    "replay",
+]
+
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 
 from dpro import __version__
 from dpro.errors import UsageError
-from dpro.trace import (
+from dpro.record.trace import (
     TRACE_SCHEMA,
     journal_file,
     queue_metadata,
@@ -35,6 +35,19 @@ from dpro.trace import (
     row_event,
     write_json_atomic,
 )
+
+__all__ = [
+    "Clock",
+    "DEFAULT_RUN_ROOT",
+    "RUN_DIR_ENV",
+    "RankTraceWriter",
+    "SKEW_ENV",
+    "check_window_fits",
+    "claim_run_dir",
+    "parse_skew",
+    "parse_steps",
+]
+
 
 SKEW_ENV = "DPRO_CLOCK_SKEW_US"
 RUN_DIR_ENV = "DPRO_RUN_DIR"

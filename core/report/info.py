@@ -16,10 +16,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from dpro.load import RankTrace, Run, format_steps, step_times_ms
-from dpro.trace import CATEGORIES
+from dpro.io.load import RankTrace, Run, format_steps, step_times_ms
+from dpro.record.trace import CATEGORIES
+from dpro.report.tables import format_bytes, format_table, indent
 
-__all__ = ["format_bytes", "format_run_summary", "format_table", "summarize_run"]
+__all__ = ["format_run_summary", "summarize_run"]
 
 _RANK_COLUMNS = ("rank", "host", "state", "steps", *CATEGORIES, "step ms (median)", "COMM/step")
 
@@ -116,8 +117,8 @@ def format_run_summary(summary: dict[str, Any]) -> str:
     blocks = [_header_block(summary)]
     if summary["knobs"]:
         rows = [[str(k), _value(v)] for k, v in sorted(summary["knobs"].items())]
-        blocks.append("knobs\n" + _indent(format_table(["knob", "value"], rows, header=False)))
-    blocks.append("ranks\n" + _indent(_rank_table(summary["ranks"])))
+        blocks.append("knobs\n" + indent(format_table(["knob", "value"], rows, header=False)))
+    blocks.append("ranks\n" + indent(_rank_table(summary["ranks"])))
     problems = summary["problems"]
     if problems:
         blocks.append(f"problems ({len(problems)})\n" + "\n".join(f"  - {p}" for p in problems))
@@ -177,36 +178,9 @@ def _rank_table(ranks: list[dict[str, Any]]) -> str:
     return format_table(list(_RANK_COLUMNS), rows, align=align)
 
 
-def format_table(headers: list[str], rows: list[list[str]], *, align: str = "", header: bool = True) -> str:
-    """Columns padded to their widest cell; ``align`` holds one ``<`` or ``>`` per column (default ``<``)."""
-    cells = ([headers] if header else []) + rows
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))] if cells else []
-    align = align.ljust(len(headers), "<")
-    lines = []
-    for row in cells:
-        columns = zip(row, widths, align, strict=True)
-        padded = [cell.rjust(w) if a == ">" else cell.ljust(w) for cell, w, a in columns]
-        lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines)
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; whole bytes below 1 KiB."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    i = 0
-    while n >= 1024 and i < len(units) - 1:
-        n /= 1024
-        i += 1
-    return f"{int(n)} B" if i == 0 else f"{n:.1f} {units[i]}"
-
-
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def _indent(text: str) -> str:
-    return "\n".join(f"  {line}" if line else line for line in text.split("\n"))

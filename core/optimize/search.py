@@ -26,10 +26,36 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpro.cost import CommModel, fit_comm_model
-from dpro.graph import graph_from_steps
-from dpro.replay import plan_levels, replay
-from dpro.whatif import MB, Context, Prediction, ddp_buckets, predict, regroup
+from dpro.dag.graph import graph_from_steps
+from dpro.sim.cost import CommModel, fit_comm_model
+from dpro.sim.replay import plan_levels, replay
+from dpro.sim.whatif import MB, Context, Prediction, ddp_buckets, predict, regroup
+
+__all__ = [
+    "CAP_CANDIDATES_MB",
+    "HOROVOD_MIN_GAIN",
+    "HVD_CYCLES_MS",
+    "HVD_DEFAULT_CYCLE_MS",
+    "HVD_DEFAULT_THRESHOLD",
+    "HVD_PHASES",
+    "HVD_THRESHOLDS_MB",
+    "MIN_GAIN",
+    "OptimizeResult",
+    "RecomputeChoice",
+    "best_bucket_cap",
+    "best_grouping",
+    "best_recompute",
+    "config_document",
+    "gradient_ready_us",
+    "horovod_comm_model",
+    "horovod_cycles",
+    "horovod_fusion",
+    "horovod_memcpy_us_per_byte",
+    "optimize",
+    "optimize_horovod",
+    "recompute_candidates",
+]
+
 
 CAP_CANDIDATES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
 MIN_GAIN = 0.03  # a change must be predicted to save 3% to be recommended: smaller gains are within what-if error

@@ -1,7 +1,7 @@
 """What-if: rebuild the step under changed knobs and replay it.
 
 Each knob is a transformation of the median step (``dpro.graph.StepModel``), priced by the cost
-models of ``dpro.cost`` and replayed by ``dpro.replay``:
+models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``:
 
 | knob | what changes |
 |---|---|
@@ -22,12 +22,29 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpro.align import align
-from dpro.cost import CommModel, MemoryModel, fit_comm_model, memory_model
+from dpro.dag.align import align
+from dpro.dag.graph import OpStats, StepModel, graph_from_steps, step_model
 from dpro.errors import UsageError
-from dpro.graph import OpStats, StepModel, graph_from_steps, step_model
-from dpro.load import Run
-from dpro.replay import plan_levels, replay
+from dpro.io.load import Run
+from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
+from dpro.sim.replay import plan_levels, replay
+
+__all__ = [
+    "COMM_KNOBS",
+    "Context",
+    "KNOWN_KNOBS",
+    "MB",
+    "Prediction",
+    "add_recompute",
+    "calibrate",
+    "context",
+    "ddp_buckets",
+    "parse_settings",
+    "predict",
+    "regroup",
+    "transformed_model",
+]
+
 
 MB = 2**20
 COMM_KNOBS = ("torch.ddp.bucket_cap_mb", "torch.ddp.first_bucket_cap_mb", "tensor_groups", "world_size",

@@ -19,7 +19,7 @@ The DAG, per rank:
   thread during backward); a GPU op that starts right after an op on another stream ends, with its own
   predecessors long done, waits for it (``cudaStreamWaitEvent`` carries no event id in Kineto traces).
 * collectives: the NCCL kernels of one process group are matched across ranks by order; each rank's
-  kernel becomes an arrival, one transfer node follows all arrivals (as in ``dpro.graph``). Kernels end
+  kernel becomes an arrival, one transfer node follows all arrivals (as in ``dpro.dag.graph``). Kernels end
   together on every rank, so the last rank to arrive has the shortest kernel: that duration is the
   transfer (no clock alignment needed). With one rank given, NCCL kernels keep their measured duration.
 * every node's gap is its measured start minus the latest measured end of its predecessors (>= 0).
@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from dpro.analyze import Analysis, critical_ops, error_pct, overlap_length, total_length, union_intervals
+from dpro.dag.graph import Graph, GraphBuilder
 from dpro.errors import TraceError, UsageError
-from dpro.graph import Graph, GraphBuilder
-from dpro.replay import Schedule, plan_levels, replay
+from dpro.sim.replay import Schedule, plan_levels, replay
 
 __all__ = [
     "Collective",

@@ -12,7 +12,16 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from dpro.load import Run
+from dpro.io.load import Run
+
+__all__ = [
+    "Alignment",
+    "SAME_HOST_TOLERANCE_US",
+    "align",
+    "collective_offsets",
+    "pingpong_offsets",
+]
+
 
 SAME_HOST_TOLERANCE_US = 1000.0  # ping-pong noise on one host is tens of µs; beyond this, trust the data
 

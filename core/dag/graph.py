@@ -10,7 +10,7 @@ and one *transfer* node (on no queue) follows all arrivals; whatever came after 
 the last rank arrives, and its transfer time is calibrated from the last-arriving rank.
 
 ``GraphBuilder`` assembles a graph from any trace source (dpro run directories via
-``graph_from_run``; PyTorch profiler traces via ``dpro.kineto``).
+``graph_from_run``; PyTorch profiler traces via ``dpro.io.kineto``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dpro.align import Alignment
-from dpro.load import Run
+from dpro.dag.align import Alignment
+from dpro.io.load import Run
+
+__all__ = [
+    "Graph",
+    "GraphBuilder",
+    "NO_QUEUE",
+    "OpStats",
+    "StepModel",
+    "graph_from_steps",
+    "occurrence_name",
+    "step_model",
+]
+
 
 NO_QUEUE = -1
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
-from dpro.trace import (
+from dpro.record.trace import (
     CATEGORIES,
     MODEL_FILE,
     MODEL_SCHEMA,
@@ -499,7 +499,7 @@ def load_run(path: str | Path) -> Run:
 
 def _merge_horovod_timeline(run: Run) -> None:
     """Horovod runs: merge ``horovod-timeline.json`` (fused buffers) when the run holds one."""
-    from dpro.hvd_timeline import find_timeline, merge_horovod_timeline
+    from dpro.engines.horovod.timeline import find_timeline, merge_horovod_timeline
 
     path = find_timeline(run)
     if path is None:

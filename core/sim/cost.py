@@ -16,6 +16,15 @@ from typing import Any
 
 import numpy as np
 
+__all__ = [
+    "CommModel",
+    "MemoryModel",
+    "OPTIMIZER_STATE_COPIES",
+    "fit_comm_model",
+    "memory_model",
+]
+
+
 OPTIMIZER_STATE_COPIES = {"SGD": 1, "Adam": 2, "AdamW": 2, "RMSprop": 1, "Adagrad": 1}  # per parameter
 
 

@@ -65,6 +65,29 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+__all__ = [
+    "AUTO_PREFIX",
+    "BRIDGE_IFNAME",
+    "Cluster",
+    "EmulationError",
+    "HELPER_PORT",
+    "HOST_IFNAME",
+    "Host",
+    "NETEM_LIMIT",
+    "NetworkSpec",
+    "TBF_QUEUE_LATENCY",
+    "cleanup_stale",
+    "emulated_cluster",
+    "main",
+    "measure_bandwidth",
+    "measure_rtt",
+    "netem_available",
+    "run_ranks",
+    "testbed_available",
+    "torch_rank_env",
+]
+
+
 AUTO_PREFIX = "dtb"
 HOST_IFNAME = "eth0"
 BRIDGE_IFNAME = "br0"

@@ -1,0 +1,2 @@
+"""Communication engines (torch-ddp, horovod, ...): each engine's knobs, wiring, cost model and search,
+looked up by name."""

@@ -1,0 +1,1 @@
+"""The Horovod engine: its timeline reader and merge (``timeline``)."""

@@ -1,0 +1,42 @@
+"""Terminal text of an analysis: the prediction and its error, the breakdown, the critical path, stragglers."""
+
+from __future__ import annotations
+
+from dpro.analyze import Analysis
+from dpro.report.tables import format_table, indent
+
+__all__ = ["format_analysis"]
+
+
+def format_analysis(a: Analysis) -> str:
+    """Terminal text: the prediction and its error, the breakdown, the critical path, stragglers."""
+    lines = [
+        f"source            {a.source}",
+        f"measured step     {a.measured_step_ms:9.2f} ms   (median over the profiled steps and ranks)",
+        f"predicted step    {a.predicted_step_ms:9.2f} ms   (replay of the global DAG, {a.graph_nodes} nodes)",
+        f"prediction error  {a.error_pct:+9.2f} %",
+        "",
+        "where a step goes (replayed, median over ranks)",
+    ]
+    b = a.breakdown
+    step = a.predicted_step_ms or 1.0
+    rows = [[k.replace("_", " "), f"{v:.2f}", f"{100 * v / step:.1f}"] for k, v in b.items()]
+    lines.append(indent(format_table(["part", "ms", "% of step"], rows, align="<>>")))
+    if a.per_rank:
+        lines += ["", "per rank"]
+        rows = [[str(r["rank"]), f"{r['measured_step_ms']:.2f}", f"{r['predicted_step_ms']:.2f}",
+                 f"{r['compute_ms']:.2f}", f"{r['communication_ms']:.2f}", f"{r['idle_ms']:.2f}"] for r in a.per_rank]
+        lines.append(indent(format_table(["rank", "measured ms", "predicted ms", "compute ms", "comm ms", "idle ms"],
+                                          rows, align=">>>>>>")))
+    lines += ["", "critical path (last replayed step), top ops"]
+    rows = [[c["op"], c["where"], f"{c['ms']:.3f}", f"{c['share_pct']:.1f}"] for c in a.critical_path]
+    lines.append(indent(format_table(["op", "where", "ms", "% of step"], rows, align="<<>>")))
+    if a.stragglers:
+        lines += ["", "stragglers (measured: who arrives last at collectives)"]
+        rows = [[str(s["rank"]), str(s["last_to_arrive"]), f"{s['wait_caused_ms_per_step']:.3f}",
+                 f"{s['share_pct']:.0f}"] for s in a.stragglers]
+        lines.append(indent(format_table(["rank", "last to arrive", "others wait ms/step", "% of waiting"],
+                                          rows, align=">>>>")))
+    if a.notes:
+        lines += ["", "notes"] + [f"  - {n}" for n in a.notes]
+    return "\n".join(lines)
