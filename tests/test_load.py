@@ -10,8 +10,8 @@ from run_builder import make_run, rank_doc, run_doc, step_events, write_journal,
 
 from dpro.errors import DproError, TraceError
 from dpro.io.load import format_steps, load_journal, load_rank_file, load_run, step_times_ms
-from dpro.record.protocol import RankTraceWriter
 from dpro.record.trace import event_row
+from dpro.record.writer import RankTraceWriter
 
 
 def test_valid_run_loads(run_dir: Path) -> None:

@@ -1,13 +1,18 @@
-"""Framework-neutral recording: the step window, the run directory, the clock and the trace files.
+"""The framework-neutral recording protocol: the step window, the run directory, the clock, and the
+exchanges between ranks that every plugin runs when recording starts.
 
-Every plugin records through these pieces, so every framework writes the same run directory:
+A plugin brings its framework's hooks and a small ``Transport`` (its process group: broadcast and gather
+of short texts, a barrier, one timed point-to-point exchange, a blocking allreduce); everything else is
+here, so every framework writes the same run directory:
 
-- ``parse_steps`` validates the profile window a user asked for.
-- ``claim_run_dir`` picks the run directory (rank 0 decides; the plugin tells the other ranks) and
-  refuses to reuse one that already holds a run.
-- ``Clock`` is the rank's clock (CLOCK_MONOTONIC, shared by the ranks of one host).
-- ``RankTraceWriter`` appends each finished step to a journal (so a rank that dies leaves its
-  finished steps readable) and writes ``rank-<r>.json`` atomically at the end of the window.
+- ``parse_steps`` / ``check_window_fits`` validate the profile window a user asked for.
+- ``agree_run_dir``: rank 0 claims the run directory (``claim_run_dir`` refuses one that holds a run)
+  and the others learn its name, or rank 0's error.
+- ``Clock`` is the rank's clock (CLOCK_MONOTONIC, shared by the ranks of one host); ``clock_samples``
+  runs NTP-style ping-pongs between rank 0 and every rank, for alignment.
+- ``allreduce_probe`` times allreduces at a few sizes on the job's own process group (the cost model's
+  shape when a job has a single bucket).
+- ``dpro.record.writer`` writes the files (journal per step, ``rank-<r>.json``, run.json, model.json).
 
 Multi-host runs need no shared filesystem: each host writes the files of its own ranks into its own
 copy of the run directory; the file names never collide, so copying them into one directory
@@ -17,38 +22,38 @@ copy of the run directory; the file names never collide, so copying them into on
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
-from dpro import __version__
 from dpro.errors import UsageError
-from dpro.record.trace import (
-    TRACE_SCHEMA,
-    journal_file,
-    queue_metadata,
-    rank_file,
-    row_event,
-    write_json_atomic,
-)
 
 __all__ = [
     "Clock",
     "DEFAULT_RUN_ROOT",
+    "LocalTransport",
+    "PINGPONG_ROUNDS",
+    "PROBE_BYTES",
+    "PROBE_REPEAT",
     "RUN_DIR_ENV",
-    "RankTraceWriter",
     "SKEW_ENV",
+    "Transport",
+    "agree_run_dir",
+    "allreduce_probe",
     "check_window_fits",
     "claim_run_dir",
+    "clock_samples",
     "parse_skew",
     "parse_steps",
 ]
 
 
+PINGPONG_ROUNDS = 16
+PROBE_BYTES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
+PROBE_REPEAT = 5
 SKEW_ENV = "DPRO_CLOCK_SKEW_US"
 RUN_DIR_ENV = "DPRO_RUN_DIR"
 DEFAULT_RUN_ROOT = "dpro-runs"
@@ -154,64 +159,103 @@ def parse_skew(text: str, rank: int) -> float:
         raise UsageError(f"{SKEW_ENV}={text!r}: expected microseconds, or RANK:US pairs such as '1:2000000'") from err
 
 
-@dataclass
-class RankTraceWriter:
-    """Writes one rank's trace: a journal line per finished step, then ``rank-<r>.json`` at the end.
+# ---- the exchanges between ranks -------------------------------------------------------------------
 
-    Args:
-        run_dir: the run directory (already claimed).
-        rank: this process's rank; ``world_size`` the number of ranks.
-        header: what the rank knows about itself (host, pid, clock, ...); stored in both files.
+
+class Transport(Protocol):
+    """What the recording protocol needs from a framework's process group (one object per process).
+
+    Implementations: ``LocalTransport`` (one process), torch.distributed and Horovod in the torch plugin.
     """
 
-    run_dir: Path
     rank: int
     world_size: int
-    header: dict[str, Any]
-    steps_done: list[int] = field(default_factory=list)
-    rows: list[list[Any]] = field(default_factory=list)
-    finished: bool = False
+    backend: str        # e.g. "gloo", "nccl", "horovod-gloo": stored in run.json's knobs
 
-    def __post_init__(self) -> None:
-        self.run_dir = Path(self.run_dir)
-        final = self.run_dir / rank_file(self.rank)
-        if final.exists():
-            raise UsageError(f"{final} already exists; dpro never overwrites a recorded rank trace")
-        # "x": two processes claiming the same rank in one directory is an error, not a merge.
-        self._journal = open(self.run_dir / journal_file(self.rank), "x")  # noqa: SIM115
-        self._write_line({"schema": TRACE_SCHEMA, "rank": self.rank, "world_size": self.world_size,
-                          "header": self.header})
+    def broadcast_text(self, text: str, root: int = 0) -> str:
+        """``root``'s ``text`` on every rank (short texts: a path, an error message)."""
 
-    def _write_line(self, obj: dict[str, Any]) -> None:
-        self._journal.write(json.dumps(obj, separators=(",", ":")) + "\n")
-        self._journal.flush()
+    def gather_texts(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order, on every rank."""
 
-    def end_step(self, step: int, rows: list[list[Any]]) -> None:
-        """Record a finished step's events (``dpro.trace.event_row`` rows): journaled at once, kept for the end."""
-        self._write_line({"step": step, "rows": rows})
-        self.steps_done.append(step)
-        self.rows.extend(rows)
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
 
-    def finish(self, *, complete: bool, note: str = "") -> Path:
-        """Write ``rank-<r>.json`` atomically with every finished step and remove the journal."""
-        if self.finished:
-            return self.run_dir / rank_file(self.rank)
-        self.finished = True
-        doc = {
-            "schema": TRACE_SCHEMA,
-            "dpro_version": __version__,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "complete": complete,
-            "note": note,
-            "steps": self.steps_done,
-            **self.header,
-            "displayTimeUnit": "ms",
-            "traceEvents": queue_metadata(self.rank, str(self.header.get("host", "?")))
-            + [row_event(row, self.rank) for row in self.rows],
-        }
-        path = self.run_dir / rank_file(self.rank)
-        write_json_atomic(path, doc)
-        self._journal.close()
-        (self.run_dir / journal_file(self.rank)).unlink(missing_ok=True)
-        return path
+    def ping(self, peer: int, clock: Clock) -> list[float] | None:
+        """One NTP-style exchange between rank 0 and ``peer`` (every rank calls it): rank 0 sends at t0
+        (its clock), ``peer`` receives at t1 and answers at t2 (its clock), rank 0 receives at t3.
+        Returns ``[t0, t1, t2, t3]`` on rank 0, None elsewhere."""
+
+    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
+        """µs on ``clock`` of one allreduce of ``nbytes``, from its launch to its end (on the device too).
+        Buffers are made, then every rank meets at a barrier, then the clock starts. ``name`` identifies the
+        collective to engines that trace collectives by name."""
+
+
+@dataclass
+class LocalTransport:
+    """The transport of a job that is not distributed: one rank, nothing to exchange."""
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str = "none"
+
+    def broadcast_text(self, text: str, root: int = 0) -> str:
+        return text
+
+    def gather_texts(self, text: str) -> list[str]:
+        return [text]
+
+    def barrier(self) -> None:
+        return None
+
+    def ping(self, peer: int, clock: Clock) -> list[float] | None:
+        return None
+
+    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
+        return 0.0
+
+
+def agree_run_dir(transport: Transport, run_dir: str | Path | None, who: str,
+                  claim: Callable[[str | Path | None], Path] = claim_run_dir) -> Path:
+    """Rank 0 claims the run directory; the other ranks learn its name (or rank 0's error, raised on every
+    rank as ``UsageError``). Each host creates its own copy: no shared filesystem is needed."""
+    if transport.world_size == 1:
+        return claim(run_dir)
+    answer = ""
+    if transport.rank == 0:
+        try:
+            answer = "ok:" + str(claim(run_dir).resolve())
+        except UsageError as err:
+            answer = "error:" + str(err)
+    kind, _, text = transport.broadcast_text(answer).partition(":")
+    if kind == "error":
+        raise UsageError(f"{who}: {text}")
+    path = Path(text)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def clock_samples(transport: Transport, clock: Clock, rounds: int = PINGPONG_ROUNDS) -> dict[int, list[list[float]]]:
+    """``rounds`` ping-pongs between rank 0 and every other rank: ``{peer: [[t0, t1, t2, t3], ...]}`` on
+    rank 0 (alignment keeps the shortest round trip), ``{}`` elsewhere."""
+    samples: dict[int, list[list[float]]] = {}
+    for peer in range(1, transport.world_size):
+        for _ in range(rounds):
+            times = transport.ping(peer, clock)
+            if transport.rank == 0 and times is not None:
+                samples.setdefault(peer, []).append([float(t) for t in times])
+    return samples
+
+
+def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = PROBE_BYTES,
+                    repeat: int = PROBE_REPEAT) -> list[list[float]]:
+    """``[bytes, µs]`` of blocking allreduces at a few sizes, each after a barrier: the shape of the
+    communication cost model even when a job has a single bucket."""
+    if transport.world_size == 1:
+        return []
+    samples = []
+    for nbytes in sizes:
+        for i in range(repeat):
+            samples.append([float(nbytes), transport.timed_allreduce(nbytes, f"dpro.probe.{nbytes}.{i}", clock)])
+    return samples

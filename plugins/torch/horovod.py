@@ -57,16 +57,9 @@ import torch
 from torch import nn
 
 from dpro.errors import UsageError
-from dpro.plugins.torch.recorder import (
-    COMM,
-    COMPUTE,
-    PINGPONG_ROUNDS,
-    PROBE_BYTES,
-    PROBE_REPEAT,
-    TorchRecorder,
-    timed_closure,
-)
-from dpro.record.protocol import claim_run_dir
+from dpro.plugins.torch.recorder import COMM, COMPUTE, TorchRecorder, timed_closure
+from dpro.plugins.torch.transport import TEXT_BYTES, bytes_tensor, tensor_text
+from dpro.record.protocol import Clock, claim_run_dir
 
 __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE", "HorovodRecorder",
            "horovod_knobs", "record_horovod"]
@@ -75,7 +68,6 @@ ENGINE = "horovod"
 TIMELINE_FILE = "horovod-timeline.json"  # the name dpro.engines.horovod.timeline looks for in a run directory
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # horovod 0.28.1 operations.cc
 DEFAULT_CYCLE_TIME_MS = 1.0  # horovod 0.28.1 operations.cc
-_NAME_BYTES = 4096
 
 
 def horovod_knobs(environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -95,16 +87,62 @@ def horovod_knobs(environ: dict[str, str] | None = None) -> dict[str, Any]:
     return knobs
 
 
-def _bytes_tensor(text: str, size: int) -> torch.Tensor:
-    raw = text.encode()[:size]
-    buf = torch.zeros(size, dtype=torch.uint8)
-    if raw:
-        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    return buf
+class HorovodTransport:
+    """Horovod's process group as a ``dpro.record.protocol.Transport`` (collectives only: Horovod has no
+    point-to-point messages, so a ping is three broadcasts)."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = hvd.rank(), hvd.size()
+        self.backend = "gloo" if hvd.gloo_enabled() else ("mpi" if hvd.mpi_enabled() else "horovod")
+
+    def broadcast_text(self, text: str, root: int = 0) -> str:
+        buf = bytes_tensor(text if self.rank == root else "", TEXT_BYTES)
+        return tensor_text(hvd.broadcast(buf, root_rank=root, name="dpro.text"))
+
+    def gather_texts(self, text: str) -> list[str]:
+        gathered = hvd.allgather(bytes_tensor(text, 256).unsqueeze(0), name="dpro.texts")
+        return [tensor_text(row) for row in gathered]
+
+    def barrier(self) -> None:
+        hvd.barrier()
+
+    def ping(self, peer: int, clock: Clock) -> list[float] | None:
+        """Rank 0 broadcasts at t0, ``peer`` reads t1 when it arrives; ``peer`` broadcasts, rank 0 reads t3;
+        a third broadcast carries t1 to rank 0. Each broadcast waits for Horovod's next cycle, so round
+        trips are long; alignment keeps the shortest."""
+        t0 = clock.now()
+        hvd.broadcast(torch.zeros(1, dtype=torch.float64), root_rank=0, name=f"dpro.clock.{peer}.a")
+        t1 = clock.now()
+        hvd.broadcast(torch.zeros(1, dtype=torch.float64), root_rank=peer, name=f"dpro.clock.{peer}.b")
+        t3 = clock.now()
+        times = hvd.broadcast(torch.tensor([t1, t1], dtype=torch.float64), root_rank=peer,
+                              name=f"dpro.clock.{peer}.c")
+        if self.rank != 0:
+            return None
+        peer_t1, peer_t2 = times.tolist()
+        return [t0, peer_t1, peer_t2, t3]
+
+    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
+        """Includes waiting for Horovod's cycle; the timeline's ALLREDUCE phases of these tensors
+        (``dpro.probe.*``) replace the samples at load time when the run has a timeline."""
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
+        hvd.barrier()
+        t0 = clock.now()
+        hvd.allreduce(tensor, op=hvd.Sum, name=name)
+        return clock.now() - t0
 
 
-def _text(buf: torch.Tensor) -> str:
-    return bytes(buf.tolist()).rstrip(b"\0").decode()
+def _claim_beside_timeline(run_dir: str | Path | None) -> Path:
+    """``claim_run_dir``, except that a directory holding only the timeline Horovod opened in ``hvd.init()``
+    (``HOROVOD_TIMELINE=<run_dir>/horovod-timeline.json``) counts as empty."""
+    if run_dir is not None:
+        path = Path(run_dir)
+        timeline = os.environ.get("HOROVOD_TIMELINE", "")
+        if path.is_dir() and timeline and Path(timeline).resolve().parent == path.resolve():
+            others = [p for p in path.iterdir() if p.resolve() != Path(timeline).resolve()]
+            if not others:
+                return path
+    return claim_run_dir(run_dir)
 
 
 class HorovodRecorder(TorchRecorder):
@@ -123,95 +161,14 @@ class HorovodRecorder(TorchRecorder):
                  "horovod.groups": _groups_knob(optimizer), **(extra_knobs or {})}
         # optimizer=None: TorchRecorder's UPDATE hooks would fire twice under Horovod (see _install_hooks)
         super().__init__(model, None, run_dir, steps, total_steps=total_steps, extra_knobs=extra,
-                         versions={"horovod": horovod.__version__}, engine=ENGINE, who=who)
+                         versions={"horovod": horovod.__version__}, engine=ENGINE, who=who,
+                         transport=HorovodTransport(), claim=_claim_beside_timeline)
         self._pending: dict[Any, tuple[str, str, list[str], int, Any, int, dict]] = {}
         self._update_start: Any = None
         self._update_open = False
         self._timeline_started = False
         self._hvd_names = dict(getattr(optimizer, "_parameter_names", {}))  # param -> Horovod's name
         self._wrap_optimizer()
-
-    # ---- Horovod's process group ----------------------------------------------------------------
-
-    def _process_group(self) -> tuple[bool, int, int]:
-        return hvd.size() > 1, hvd.rank(), hvd.size()
-
-    def _backend_name(self) -> str:
-        return "gloo" if hvd.gloo_enabled() else ("mpi" if hvd.mpi_enabled() else "horovod")
-
-    def _gather_hosts(self) -> list[str]:
-        gathered = hvd.allgather(_bytes_tensor(self.host, 256).unsqueeze(0), name="dpro.hosts")
-        return [_text(row) for row in gathered]
-
-    def _share_text(self, text: str) -> str:
-        return _text(hvd.broadcast(_bytes_tensor(text, _NAME_BYTES), root_rank=0, name="dpro.run_dir"))
-
-    def _agree_run_dir(self, run_dir: str | Path | None) -> Path:
-        """Rank 0 claims the directory (one holding only Horovod's timeline counts as empty)."""
-        answer = ""
-        if self.rank == 0:
-            try:
-                answer = "ok:" + str(self._claim(run_dir).resolve())
-            except UsageError as err:
-                answer = "error:" + str(err)
-        if self.distributed:
-            answer = self._share_text(answer)
-        kind, _, text = answer.partition(":")
-        if kind == "error":
-            raise UsageError(f"{self.who}: {text}")
-        path = Path(text)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
-    @staticmethod
-    def _claim(run_dir: str | Path | None) -> Path:
-        if run_dir is not None:
-            path = Path(run_dir)
-            timeline = os.environ.get("HOROVOD_TIMELINE", "")
-            if path.is_dir() and timeline and Path(timeline).resolve().parent == path.resolve():
-                others = [p for p in path.iterdir() if p.resolve() != Path(timeline).resolve()]
-                if not others:
-                    return path  # only the timeline Horovod opened in hvd.init()
-        return claim_run_dir(run_dir)
-
-    def _clock_pingpong(self) -> dict[int, list[list[float]]]:
-        """NTP-style exchanges over Horovod broadcasts (Horovod has no point-to-point messages).
-
-        Rank 0 broadcasts at t0, rank r reads t1 when it arrives; rank r broadcasts at t2, rank 0
-        reads t3. Each broadcast waits for Horovod's next cycle, so round trips are long; alignment
-        keeps the shortest one.
-        """
-        if not self.distributed:
-            return {}
-        samples: dict[int, list[list[float]]] = {}
-        for peer in range(1, self.world_size):
-            for _ in range(PINGPONG_ROUNDS):
-                t0 = self.clock.now()
-                hvd.broadcast(torch.zeros(1, dtype=torch.float64), root_rank=0, name=f"dpro.clock.{peer}.a")
-                t1 = self.clock.now()
-                hvd.broadcast(torch.zeros(1, dtype=torch.float64), root_rank=peer, name=f"dpro.clock.{peer}.b")
-                t3 = self.clock.now()
-                times = hvd.broadcast(torch.tensor([t1, t1], dtype=torch.float64), root_rank=peer,
-                                      name=f"dpro.clock.{peer}.c")
-                if self.rank == 0:
-                    r_t1, r_t2 = times.tolist()
-                    samples.setdefault(peer, []).append([t0, r_t1, r_t2, t3])
-        return samples
-
-    def _comm_probe(self) -> list[list[float]]:
-        """[bytes, µs] of Horovod allreduces at a few sizes. They include waiting for Horovod's cycle;
-        the timeline's ALLREDUCE phases of these tensors (``dpro.probe.*``) replace them at load time."""
-        if not self.distributed:
-            return []
-        samples = []
-        for nbytes in PROBE_BYTES:
-            tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
-            for i in range(PROBE_REPEAT):
-                hvd.barrier()
-                t0 = self.clock.now()
-                hvd.allreduce(tensor, op=hvd.Sum, name=f"dpro.probe.{nbytes}.{i}")
-                samples.append([float(nbytes), self.clock.now() - t0])
-        return samples
 
     def _run_extra(self) -> dict[str, Any]:
         timeline = os.environ.get("HOROVOD_TIMELINE", "")

@@ -13,10 +13,11 @@ the events are turned into microseconds on the host clock once per profiled step
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
 import resource
 import socket
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,25 +30,30 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-import dpro
 from dpro.errors import UsageError
-from dpro.record.protocol import Clock, RankTraceWriter, check_window_fits, claim_run_dir, parse_steps
-from dpro.record.trace import (
-    MODEL_FILE,
-    MODEL_SCHEMA,
-    QUEUE_ID,
-    RUN_FILE,
-    RUN_SCHEMA,
-    event_row,
-    model_fingerprint,
-    write_json_atomic,
+from dpro.plugins.torch.transport import TorchDistTransport
+from dpro.record.protocol import (
+    Clock,
+    LocalTransport,
+    Transport,
+    agree_run_dir,
+    allreduce_probe,
+    check_window_fits,
+    claim_run_dir,
+    clock_samples,
+    parse_steps,
+)
+from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
+from dpro.record.writer import (
+    RankTraceWriter,
+    model_document,
+    run_document,
+    write_model_json,
+    write_run_json,
 )
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
-PINGPONG_ROUNDS = 16
-PROBE_BYTES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
-PROBE_REPEAT = 5
-_NAME_BYTES = 4096
+logger = logging.getLogger("dpro.plugins.torch")
 
 _ACTIVE: weakref.WeakSet[TorchRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
 
@@ -82,39 +88,6 @@ def recorded_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
         if (is_leaf or owns_params) and (name or owns_params):
             chosen.append((name or "<root>", mod))
     return chosen
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _share_text(text: str, src: int = 0) -> str:
-    """Broadcast a short string from ``src`` (no pickling: a fixed-size byte tensor)."""
-    buf = torch.zeros(_NAME_BYTES, dtype=torch.uint8, device=_collective_device())
-    if dist.get_rank() == src:
-        raw = text.encode()[:_NAME_BYTES]
-        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    dist.broadcast(buf, src=src)
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
-
-
-def _gather_texts(text: str) -> list[str]:
-    size = 256
-    raw = text.encode()[:size]
-    mine = torch.zeros(size, dtype=torch.uint8, device=_collective_device())
-    mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in out]
-
-
-def _gather_floats(values: list[float]) -> list[list[float]]:
-    mine = torch.tensor(values, dtype=torch.float64, device=_collective_device())
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [t.cpu().tolist() for t in out]
 
 
 @dataclass
@@ -187,10 +160,12 @@ class TorchRecorder:
         extra_knobs: knobs in force that only the caller knows (e.g. Lightning's strategy).
         engine: the engine named in run.json; None derives it (torch-ddp, torch-dist or torch).
         who: the API name used in error messages.
+        transport: the process group the recording protocol talks over (``dpro.record.protocol.Transport``);
+            None: torch.distributed's default group when it is initialized, else a single process.
+        claim: how rank 0 claims the run directory (default ``claim_run_dir``).
 
-    Engines other than torch.distributed (Horovod) subclass it and override the process-group
-    methods ``_process_group``, ``_gather_hosts``, ``_agree_run_dir``, ``_clock_pingpong``,
-    ``_comm_probe``, ``_backend_name`` and ``_run_extra``.
+    Engines other than torch.distributed (Horovod) pass their own ``transport`` and add their entries
+    to run.json through ``_run_extra``; the hooks are the same.
     """
 
     def __init__(
@@ -206,6 +181,8 @@ class TorchRecorder:
         versions: dict[str, str] | None = None,
         engine: str | None = None,
         who: str = "dpro.plugins.torch.Profiler",
+        transport: Transport | None = None,
+        claim: Callable[[str | Path | None], Path] = claim_run_dir,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -222,16 +199,19 @@ class TorchRecorder:
         self.window = frozenset(self.steps)
         self.who = who
         self.engine = engine
-        self.distributed, self.rank, self.world_size = self._process_group()
+        if transport is None:
+            transport = TorchDistTransport() if dist.is_available() and dist.is_initialized() else LocalTransport()
+        self.transport = transport
+        self.distributed, self.rank, self.world_size = transport.world_size > 1, transport.rank, transport.world_size
         self.host = socket.gethostname()
         self.clock = Clock.from_env(self.rank)
         self.cuda = self.params[0][1].is_cuda
         if not self.cuda:
             self._mark = self.clock.now  # the hot path: one call per mark
         self.extra_knobs = dict(extra_knobs or {})
-        self.versions = {"python": sys.version.split()[0], "torch": torch.__version__, **(versions or {})}
-        self.run_dir = self._agree_run_dir(run_dir)
-        self.hosts = self._gather_hosts() if self.distributed else [self.host]
+        self.versions = {"python": platform.python_version(), "torch": torch.__version__, **(versions or {})}
+        self.run_dir = agree_run_dir(transport, run_dir, who, claim)
+        self.hosts = transport.gather_texts(self.host)
         self._param_name = {id(p): n for n, p in self.params}
         self._modules = recorded_modules(self.module)
         self._handles: list[Any] = []
@@ -250,45 +230,15 @@ class TorchRecorder:
 
     # ---- setup -------------------------------------------------------------------------------
 
-    def _process_group(self) -> tuple[bool, int, int]:
-        """(distributed, rank, world size) of the job's process group."""
-        if dist.is_available() and dist.is_initialized():
-            return True, dist.get_rank(), dist.get_world_size()
-        return False, 0, 1
-
-    def _gather_hosts(self) -> list[str]:
-        return _gather_texts(self.host)
-
-    def _backend_name(self) -> str:
-        return dist.get_backend()
-
     def _run_extra(self) -> dict[str, Any]:
         """Engine-specific entries of run.json (rank 0, when recording starts)."""
         return {}
 
-    def _agree_run_dir(self, run_dir: str | Path | None) -> Path:
-        """Rank 0 claims the directory; the others learn its name (or rank 0's error)."""
-        if not self.distributed:
-            return claim_run_dir(run_dir)
-        answer = ""
-        if self.rank == 0:
-            try:
-                answer = "ok:" + str(claim_run_dir(run_dir).resolve())
-            except UsageError as err:
-                answer = "error:" + str(err)
-        answer = _share_text(answer)
-        kind, _, text = answer.partition(":")
-        if kind == "error":
-            raise UsageError(f"{self.who}: {text}")
-        path = Path(text)
-        path.mkdir(parents=True, exist_ok=True)  # other hosts have no shared filesystem
-        return path
-
     def _install_comm_hook(self) -> None:
         if getattr(self.ddp, "_comm_hooks", None):
             # DDP accepts one hook per model; a user's own hook wins and COMM is not timed.
-            print(f"[dpro] {self.who}: the DDP model already has a communication hook; COMM events are "
-                  "not recorded", file=sys.stderr)
+            logger.warning("%s: the DDP model already has a communication hook; COMM events are not recorded",
+                        self.who)
             return
         self.ddp.register_comm_hook(None, self._comm_hook)
 
@@ -456,8 +406,8 @@ class TorchRecorder:
         self._log = _StepLog(start=self._mark())
 
     def _begin_window(self) -> None:
-        pingpong = self._clock_pingpong()
-        self._probe = self._comm_probe()
+        pingpong = clock_samples(self.transport, self.clock)
+        self._probe = allreduce_probe(self.transport, self.clock)
         if self.cuda:
             torch.cuda.synchronize()
             ref = torch.cuda.Event(enable_timing=True)
@@ -471,58 +421,11 @@ class TorchRecorder:
         if self.rank == 0:
             self._write_run_json(pingpong)
 
-    def _comm_probe(self) -> list[list[float]]:
-        """Time all_reduce at a few sizes on the job's own process group: [bytes, µs] samples that let
-        the cost model fit latency and bandwidth even when the job has a single bucket."""
-        if not self.distributed:
-            return []
-        device = _collective_device()
-        samples = []
-        for nbytes in PROBE_BYTES:
-            tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-            for _ in range(PROBE_REPEAT):
-                dist.barrier()
-                if self.cuda:
-                    torch.cuda.synchronize()
-                t0 = self.clock.now()
-                dist.all_reduce(tensor)
-                if self.cuda:
-                    torch.cuda.synchronize()
-                samples.append([float(nbytes), self.clock.now() - t0])
-        return samples
-
     def _peak_memory(self) -> int:
         """Peak memory so far: CUDA's allocator peak on a GPU, the process's peak RSS on the CPU."""
         if self.cuda:
             return int(torch.cuda.max_memory_allocated())
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-    def _clock_pingpong(self) -> dict[int, list[list[float]]]:
-        """NTP-style exchanges between rank 0 and every other rank, for clock alignment.
-
-        Each sample is [t0, t1, t2, t3]: rank 0 sends at t0 (its clock), rank r receives at t1 and
-        answers at t2 (rank r's clock), rank 0 receives the answer at t3. Only rank 0 returns them.
-        """
-        if not self.distributed:
-            return {}
-        device = _collective_device()
-        samples: dict[int, list[list[float]]] = {}
-        for peer in range(1, self.world_size):
-            for _ in range(PINGPONG_ROUNDS):
-                if self.rank == 0:
-                    t0 = self.clock.now()
-                    dist.send(torch.zeros(2, dtype=torch.float64, device=device), dst=peer)
-                    answer = torch.zeros(2, dtype=torch.float64, device=device)
-                    dist.recv(answer, src=peer)
-                    t3 = self.clock.now()
-                    t1, t2 = answer.cpu().tolist()
-                    samples.setdefault(peer, []).append([t0, t1, t2, t3])
-                elif self.rank == peer:
-                    dist.recv(torch.zeros(2, dtype=torch.float64, device=device), src=0)
-                    t1 = self.clock.now()
-                    reply = torch.tensor([t1, self.clock.now()], dtype=torch.float64, device=device)
-                    dist.send(reply, dst=0)
-        return samples
 
     def _end_step(self) -> None:
         log, step, rank = self._log, self._iteration, self.rank
@@ -629,7 +532,7 @@ class TorchRecorder:
     def knobs(self) -> dict[str, Any]:
         knobs: dict[str, Any] = {"world_size": self.world_size, "device": "cuda" if self.cuda else "cpu"}
         if self.distributed:
-            knobs["backend"] = self._backend_name()
+            knobs["backend"] = self.transport.backend
         if self.ddp is not None:
             ddp = self.ddp
             knobs.update({
@@ -659,36 +562,15 @@ class TorchRecorder:
         return model_fingerprint((n, p.shape, str(p.dtype)) for n, p in self.params)
 
     def _write_run_json(self, pingpong: dict[int, list[list[float]]]) -> None:
-        import datetime as dt
-
-        meta = {
-            "schema": RUN_SCHEMA,
-            "dpro_version": dpro.__version__,
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "framework": "torch",
-            "engine": self.engine or (
-                "torch-ddp" if self.ddp is not None else ("torch" if not self.distributed else "torch-dist")),
-            "versions": self.versions,
-            "world_size": self.world_size,
-            "hosts": self.hosts,
-            "profiled_steps": list(self.steps),
-            "knobs": self.knobs(),
-            "model_fingerprint": self.fingerprint(),
-            "comm_probe": {"op": "allreduce", "world_size": self.world_size,
-                           "note": "[bytes, µs] of all_reduce on the job's process group, after a barrier",
-                           "samples": getattr(self, "_probe", [])},
-            "clocks": {
-                "source": "CLOCK_MONOTONIC",
-                "note": "ranks on one host share this clock; pingpong_us[r] holds [t0, t1, t2, t3] exchanges: "
-                        "rank 0 sends at t0, rank r receives at t1 and answers at t2, rank 0 receives at t3",
-                "pingpong_us": {str(r): rounds for r, rounds in pingpong.items()},
-            },
-            **self._run_extra(),
-        }
-        write_json_atomic(self.run_dir / RUN_FILE, meta)
+        engine = self.engine or (
+            "torch-ddp" if self.ddp is not None else ("torch-dist" if self.distributed else "torch"))
+        doc = run_document(framework="torch", engine=engine, versions=self.versions, world_size=self.world_size,
+                           hosts=self.hosts, steps=list(self.steps), knobs=self.knobs(), fingerprint=self.fingerprint(),
+                           probe=getattr(self, "_probe", []), pingpong=pingpong, extra=self._run_extra())
+        write_run_json(self.run_dir, doc)
 
     def _write_model_json(self) -> None:
-        log = self._last_log
+        last = self._last_log
         ready = getattr(self, "_last_ready", {})
         owner = self._grad_owner()
         params = dict(self.params)
@@ -708,18 +590,12 @@ class TorchRecorder:
                 "name": key, "type": type(mod).__name__,
                 "parent": (name.rsplit(".", 1)[0] if "." in name else "<root>") if name else None,
                 "param_bytes": direct,
-                "activation_bytes": (log.activation_bytes.get(key) if log else None),
+                "activation_bytes": (last.activation_bytes.get(key) if last else None),
                 "recorded": key in recorded and key in self._fired,
             })
-        doc = {
-            "schema": MODEL_SCHEMA,
-            "model_fingerprint": self.fingerprint(),
-            "param_bytes": sum(g["bytes"] for g in gradients),
-            "gradients": gradients,
-            "buckets": sorted(self._last_buckets, key=lambda b: b["index"]),
-            "modules": modules,
-        }
-        write_json_atomic(self.run_dir / MODEL_FILE, doc)
+        doc = model_document(fingerprint=self.fingerprint(), gradients=gradients, buckets=self._last_buckets,
+                             modules=modules)
+        write_model_json(self.run_dir, doc)
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:

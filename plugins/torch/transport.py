@@ -1,0 +1,78 @@
+"""torch.distributed as a ``dpro.record.protocol.Transport``: what the recording protocol exchanges between ranks.
+
+Texts travel as fixed-size byte tensors (never pickled); on NCCL the tensors live on the current CUDA device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dpro.record.protocol import Clock
+
+__all__ = ["TEXT_BYTES", "TorchDistTransport", "bytes_tensor", "tensor_text"]
+
+TEXT_BYTES = 4096
+
+
+def bytes_tensor(text: str, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``text`` UTF-8 encoded into a zero-padded uint8 tensor of ``size`` bytes (cut if longer)."""
+    raw = text.encode()[:size]
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    if raw:
+        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+    return buf
+
+
+def tensor_text(buf: torch.Tensor) -> str:
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+class TorchDistTransport:
+    """The default process group of an initialized torch.distributed job."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        self.cuda = self.backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+
+    def broadcast_text(self, text: str, root: int = 0) -> str:
+        buf = bytes_tensor(text if self.rank == root else "", TEXT_BYTES, self.device)
+        dist.broadcast(buf, src=root)
+        return tensor_text(buf)
+
+    def gather_texts(self, text: str) -> list[str]:
+        mine = bytes_tensor(text, 256, self.device)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return [tensor_text(t) for t in out]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def ping(self, peer: int, clock: Clock) -> list[float] | None:
+        if self.rank == 0:
+            t0 = clock.now()
+            dist.send(torch.zeros(2, dtype=torch.float64, device=self.device), dst=peer)
+            answer = torch.zeros(2, dtype=torch.float64, device=self.device)
+            dist.recv(answer, src=peer)
+            t3 = clock.now()
+            t1, t2 = answer.cpu().tolist()
+            return [t0, t1, t2, t3]
+        if self.rank == peer:
+            dist.recv(torch.zeros(2, dtype=torch.float64, device=self.device), src=0)
+            t1 = clock.now()
+            dist.send(torch.tensor([t1, clock.now()], dtype=torch.float64, device=self.device), dst=0)
+        return None
+
+    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
+        dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = clock.now()
+        dist.all_reduce(tensor)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return clock.now() - t0
