@@ -215,14 +215,14 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
 
 def check_settings(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -> list[dict]:
     """Measure other settings and set them next to dpro's replayed prediction for them."""
+    from dpro.engines.horovod.search import horovod_fusion
     from dpro.io.load import load_run
-    from dpro.optimize import horovod_fusion
     from dpro.sim.whatif import context, predict
 
     ctx = context(load_run(work / "dpro-run"))
     results = horovod_fusion(ctx)
     current = next(r for r in results if r["in_force"])
-    level = predict(ctx, {}).predicted_step_ms - current["predicted_step_ms"]  # as optimize_horovod does
+    level = predict(ctx, {}).predicted_step_ms - current["predicted_step_ms"]  # as the horovod engine's search does
     out = []
     for item in args.check.split(","):
         mb, ms = (float(v) for v in item.split("/"))

@@ -78,13 +78,20 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _knob_help() -> str:
+    """The what-if knobs, one line each, from the one knob table (``dpro.config.knob_table``)."""
+    from dpro.config import knob_table
+
+    rows = [f"  {k.name:<32} {k.doc}" + (f" [{k.engine}]" if k.engine else "")
+            for k in knob_table().values() if k.whatif]
+    return "knobs (KNOB=VALUE; values are JSON where they parse, recompute also takes a,b,c):\n" + "\n".join(rows)
+
+
 def _add_whatif(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "whatif", help="predict the step under changed knobs (bucket size, bandwidth, world size, ...)",
-        description="Rebuild the step DAG of a run under changed knobs and replay it. Knobs: "
-                    "torch.ddp.bucket_cap_mb, torch.ddp.first_bucket_cap_mb, tensor_groups (JSON list of lists), "
-                    "world_size, bandwidth_scale, gradient_compression (fp16|bf16), recompute (module paths, "
-                    "comma-separated).",
+        description="Rebuild the step DAG of a run under changed knobs and replay it.",
+        epilog=_knob_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run", metavar="RUN", help="a run directory")
     parser.add_argument("--set", dest="settings", metavar="KNOB=VALUE", action="append", default=[],
@@ -130,8 +137,9 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
 def _add_optimize(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "optimize", help="search bucket sizes, tensor groups, recomputation; write config.json",
-        description="Search strategies (DDP bucket size and tensor grouping by dynamic programming, recomputation "
-                    "under a memory budget, gradient compression), confirm each by replay, and write the applied "
+        description="Search strategies (the engine's knobs, e.g. bucket sizes or fusion thresholds; tensor grouping by "
+                    "dynamic programming; recomputation under a memory budget; gradient compression), confirm each "
+                    "by replay, and write the applied "
                     "config (default RUN/analysis/config.json) that the plugins and dpro-launch apply.",
     )
     parser.add_argument("run", metavar="RUN", help="a run directory")

@@ -9,7 +9,8 @@ The schema is DESIGN.md "The applied config"::
      "knobs": {"torch.ddp.bucket_cap_mb": 6.5, "recompute": ["encoder.layers.3"]},
      "explain": [{"knob": "torch.ddp.bucket_cap_mb", "why": "...", "predicted_gain_ms": 40.0}]}
 
-Every knob dpro can change is named once, in ``KNOBS``, and applied by one plugin function
+Every knob dpro can change is named once, in ``knob_table()`` (common knobs here, each engine's in
+its engine module), and applied by one plugin function
 (``dpro.plugins.torch.apply`` for the torch knobs; ``env`` is set by the launcher). ``baseline``
 and ``predicted`` may be null in a config written by hand; ``explain`` may be empty.
 
@@ -45,7 +46,7 @@ __all__ = [
     "CONFIG_SCHEMA",
     "COMPRESSIONS",
     "DPRO_CONFIG",
-    "KNOBS",
+    "COMMON_KNOBS",
     "Baseline",
     "Config",
     "Explanation",
@@ -54,6 +55,7 @@ __all__ = [
     "Predicted",
     "check_fingerprint",
     "find_config",
+    "knob_table",
     "read_config",
     "write_config",
 ]
@@ -151,11 +153,16 @@ def _names(value: Any, source: str, key: str, seen: dict[str, str]) -> list[str]
 
 @dataclass(frozen=True)
 class Knob:
-    """One knob dpro can change: its name, what it holds, and its check (value, source, key) -> value."""
+    """One knob dpro can change or predict: its name, its one-line doc, its check (value, source, key) -> value,
+    the value in force when a run does not say, and where it can be used (``whatif --set``, a config)."""
 
     name: str
-    what: str
+    doc: str
     check: Callable[[Any, str, str], Any]
+    default: Any = None
+    whatif: bool = True      # ``dpro whatif --set NAME=VALUE`` can predict it
+    config: bool = True      # a config.json may set it (the plugins or the launcher apply it)
+    engine: str = ""         # the engine that owns it ("" for every engine)
 
 
 def _bucket_cap(value: Any, source: str, key: str) -> float:
@@ -198,30 +205,44 @@ def _env(value: Any, source: str, key: str) -> dict[str, str]:
     return env
 
 
-KNOBS: dict[str, Knob] = {
-    knob.name: knob
-    for knob in (
-        Knob("torch.ddp.bucket_cap_mb", "DDP gradient bucket size in MiB (positive)", _bucket_cap),
-        Knob("torch.ddp.first_bucket_cap_mb", "size of DDP's first bucket in MiB, or null for DDP's choice",
-             _optional(_bucket_cap)),
-        Knob("tensor_groups", "gradient names grouped into buckets, groups in gradient-ready (backward) order",
-             _tensor_groups),
-        Knob("recompute", "module paths whose activations are recomputed in backward", _recompute),
-        Knob("gradient_compression", "null, \"fp16\" or \"bf16\"", _compression),
-        Knob("env", "environment variables set by the launcher (name -> text)", _env),
-    )
-}
+def _positive_number(value: Any, source: str, key: str) -> float:
+    return _number(value, source, key, positive=True, what="a positive number")
+
+
+def _world_size(value: Any, source: str, key: str) -> int:
+    return _count(value, source, key, positive=True)
+
+
+COMMON_KNOBS: tuple[Knob, ...] = (
+    Knob("tensor_groups", "gradient names grouped into collectives, groups in gradient-ready (backward) order",
+         _tensor_groups),
+    Knob("recompute", "module paths whose activations are recomputed in backward", _recompute, default=[]),
+    Knob("gradient_compression", "null, \"fp16\" or \"bf16\": gradients cast for the wire", _compression),
+    Knob("env", "environment variables set by the launcher (name -> text)", _env, default={}, whatif=False),
+    Knob("world_size", "number of ranks (communication priced for N ranks)", _world_size, config=False),
+    Knob("bandwidth_scale", "network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s)", _positive_number,
+         default=1.0, config=False),
+)
+
+
+def knob_table() -> dict[str, Knob]:
+    """Every knob: the common ones and every registered engine's (``dpro.engines``), by name."""
+    from dpro.engines import engine_knobs
+
+    return {knob.name: knob for knob in (*COMMON_KNOBS, *engine_knobs())}
 
 
 def _knobs(value: Any, source: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(source, f"must be an object of knobs, found {_shown(value)}", "knobs")
     knobs = {}
+    table = knob_table()
     for name, setting in value.items():
         key = f"knobs[{json.dumps(name) if isinstance(name, str) else repr(name)}]"
-        knob = KNOBS.get(name) if isinstance(name, str) else None
-        if knob is None:
-            raise ConfigError(source, f"unknown knob {name!r}; this dpro knows {', '.join(KNOBS)}", key)
+        knob = table.get(name) if isinstance(name, str) else None
+        if knob is None or not knob.config:
+            known = ", ".join(n for n, k in table.items() if k.config)
+            raise ConfigError(source, f"unknown knob {name!r}; a config may set {known}", key)
         knobs[name] = knob.check(setting, source, key)
     return knobs
 

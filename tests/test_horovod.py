@@ -15,6 +15,7 @@ import pytest
 from jobrunner import JOBS, job_env, run_job
 from run_builder import make_run
 
+from dpro.engines.horovod.search import horovod_cycles, horovod_fusion
 from dpro.engines.horovod.timeline import (
     TIMELINE_FILE,
     fused_groups,
@@ -25,7 +26,7 @@ from dpro.engines.horovod.timeline import (
 )
 from dpro.errors import TraceError
 from dpro.io.load import load_run
-from dpro.optimize import horovod_cycles, horovod_fusion, optimize
+from dpro.optimize import optimize
 from dpro.sim.whatif import context
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None

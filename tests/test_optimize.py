@@ -10,11 +10,12 @@ import pytest
 from jobrunner import run_job, torchrun
 
 from dpro.dag.graph import OpStats, StepModel
+from dpro.engines.torch_ddp import ddp_buckets
 from dpro.errors import UsageError
 from dpro.io.load import load_run
 from dpro.optimize import best_grouping, best_recompute, recompute_candidates
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model
-from dpro.sim.whatif import Context, ddp_buckets, parse_settings, predict
+from dpro.sim.whatif import Context, parse_settings, predict
 
 
 def synthetic_context(ready_us: list[float], sizes: list[int], latency: float = 50.0, per_byte: float = 0.001):

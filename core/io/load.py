@@ -493,21 +493,19 @@ def load_run(path: str | Path) -> Run:
     for rank in sorted(set(range(run.world_size)) | set(ranks)):
         run.problems.extend(_rank_problems(run, rank, cut_lines.get(rank, [])))
     run.problems.extend(_step_set_problems(run))
-    _merge_horovod_timeline(run)
+    _prepare_for_engine(run)
     return run
 
 
-def _merge_horovod_timeline(run: Run) -> None:
-    """Horovod runs: merge ``horovod-timeline.json`` (fused buffers) when the run holds one."""
-    from dpro.engines.horovod.timeline import find_timeline, merge_horovod_timeline
+def _prepare_for_engine(run: Run) -> None:
+    """Let the run's engine complete it from the engine's own traces (e.g. a timeline of its own); a trace that
+    cannot be read is a problem of the run, not an error: the plugin's own events are kept."""
+    from dpro.engines import get_engine
 
-    path = find_timeline(run)
-    if path is None:
-        return
     try:
-        merge_horovod_timeline(run, path)
+        get_engine((run.meta or {}).get("engine")).prepare_run(run)
     except TraceError as err:
-        run.problems.append(f"{err}; Horovod fusion not merged (per-tensor COMM events kept)")
+        run.problems.append(f"{err}; the engine's own trace was not merged (the recorded events are kept)")
 
 
 def _rank_files(root: Path) -> tuple[dict[int, Path], dict[int, Path]]:

@@ -1,65 +1,46 @@
 """Stage 6, optimize: search strategies, each a graph transformation priced by replay.
 
+``optimize`` hands the run to its engine's search (``dpro.engines``: bucket caps, fusion thresholds,
+cycle times); the searches every engine shares are here:
+
 - ``best_grouping``: the grouping of the ordered gradients into allreduce groups that finishes
   communication first, by dynamic programming over the gradient list against the fitted cost model
-  (exact for that model), then confirmed by a full replay; ``best_bucket_cap`` maps it to the knob
-  DDP takes (one cap), each candidate checked by replay.
+  (exact for that model), then confirmed by a full replay.
 - ``best_recompute``: the modules to checkpoint that meet a memory budget with the least replayed
   step time; when no choice meets the budget it says so and gives the smallest reachable peak.
 - gradient compression (fp16) is priced as a candidate; it changes numerics, so it is applied only
   when the caller allows it.
 
-- ``horovod_fusion``: Horovod's ``HOROVOD_FUSION_THRESHOLD`` and ``HOROVOD_CYCLE_TIME``, searched by
-  replaying a model of Horovod's background loop (fusion of the tensors ready in each cycle).
-
-``optimize`` runs them all and returns the config (``dpro.config`` schema) with an ``explain`` list;
-for a Horovod run (engine ``horovod``) it searches Horovod's knobs instead of DDP's bucket cap.
+``optimize_common`` runs the shared searches after an engine's own; ``config_document`` turns a result into
+the applied config (``dpro.config`` schema) with its ``explain`` list.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpro.dag.graph import graph_from_steps
-from dpro.sim.cost import CommModel, fit_comm_model
-from dpro.sim.replay import plan_levels, replay
-from dpro.sim.whatif import MB, Context, Prediction, ddp_buckets, predict, regroup
+from dpro.engines import get_engine
+from dpro.sim.whatif import MB, Context, Prediction, predict
 
 __all__ = [
-    "CAP_CANDIDATES_MB",
-    "HOROVOD_MIN_GAIN",
-    "HVD_CYCLES_MS",
-    "HVD_DEFAULT_CYCLE_MS",
-    "HVD_DEFAULT_THRESHOLD",
-    "HVD_PHASES",
-    "HVD_THRESHOLDS_MB",
     "MIN_GAIN",
     "OptimizeResult",
     "RecomputeChoice",
-    "best_bucket_cap",
     "best_grouping",
     "best_recompute",
     "config_document",
     "gradient_ready_us",
-    "horovod_comm_model",
-    "horovod_cycles",
-    "horovod_fusion",
-    "horovod_memcpy_us_per_byte",
     "optimize",
-    "optimize_horovod",
+    "optimize_common",
     "recompute_candidates",
 ]
 
 
-CAP_CANDIDATES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
 MIN_GAIN = 0.03  # a change must be predicted to save 3% to be recommended: smaller gains are within what-if error
-HOROVOD_MIN_GAIN = 0.01  # Horovod's fusion model prices its buffer copies from the timeline (see bench/launch.py)
 
 
 def gradient_ready_us(ctx: Context) -> dict[str, float]:
@@ -107,21 +88,6 @@ def best_grouping(ctx: Context, ready: dict[str, float] | None = None) -> tuple[
 def _launch_gap(ctx: Context) -> float:
     gaps = [op.gap for ops in ctx.base.ops.values() for op in ops if op.category == "COMM" and op.gap is not None]
     return statistics.median(gaps) if gaps else 0.0
-
-
-def best_bucket_cap(ctx: Context, extra_caps_mb: list[float] = ()) -> list[tuple[float, Prediction]]:
-    """Replay every candidate DDP bucket cap (one per distinct grouping, the largest cap that gives it);
-    best first."""
-    seen: dict[tuple[int, ...], float] = {}
-    results = []
-    extra = {round(c, 2) for c in extra_caps_mb if c >= 0.01}
-    for cap in sorted(set(CAP_CANDIDATES_MB) | extra, reverse=True):
-        shape = tuple(len(g) for g in ddp_buckets(ctx.gradients, cap))
-        if shape in seen:
-            continue
-        seen[shape] = cap
-        results.append((cap, predict(ctx, {"torch.ddp.bucket_cap_mb": cap})))
-    return sorted(results, key=lambda cp: (cp[1].predicted_step_ms, cp[0]))
 
 
 def recompute_candidates(ctx: Context) -> list[str]:
@@ -199,56 +165,36 @@ class OptimizeResult:
 
 def optimize(ctx: Context, *, memory_budget_bytes: int | None = None,
              allow_compression: bool = False) -> OptimizeResult:
-    """Search bucketing, recomputation (under a budget) and compression; confirm each by replay."""
-    if ctx.run is not None and (ctx.run.meta or {}).get("engine") == "horovod":
-        return optimize_horovod(ctx, memory_budget_bytes=memory_budget_bytes)
-    began = time.perf_counter()
-    baseline = predict(ctx, {})
-    explain: list[dict[str, Any]] = []
-    knobs: dict[str, Any] = {}
-    current = baseline
+    """Search the knobs of the run's engine (``dpro.engines``), recomputation under a memory budget and
+    compression; every answer is confirmed by replay."""
+    return get_engine(ctx.engine).optimize(ctx, memory_budget_bytes=memory_budget_bytes,
+                                           allow_compression=allow_compression)
 
-    groups, _ = best_grouping(ctx)
-    grouped = predict(ctx, {"tensor_groups": groups})
-    group_caps = [sum(dict(ctx.gradients)[g] for g in grp) / MB for grp in groups]
-    caps = best_bucket_cap(ctx, extra_caps_mb=[max(group_caps)])
-    cap, cap_pred = caps[0]
-    in_force = float(ctx.knobs.get("torch.ddp.bucket_cap_mb") or 25.0)
-    same_cap = next((p for c, p in caps if abs(c - in_force) < 1e-9), None) or predict(
-        ctx, {"torch.ddp.bucket_cap_mb": in_force})
-    gain = same_cap.predicted_step_ms - cap_pred.predicted_step_ms
-    if gain > MIN_GAIN * same_cap.predicted_step_ms:
-        knobs["torch.ddp.bucket_cap_mb"] = cap
-        current = cap_pred
-        explain.append({"knob": "torch.ddp.bucket_cap_mb", "predicted_gain_ms": gain,
-                        "why": f"{cap:g} MB buckets ({len(ddp_buckets(ctx.gradients, cap))} allreduces) overlap "
-                               f"communication with backward better than {in_force:g} MB"})
-    else:
-        explain.append({"knob": "torch.ddp.bucket_cap_mb", "predicted_gain_ms": 0.0,
-                        "why": f"the bucket size in force ({in_force:g} MB) is already the best DDP cap found "
-                               f"(best {cap:g} MB predicts {cap_pred.predicted_step_ms:.2f} ms vs "
-                               f"{same_cap.predicted_step_ms:.2f} ms)"})
-    group_gain = current.predicted_step_ms - grouped.predicted_step_ms
-    explain.append({"knob": "tensor_groups", "predicted_gain_ms": max(0.0, group_gain),
-                    "why": f"optimal grouping by dynamic programming: {len(groups)} groups of "
-                           f"{', '.join(f'{c:.2f}' for c in group_caps)} MB; engines that take explicit groups "
-                           f"(Horovod groups=, DDP bucket_cap_mb_list) can apply it"})
-    if group_gain > MIN_GAIN * current.predicted_step_ms:
-        knobs["tensor_groups"] = groups
 
-    comm_knobs = {k: v for k, v in knobs.items() if k == "torch.ddp.bucket_cap_mb"}
-    compressed = predict(ctx, {**comm_knobs, "gradient_compression": "fp16"})
-    c_gain = current.predicted_step_ms - compressed.predicted_step_ms
-    if c_gain > 0.05 * current.predicted_step_ms and allow_compression:
-        knobs["gradient_compression"] = "fp16"
-        current = compressed
-        explain.append({"knob": "gradient_compression", "predicted_gain_ms": c_gain,
-                        "why": "fp16 allreduce halves the bytes on the wire"})
-    else:
-        explain.append({"knob": "gradient_compression", "predicted_gain_ms": max(0.0, c_gain),
-                        "why": "not applied: " + ("fp16 compression changes numerics; pass --allow-compression"
-                                                  if c_gain > 0.05 * current.predicted_step_ms
-                                                  else "predicted gain under 5%")})
+def optimize_common(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False,
+                    knobs: dict[str, Any] | None = None, explain: list[dict[str, Any]] | None = None,
+                    baseline: Prediction | None = None, began: float | None = None) -> OptimizeResult:
+    """The searches every engine shares, after the engine's own (``knobs`` and ``explain`` so far):
+    gradient compression (priced, applied only when allowed) and recomputation under a budget."""
+    began = time.perf_counter() if began is None else began
+    baseline = baseline or predict(ctx, {})
+    knobs = dict(knobs or {})
+    explain = list(explain or [])
+    current = predict(ctx, knobs) if knobs else baseline
+    comm_knobs = {k: v for k, v in knobs.items() if k != "tensor_groups"}
+    if ctx.base.transfer:
+        compressed = predict(ctx, {**comm_knobs, "gradient_compression": "fp16"})
+        c_gain = current.predicted_step_ms - compressed.predicted_step_ms
+        if c_gain > 0.05 * current.predicted_step_ms and allow_compression:
+            knobs["gradient_compression"] = "fp16"
+            current = compressed
+            explain.append({"knob": "gradient_compression", "predicted_gain_ms": c_gain,
+                            "why": "fp16 allreduce halves the bytes on the wire"})
+        else:
+            explain.append({"knob": "gradient_compression", "predicted_gain_ms": max(0.0, c_gain),
+                            "why": "not applied: " + ("fp16 compression changes numerics; pass --allow-compression"
+                                                      if c_gain > 0.05 * current.predicted_step_ms
+                                                      else "predicted gain under 5%")})
     if memory_budget_bytes is not None:
         choice = best_recompute(ctx, memory_budget_bytes, {k: v for k, v in knobs.items() if k != "tensor_groups"})
         if choice.modules and choice.prediction is not None:
@@ -258,10 +204,8 @@ def optimize(ctx: Context, *, memory_budget_bytes: int | None = None,
                             "why": f"checkpointing {', '.join(choice.modules)} brings the peak to "
                                    f"{choice.prediction.predicted_peak_memory_bytes / MB:.1f} MiB "
                                    f"(budget {memory_budget_bytes / MB:.1f} MiB) at the least replayed cost"})
-            current = choice.prediction
         else:
             explain.append({"knob": "recompute", "predicted_gain_ms": 0.0, "why": choice.note})
-    # the plugins apply tensor_groups over a bucket cap (DDP's bucket_cap_mb_list), and so does what-if
     final = predict(ctx, knobs)
     return OptimizeResult(knobs=knobs, baseline=baseline, predicted=final, explain=explain,
                           search_seconds=time.perf_counter() - began,
@@ -273,7 +217,7 @@ def config_document(result: OptimizeResult, ctx: Context) -> dict[str, Any]:
     meta = ctx.run.meta or {}
     return {
         "schema": "dpro.config/1",
-        "fingerprint": {"framework": meta.get("framework", "torch"), "engine": meta.get("engine", "torch-ddp"),
+        "fingerprint": {"framework": meta.get("framework", "torch"), "engine": ctx.engine,
                         "world_size": ctx.run.world_size, "model": meta.get("model_fingerprint", "")},
         "baseline": {"run": str(ctx.run.path), "step_ms": result.measured_step_ms},
         "predicted": {"step_ms": result.predicted.predicted_step_ms,
@@ -281,261 +225,3 @@ def config_document(result: OptimizeResult, ctx: Context) -> dict[str, Any]:
         "knobs": result.knobs,
         "explain": result.explain,
     }
-
-
-# ---- Horovod -------------------------------------------------------------------------------------
-
-HVD_THRESHOLDS_MB = (1, 2, 4, 8, 16, 32, 64, 128)
-HVD_CYCLES_MS = (0.5, 1, 2.5, 5, 10)
-HVD_DEFAULT_THRESHOLD = 128 * MB   # horovod 0.28.1 (operations.cc)
-HVD_DEFAULT_CYCLE_MS = 1.0
-HVD_PHASES = 4                     # cycle phases averaged over (the loop runs unaligned with the steps)
-
-
-def horovod_comm_model(ctx: Context) -> CommModel:
-    """Allreduce cost without Horovod's cycle, negotiation and fusion-buffer copies, from the timeline's
-    allreduce phases of the fused buffers (``allreduce_us``, e.g. GLOO_ALLREDUCE) and of the probe (when
-    merged).
-
-    The slope (time per byte) is the fit of ``fit_comm_model``. The fixed cost per allreduce is the lower
-    envelope of the samples (the least any of them took beyond its bytes): a lone small allreduce also
-    waits for the other ranks' background threads to be scheduled, which buffers reduced back to back
-    in one cycle do not, so an intercept fitted through the samples would price every extra buffer with
-    that wait (measured: several ms per buffer on a busy 2-core machine, where fusing less was faster).
-    """
-    transfers = []
-    for ops in list(ctx.base.ops.values())[:1]:
-        for op in ops:
-            phase = op.args.get("allreduce_us", op.args.get("operation_us"))
-            if op.category == "COMM" and phase is not None and op.args.get("bytes"):
-                transfers.append((float(op.args["bytes"]), float(phase)))
-    probe = ((ctx.run.meta or {}).get("comm_probe", {}).get("samples", [])) if ctx.run is not None else []
-    if not transfers and not probe:
-        return ctx.comm
-    fitted = fit_comm_model(transfers, probe, ctx.world_size)
-    n = max(ctx.world_size, 2)
-    frac = 2 * (n - 1) / n
-    samples = transfers + [(float(b), float(us)) for b, us in probe]
-    floor = min(us - frac * b * fitted.us_per_byte for b, us in samples)
-    latency = max(0.0, min(fitted.latency_us, floor / (2 * (n - 1))))
-    return dataclasses.replace(fitted, latency_us=latency, source=fitted.source + ", latency: lower envelope")
-
-
-def horovod_memcpy_us_per_byte(ctx: Context) -> float:
-    """Time per byte to copy a fused buffer in and out of Horovod's fusion buffer (timeline phases)."""
-    copied, took = 0.0, 0.0
-    for ops in list(ctx.base.ops.values())[:1]:
-        for op in ops:
-            if op.category == "COMM" and op.args.get("fused", 1) > 1 and op.args.get("bytes"):
-                copied += float(op.args["bytes"])
-                took += float(op.args.get("memcpy_in_us", 0.0)) + float(op.args.get("memcpy_out_us", 0.0))
-    return took / copied if copied else 0.0
-
-
-def horovod_cycles(units: list[tuple[list[str], int, float]], threshold: float, cycle_us: float, phase_us: float,
-                   cost_us: Any, coordinate_us: float,
-                   memcpy_us_per_byte: float = 0.0) -> list[tuple[list[str], float, float, float]]:
-    """Horovod's background loop: every cycle (start ``phase_us + k * cycle_us``, or later when the
-    previous cycle's work ran over), the requests ready so far are fused, in ready order, into
-    buffers of at most ``threshold`` bytes (a larger request goes alone); the buffers are reduced one
-    after the other, each priced by ``cost_us(bytes)`` plus, for a buffer of several tensors, the copies
-    into and out of the fusion buffer (``memcpy_us_per_byte``), after ``coordinate_us`` of negotiation.
-
-    ``units`` are (gradient names, bytes, ready µs) in ready order; a unit is never split (one tensor,
-    or an explicit group of ``hvd.DistributedOptimizer(groups=)``).
-    Returns the buffers: (names, ready µs of the last member, start µs, end µs).
-    """
-    remaining = sorted(units, key=lambda u: u[2])
-    out: list[tuple[list[str], float, float, float]] = []
-    t = phase_us
-    while remaining:
-        ready = [u for u in remaining if u[2] <= t]
-        if not ready:
-            upcoming = remaining[0][2]
-            t = upcoming if cycle_us <= 0 else t + math.ceil((upcoming - t) / cycle_us) * cycle_us
-            continue
-        remaining = [u for u in remaining if u[2] > t]
-        cursor = t + coordinate_us
-        buffers: list[list[tuple[list[str], int, float]]] = []
-        size = 0.0
-        for unit in ready:
-            if buffers and size + unit[1] <= threshold:
-                buffers[-1].append(unit)
-                size += unit[1]
-            else:
-                buffers.append([unit])
-                size = unit[1]
-        for buf in buffers:
-            nbytes = sum(u[1] for u in buf)
-            names = [n for u in buf for n in u[0]]
-            end = cursor + cost_us(nbytes) + (memcpy_us_per_byte * nbytes if len(names) > 1 else 0.0)
-            out.append((names, max(u[2] for u in buf), cursor, end))
-            cursor = end
-        t = max(t + cycle_us, cursor) if cycle_us > 0 else cursor
-    return out
-
-
-def _replay_buffers(ctx: Context, comm: CommModel, buffers: list[tuple[list[str], float, float, float]],
-                    knobs: dict[str, Any]) -> Prediction:
-    """Regroup the step into ``buffers`` and replay it; each buffer's transfer holds what Horovod's loop
-    adds to the allreduce itself (waiting for the cycle, negotiation, earlier buffers of the cycle)."""
-    hctx = dataclasses.replace(ctx, comm=comm)
-    model = regroup(hctx, ctx.base, [b[0] for b in buffers])
-    previous_end = 0.0
-    for k, (_, ready, _, end) in enumerate(buffers):
-        model.transfer[f"COMM.group{k}.allreduce"] = max(0.0, end - max(ready, previous_end))
-        previous_end = end
-    g = graph_from_steps(model, iterations=4)
-    sched = replay(g, plan_levels(g))
-    from dpro.analyze import predicted_step_us
-
-    per_rank = predicted_step_us(g, sched)
-    return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
-                      predicted_peak_memory_bytes=ctx.memory.peak_bytes(()), graph_nodes=g.size,
-                      per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
-
-
-def _horovod_predict(ctx: Context, comm: CommModel, units: list[tuple[list[str], int, float]], threshold: float,
-                     cycle_ms: float, memcpy: float = 0.0,
-                     phases: int = HVD_PHASES) -> tuple[float, list[list[str]], Prediction]:
-    """Mean replayed step (ms) over cycle phases, the buffers of the median phase, and its prediction."""
-    cycle_us = cycle_ms * 1000.0
-    coordinate = comm.allreduce_us(0)
-    runs = []
-    for i in range(phases if cycle_us > 0 else 1):
-        buffers = horovod_cycles(units, threshold, cycle_us, (i + 0.5) / phases * cycle_us,
-                                 comm.allreduce_us, coordinate, memcpy)
-        knobs = {"HOROVOD_FUSION_THRESHOLD": int(threshold), "HOROVOD_CYCLE_TIME": cycle_ms}
-        runs.append((_replay_buffers(ctx, comm, buffers, knobs), buffers))
-    mean = statistics.fmean(p.predicted_step_ms for p, _ in runs)
-    prediction, buffers = sorted(runs, key=lambda r: r[0].predicted_step_ms)[len(runs) // 2]
-    return mean, [b[0] for b in buffers], prediction
-
-
-def _units(ctx: Context, groups: list[list[str]] | None = None) -> list[tuple[list[str], int, float]]:
-    ready = gradient_ready_us(ctx)
-    sizes = dict(ctx.gradients)
-    order = {n: i for i, (n, _) in enumerate(ctx.gradients)}
-    grouped = {n for g in groups or [] for n in g}
-    units = [(list(g), sum(sizes[n] for n in g), max(ready[n] for n in g)) for g in groups or [] if g]
-    units += [([n], sizes[n], ready[n]) for n, _ in ctx.gradients if n not in grouped]
-    return sorted(units, key=lambda u: (u[2], order[u[0][0]]))
-
-
-def _in_force(ctx: Context) -> tuple[float, float]:
-    try:
-        threshold = float(ctx.knobs.get("HOROVOD_FUSION_THRESHOLD", HVD_DEFAULT_THRESHOLD))
-    except (TypeError, ValueError):
-        threshold = float(HVD_DEFAULT_THRESHOLD)
-    try:
-        cycle = float(ctx.knobs.get("HOROVOD_CYCLE_TIME", HVD_DEFAULT_CYCLE_MS))
-    except (TypeError, ValueError):
-        cycle = HVD_DEFAULT_CYCLE_MS
-    return threshold, cycle
-
-
-def horovod_fusion(ctx: Context, thresholds_mb: tuple[float, ...] = HVD_THRESHOLDS_MB,
-                   cycles_ms: tuple[float, ...] = HVD_CYCLES_MS) -> list[dict[str, Any]]:
-    """Search ``HOROVOD_FUSION_THRESHOLD`` x ``HOROVOD_CYCLE_TIME`` by replay of a model of Horovod's loop.
-
-    Each candidate's buffers come from ``horovod_cycles`` (gradients ready at the end of the backward
-    op producing them, on the slowest rank; allreduces priced by ``horovod_comm_model``, fusion-buffer
-    copies by ``horovod_memcpy_us_per_byte``); the step is
-    regrouped into them (``whatif.regroup``) and replayed, averaged over ``HVD_PHASES`` cycle phases.
-    The setting in force is evaluated the same way (``"in_force": True``), so gains compare like with
-    like. Returns one dict per candidate, best first: ``threshold_bytes``, ``cycle_time_ms``,
-    ``predicted_step_ms``, ``buffers`` (gradient names per fused buffer, one cycle phase). The best also
-    gets ``tensor_groups`` (``best_grouping``'s groups, for ``hvd.DistributedOptimizer(groups=)``) and
-    ``tensor_groups_predicted_step_ms`` (those groups as units under the best setting).
-    """
-    comm = horovod_comm_model(ctx)
-    memcpy = horovod_memcpy_us_per_byte(ctx)
-    units = _units(ctx)
-    current = _in_force(ctx)
-    results: list[dict[str, Any]] = []
-    grid = [(t * MB, c) for t in thresholds_mb for c in cycles_ms]
-    if not any(abs(t - current[0]) < 1 and abs(c - current[1]) < 1e-9 for t, c in grid):
-        grid.append(current)
-    for threshold, cycle in grid:
-        mean, buffers, _ = _horovod_predict(ctx, comm, units, threshold, cycle, memcpy)
-        results.append({"threshold_bytes": int(threshold), "threshold_mb": threshold / MB, "cycle_time_ms": cycle,
-                        "predicted_step_ms": mean, "buffers": buffers,
-                        "in_force": abs(threshold - current[0]) < 1 and abs(cycle - current[1]) < 1e-9})
-    results.sort(key=lambda r: (round(r["predicted_step_ms"], 6), -r["threshold_bytes"], r["cycle_time_ms"]))
-    best = results[0]
-    groups, _ = best_grouping(ctx)
-    grouped, _, _ = _horovod_predict(ctx, comm, _units(ctx, groups), best["threshold_bytes"], best["cycle_time_ms"],
-                                     memcpy)
-    best["tensor_groups"] = groups
-    best["tensor_groups_predicted_step_ms"] = grouped
-    best["comm_model"] = {"latency_us": comm.latency_us, "gbit_per_s": comm.gbit_per_s, "source": comm.source,
-                          "memcpy_us_per_byte": memcpy}
-    return results
-
-
-def optimize_horovod(ctx: Context, *, memory_budget_bytes: int | None = None) -> OptimizeResult:
-    """``optimize`` for a Horovod run: fusion threshold and cycle time (knobs ``env``), explicit groups
-    (``tensor_groups``, for ``hvd.DistributedOptimizer(groups=)``) and recomputation under a budget.
-
-    The model of Horovod's loop (``horovod_fusion``) prices the differences between settings; the
-    replay of the measured step sets the level, so every time reported is the baseline replay plus
-    the modelled difference from the setting in force."""
-    began = time.perf_counter()
-    baseline = predict(ctx, {})
-    results = horovod_fusion(ctx)
-    best = results[0]
-    current = next(r for r in results if r["in_force"])
-    level = baseline.predicted_step_ms - current["predicted_step_ms"]
-    explain: list[dict[str, Any]] = []
-    gain = current["predicted_step_ms"] - best["predicted_step_ms"]
-    chosen = best if gain > HOROVOD_MIN_GAIN * current["predicted_step_ms"] else current
-    knobs: dict[str, Any] = {"env": {"HOROVOD_FUSION_THRESHOLD": str(chosen["threshold_bytes"]),
-                                     "HOROVOD_CYCLE_TIME": f"{chosen['cycle_time_ms']:g}"}}
-    described = (f"{chosen['threshold_mb']:g} MB / {chosen['cycle_time_ms']:g} ms: "
-                 f"{len(chosen['buffers'])} allreduce buffer(s) per step")
-    if chosen is best:
-        explain.append({"knob": "env", "predicted_gain_ms": gain,
-                        "why": f"HOROVOD_FUSION_THRESHOLD / HOROVOD_CYCLE_TIME {described}; the setting in force "
-                               f"({current['threshold_mb']:g} MB / {current['cycle_time_ms']:g} ms) replays at "
-                               f"{baseline.predicted_step_ms:.2f} ms, this one at "
-                               f"{best['predicted_step_ms'] + level:.2f} ms ({len(results)} settings replayed)"})
-    else:
-        explain.append({"knob": "env", "predicted_gain_ms": 0.0,
-                        "why": f"the Horovod setting in force ({described}) is already within "
-                               f"{HOROVOD_MIN_GAIN:.0%} of the "
-                               f"best of {len(results)} replayed ({best['threshold_mb']:g} MB / "
-                               f"{best['cycle_time_ms']:g} ms: {best['predicted_step_ms'] + level:.2f} ms vs "
-                               f"{baseline.predicted_step_ms:.2f} ms); kept"})
-    final_ms = chosen["predicted_step_ms"] + level
-    group_gain = chosen["predicted_step_ms"] - best["tensor_groups_predicted_step_ms"]
-    groups = best["tensor_groups"]
-    if chosen is best and group_gain > HOROVOD_MIN_GAIN * chosen["predicted_step_ms"]:
-        knobs["tensor_groups"] = groups
-        final_ms -= group_gain
-    applied = "tensor_groups" in knobs
-    grouped_ms = best["tensor_groups_predicted_step_ms"] + level
-    explain.append({"knob": "tensor_groups", "predicted_gain_ms": max(0.0, group_gain) if applied else 0.0,
-                    "why": f"optimal grouping by dynamic programming ({len(groups)} groups) as "
-                           f"hvd.DistributedOptimizer(groups=): {grouped_ms:.2f} ms under "
-                           f"{best['threshold_mb']:g} MB / {best['cycle_time_ms']:g} ms"
-                           + ("" if applied else f"; not applied (gain under {HOROVOD_MIN_GAIN:.0%} or setting kept)")})
-    explain.append({"knob": "gradient_compression", "predicted_gain_ms": 0.0,
-                    "why": "not searched for Horovod (hvd.Compression.fp16 is not applied by dpro)"})
-    predicted = Prediction(knobs=dict(knobs), predicted_step_ms=final_ms,
-                           predicted_peak_memory_bytes=ctx.memory.peak_bytes(()), graph_nodes=baseline.graph_nodes,
-                           per_rank_ms={})
-    if memory_budget_bytes is not None:
-        choice = best_recompute(ctx, memory_budget_bytes, {})
-        if choice.modules and choice.prediction is not None:
-            knobs["recompute"] = choice.modules
-            extra = choice.prediction.predicted_step_ms - baseline.predicted_step_ms
-            predicted = dataclasses.replace(predicted, predicted_step_ms=final_ms + extra,
-                                            predicted_peak_memory_bytes=choice.prediction.predicted_peak_memory_bytes)
-            explain.append({"knob": "recompute", "predicted_gain_ms": -extra,
-                            "why": f"checkpointing {', '.join(choice.modules)} brings the peak to "
-                                   f"{choice.prediction.predicted_peak_memory_bytes / MB:.1f} MiB"})
-        else:
-            explain.append({"knob": "recompute", "predicted_gain_ms": 0.0, "why": choice.note})
-    return OptimizeResult(knobs=knobs, baseline=baseline, predicted=predicted, explain=explain,
-                          search_seconds=time.perf_counter() - began,
-                          measured_step_ms=ctx.base.measured_step_us / 1000.0)

@@ -165,12 +165,12 @@ def parse_skew(text: str, rank: int) -> float:
 class Transport(Protocol):
     """What the recording protocol needs from a framework's process group (one object per process).
 
-    Implementations: ``LocalTransport`` (one process), torch.distributed and Horovod in the torch plugin.
+    Implementations: ``LocalTransport`` (one process) here; each plugin brings its framework's.
     """
 
     rank: int
     world_size: int
-    backend: str        # e.g. "gloo", "nccl", "horovod-gloo": stored in run.json's knobs
+    backend: str        # the transport's backend, e.g. "gloo": stored in run.json's knobs
 
     def broadcast_text(self, text: str, root: int = 0) -> str:
         """``root``'s ``text`` on every rank (short texts: a path, an error message)."""

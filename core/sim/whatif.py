@@ -1,11 +1,12 @@
 """What-if: rebuild the step under changed knobs and replay it.
 
-Each knob is a transformation of the median step (``dpro.graph.StepModel``), priced by the cost
-models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``:
+Each knob is a transformation of the median step (``dpro.dag.graph.StepModel``), priced by the cost
+models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``. The knobs are those of
+``dpro.config.knob_table()`` that what-if can predict (``whatif_knobs()``):
 
 | knob | what changes |
 |---|---|
-| ``torch.ddp.bucket_cap_mb`` (+ ``torch.ddp.first_bucket_cap_mb``) | gradients regrouped the way DDP forms buckets |
+| an engine's grouping knobs (see ``dpro.engines``) | gradients regrouped the way the engine groups them |
 | ``tensor_groups`` | explicit gradient groups (JSON list of lists of names) |
 | ``world_size`` | ring-allreduce cost on N ranks |
 | ``bandwidth_scale`` | network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s) |
@@ -22,68 +23,76 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpro.config import knob_table
 from dpro.dag.align import align
 from dpro.dag.graph import OpStats, StepModel, graph_from_steps, step_model
-from dpro.errors import UsageError
+from dpro.engines import get_engine
+from dpro.errors import ConfigError, UsageError
 from dpro.io.load import Run
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
 from dpro.sim.replay import plan_levels, replay
 
 __all__ = [
-    "COMM_KNOBS",
-    "Context",
-    "KNOWN_KNOBS",
     "MB",
+    "REGROUPING_KNOBS",
+    "Context",
     "Prediction",
     "add_recompute",
     "calibrate",
     "context",
-    "ddp_buckets",
     "parse_settings",
     "predict",
+    "recorded_groups",
     "regroup",
     "transformed_model",
+    "whatif_knobs",
 ]
 
 
 MB = 2**20
-COMM_KNOBS = ("torch.ddp.bucket_cap_mb", "torch.ddp.first_bucket_cap_mb", "tensor_groups", "world_size",
-              "bandwidth_scale", "gradient_compression")
-KNOWN_KNOBS = (*COMM_KNOBS, "recompute")
+REGROUPING_KNOBS = ("tensor_groups", "world_size", "bandwidth_scale", "gradient_compression")
+
+
+def whatif_knobs() -> list[str]:
+    """The knobs ``--set`` takes (every knob of the table that what-if can predict)."""
+    return [name for name, knob in knob_table().items() if knob.whatif]
 
 
 def parse_settings(items: list[str]) -> dict[str, Any]:
     """``["KEY=VALUE", ...]`` -> knobs. Values are JSON where they parse (numbers, lists), else text;
     ``recompute`` also takes a comma-separated list of module paths."""
     knobs: dict[str, Any] = {}
+    known = whatif_knobs()
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. torch.ddp.bucket_cap_mb=5")
-        if key not in KNOWN_KNOBS:
-            raise UsageError(f"--set {key}: unknown knob; known: {', '.join(KNOWN_KNOBS)}")
+            raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. world_size=8")
+        if key not in known:
+            raise UsageError(f"--set {key}: unknown knob; known: {', '.join(known)}")
         try:
             value: Any = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
         if key == "recompute" and isinstance(value, str):
             value = [m for m in value.split(",") if m]
+        if key == "gradient_compression" and value == "none":
+            value = None
         knobs[key] = value
     _validate(knobs)
     return knobs
 
 
 def _validate(knobs: dict[str, Any]) -> None:
-    for key in ("torch.ddp.bucket_cap_mb", "bandwidth_scale"):
-        if key in knobs and not (isinstance(knobs[key], (int, float)) and knobs[key] > 0):
-            raise UsageError(f"{key}={knobs[key]!r}: expected a positive number")
-    if "world_size" in knobs and not (isinstance(knobs["world_size"], int) and knobs["world_size"] >= 1):
-        raise UsageError(f"world_size={knobs['world_size']!r}: expected a positive integer")
-    if knobs.get("gradient_compression") not in (None, "fp16", "bf16", "none"):
-        raise UsageError(f"gradient_compression={knobs['gradient_compression']!r}: expected fp16, bf16 or none")
-    groups = knobs.get("tensor_groups")
-    if groups is not None and not (isinstance(groups, list) and all(isinstance(g, list) for g in groups)):
-        raise UsageError("tensor_groups: expected a JSON list of lists of gradient names")
+    """Each knob's own check (the one config validation uses), reported as a usage error."""
+    table = knob_table()
+    for key, value in knobs.items():
+        knob = table.get(key)
+        if knob is None:
+            raise UsageError(f"{key}: unknown knob; known: {', '.join(whatif_knobs())}")
+        try:
+            knobs[key] = knob.check(value, "--set", key)
+        except ConfigError as err:
+            raise UsageError(f"--set {key}={json.dumps(value)}: {err.problem}") from err
 
 
 @dataclass
@@ -100,6 +109,11 @@ class Context:
     @property
     def world_size(self) -> int:
         return int(self.knobs.get("world_size") or self.run.world_size)
+
+    @property
+    def engine(self) -> str:
+        """The run's engine (run.json), e.g. torch-ddp; ``dpro.engines.get_engine`` looks it up."""
+        return str((self.run.meta or {}).get("engine") or "")
 
 
 def context(run: Run) -> Context:
@@ -153,21 +167,6 @@ def calibrate(ctx: Context) -> Context:
     ctx.comm = dataclasses.replace(fitted, latency_us=fitted.latency_us * scale, us_per_byte=fitted.us_per_byte * scale,
                                    source=f"{fitted.source}, scaled x{scale:.2f} to replay the recorded run")
     return ctx
-
-
-def ddp_buckets(gradients: list[tuple[str, int]], cap_mb: float, first_cap_mb: float | None = None) -> list[list[str]]:
-    """Group gradients (in ready order) the way DDP does: fill a bucket until it reaches its cap."""
-    limits = [first_cap_mb * MB] if first_cap_mb else []
-    buckets: list[list[str]] = [[]]
-    size = 0
-    for name, nbytes in gradients:
-        buckets[-1].append(name)
-        size += nbytes
-        limit = limits[0] if len(buckets) == 1 and limits else cap_mb * MB
-        if size >= limit:
-            buckets.append([])
-            size = 0
-    return [b for b in buckets if b]
 
 
 def _producer_index(ops: list[OpStats]) -> dict[str, int]:
@@ -249,20 +248,27 @@ class Prediction:
     per_rank_ms: dict[int, float] = field(default_factory=dict)
 
 
+def recorded_groups(ctx: Context) -> list[list[str]]:
+    """The gradient groups the recorded run communicated in (model.json's buckets), else one group per
+    gradient; gradients no group names join the last group."""
+    groups = [list(b.get("tensors") or []) for b in (ctx.run.model or {}).get("buckets", [])]
+    groups = [g for g in groups if g]
+    named = {n for g in groups for n in g}
+    rest = [n for n, _ in ctx.gradients if n not in named]
+    if not groups:
+        return [[n] for n in rest]
+    if rest:
+        groups[-1] = groups[-1] + rest
+    return groups
+
+
 def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
-    """The median step under ``knobs`` (a dict of ``KNOWN_KNOBS``)."""
+    """The median step under ``knobs`` (names from ``whatif_knobs()``)."""
     _validate(knobs)
     model = ctx.base
-    if any(k in knobs for k in COMM_KNOBS):
-        merged = {**ctx.knobs, **knobs}
-        if knobs.get("tensor_groups"):
-            groups = knobs["tensor_groups"]
-        else:
-            cap = float(merged.get("torch.ddp.bucket_cap_mb") or 25.0)
-            first = merged.get("torch.ddp.first_bucket_cap_mb")
-            if "torch.ddp.bucket_cap_mb" in knobs and "torch.ddp.first_bucket_cap_mb" not in knobs:
-                first = None  # an explicit cap applies to the first bucket too (DDP's rule)
-            groups = ddp_buckets(ctx.gradients, cap, first)
+    engine = get_engine(ctx.engine)
+    if any(k in knobs for k in (*REGROUPING_KNOBS, *engine.comm_knobs)):
+        groups = knobs.get("tensor_groups") or engine.groups(ctx, knobs) or recorded_groups(ctx)
         compression = knobs.get("gradient_compression")
         scale = 0.5 if compression in ("fp16", "bf16") else 1.0
         model = regroup(ctx, model, groups, bytes_scale=scale, bandwidth_scale=float(knobs.get("bandwidth_scale", 1.0)),

@@ -1,0 +1,121 @@
+"""The ``torch-ddp`` engine: PyTorch DistributedDataParallel, gradients allreduced in buckets.
+
+Knobs: ``torch.ddp.bucket_cap_mb`` and ``torch.ddp.first_bucket_cap_mb`` (DDP's constructor arguments; the torch
+plugin passes them, and ``tensor_groups`` as DDP's ``bucket_cap_mb_list``). DDP fills buckets in gradient-ready
+order up to the cap (the first bucket up to its own, smaller cap). Search: every DDP cap that gives a distinct
+grouping, replayed; the optimal grouping by dynamic programming; then the common searches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dpro.config import Knob, _bucket_cap, _optional
+from dpro.engines.base import Engine
+from dpro.optimize.search import MIN_GAIN, OptimizeResult, best_grouping, optimize_common
+from dpro.sim.whatif import MB, Context, Prediction, predict
+
+__all__ = ["BUCKET_CAP", "CAP_CANDIDATES_MB", "ENGINE", "FIRST_BUCKET_CAP", "best_bucket_cap", "ddp_buckets"]
+
+NAME = "torch-ddp"
+BUCKET_CAP, FIRST_BUCKET_CAP = "torch.ddp.bucket_cap_mb", "torch.ddp.first_bucket_cap_mb"
+DEFAULT_BUCKET_CAP_MB = 25.0   # torch.nn.parallel.DistributedDataParallel's default
+CAP_CANDIDATES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
+
+
+def ddp_buckets(gradients: list[tuple[str, int]], cap_mb: float, first_cap_mb: float | None = None) -> list[list[str]]:
+    """Group gradients (in ready order) the way DDP does: fill a bucket until it reaches its cap."""
+    limits = [first_cap_mb * MB] if first_cap_mb else []
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in gradients:
+        buckets[-1].append(name)
+        size += nbytes
+        limit = limits[0] if len(buckets) == 1 and limits else cap_mb * MB
+        if size >= limit:
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def groups(ctx: Context, knobs: dict[str, Any]) -> list[list[str]] | None:
+    """DDP's buckets under ``knobs`` (merged over the run's); an explicit cap applies to the first bucket too."""
+    if BUCKET_CAP not in knobs and FIRST_BUCKET_CAP not in knobs:
+        return None
+    merged = {**ctx.knobs, **knobs}
+    cap = float(merged.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
+    first = merged.get(FIRST_BUCKET_CAP)
+    if BUCKET_CAP in knobs and FIRST_BUCKET_CAP not in knobs:
+        first = None  # DDP's rule: a cap given explicitly applies to the first bucket too
+    return ddp_buckets(ctx.gradients, cap, first)
+
+
+def best_bucket_cap(ctx: Context, extra_caps_mb: list[float] = ()) -> list[tuple[float, Prediction]]:
+    """Replay every candidate DDP bucket cap (one per distinct grouping, the largest cap that gives it);
+    best first."""
+    seen: dict[tuple[int, ...], float] = {}
+    results = []
+    extra = {round(c, 2) for c in extra_caps_mb if c >= 0.01}
+    for cap in sorted(set(CAP_CANDIDATES_MB) | extra, reverse=True):
+        shape = tuple(len(g) for g in ddp_buckets(ctx.gradients, cap))
+        if shape in seen:
+            continue
+        seen[shape] = cap
+        results.append((cap, predict(ctx, {BUCKET_CAP: cap})))
+    return sorted(results, key=lambda cp: (cp[1].predicted_step_ms, cp[0]))
+
+
+def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> OptimizeResult:
+    """DDP's bucket cap (every distinct grouping replayed), the optimal grouping (as ``tensor_groups``, applied
+    through ``bucket_cap_mb_list``), then compression and recomputation."""
+    began = time.perf_counter()
+    baseline = predict(ctx, {})
+    explain: list[dict[str, Any]] = []
+    knobs: dict[str, Any] = {}
+    current = baseline
+    grouping, _ = best_grouping(ctx)
+    grouped = predict(ctx, {"tensor_groups": grouping})
+    group_caps = [sum(dict(ctx.gradients)[g] for g in grp) / MB for grp in grouping]
+    caps = best_bucket_cap(ctx, extra_caps_mb=[max(group_caps)])
+    cap, cap_pred = caps[0]
+    in_force = float(ctx.knobs.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
+    same_cap = next((p for c, p in caps if abs(c - in_force) < 1e-9), None) or predict(ctx, {BUCKET_CAP: in_force})
+    gain = same_cap.predicted_step_ms - cap_pred.predicted_step_ms
+    if gain > MIN_GAIN * same_cap.predicted_step_ms:
+        knobs[BUCKET_CAP] = cap
+        current = cap_pred
+        explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": gain,
+                        "why": f"{cap:g} MB buckets ({len(ddp_buckets(ctx.gradients, cap))} allreduces) overlap "
+                               f"communication with backward better than {in_force:g} MB"})
+    else:
+        explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": 0.0,
+                        "why": f"the bucket size in force ({in_force:g} MB) is already the best DDP cap found "
+                               f"(best {cap:g} MB predicts {cap_pred.predicted_step_ms:.2f} ms vs "
+                               f"{same_cap.predicted_step_ms:.2f} ms)"})
+    group_gain = current.predicted_step_ms - grouped.predicted_step_ms
+    explain.append({"knob": "tensor_groups", "predicted_gain_ms": max(0.0, group_gain),
+                    "why": f"optimal grouping by dynamic programming: {len(grouping)} groups of "
+                           f"{', '.join(f'{c:.2f}' for c in group_caps)} MB, applied as DDP's bucket_cap_mb_list"})
+    if group_gain > MIN_GAIN * current.predicted_step_ms:
+        knobs["tensor_groups"] = grouping
+    # the plugins apply tensor_groups over a bucket cap (DDP's bucket_cap_mb_list), and so does what-if
+    return optimize_common(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,
+                           knobs=knobs, explain=explain, baseline=baseline, began=began)
+
+
+ENGINE = Engine(
+    name=NAME,
+    doc="PyTorch DistributedDataParallel (gloo, nccl): gradients allreduced in buckets during backward",
+    knobs=(
+        Knob(BUCKET_CAP, "DDP gradient bucket size in MiB (positive)", _bucket_cap, default=DEFAULT_BUCKET_CAP_MB,
+             engine=NAME),
+        Knob(FIRST_BUCKET_CAP, "size of DDP's first bucket in MiB, or null for DDP's choice", _optional(_bucket_cap),
+             engine=NAME),
+    ),
+    groups=groups,
+    optimize=search,
+    apply="DistributedDataParallel(bucket_cap_mb=, bucket_cap_mb_list=) by the torch plugin (DproCallback, "
+          "dpro-launch's auto-attach, dpro.plugins.torch.apply)",
+    comm_knobs=(BUCKET_CAP, FIRST_BUCKET_CAP),
+)
