@@ -23,6 +23,7 @@ from dpro.sim.replay import Schedule, critical_path, plan_levels, replay
 
 __all__ = [
     "Analysis",
+    "AnalyzedRun",
     "DEFAULT_ITERATIONS",
     "analyze_path",
     "analyze_run",
@@ -178,7 +179,18 @@ def stragglers(model: StepModel) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: -row["wait_caused_ms_per_step"])
 
 
-def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> tuple[Analysis, Graph, Schedule, Alignment]:
+@dataclass
+class AnalyzedRun:
+    """Everything ``analyze_run`` computed: the answers (``analysis``) and what they were computed from."""
+
+    analysis: Analysis
+    graph: Graph
+    schedule: Schedule
+    alignment: Alignment
+    model: StepModel
+
+
+def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
     """Align, build the DAG, replay it and measure the prediction error of one run directory."""
     alignment = align(run)
     model = step_model(run, alignment)
@@ -200,7 +212,7 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> tuple[Analysi
                    "method": {str(r): m for r, m in alignment.method.items()}},
         notes=list(run.problems) + alignment.notes, graph_nodes=g.size,
     )
-    return analysis, g, sched, alignment
+    return AnalyzedRun(analysis, g, sched, alignment, model)
 
 
 def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Analysis:
@@ -208,6 +220,6 @@ def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Anal
     from dpro.report.perfetto import write_replay_trace
 
     run = load_run(path)
-    analysis, g, sched, alignment = analyze_run(run, iterations)
-    write_replay_trace(Path(path) / "analysis" / "replay.json", run, alignment, g, sched)
-    return analysis
+    result = analyze_run(run, iterations)
+    write_replay_trace(Path(path) / "analysis" / "replay.json", run, result.alignment, result.graph, result.schedule)
+    return result.analysis

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
+    "GraphError",
     "ConfigError",
     "DproError",
     "TraceError",
@@ -53,3 +54,8 @@ class ConfigError(DproError):
         self.key = key
         at = f" ({key})" if key else ""
         super().__init__(f"{self.source}{at}: {problem}")
+
+
+class GraphError(DproError):
+    """A step that cannot be modelled: ranks with no profiled step in common, a rank without step boundaries,
+    a dependency cycle. The message names the run (or trace) and what is missing."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dpro.dag.graph import GraphBuilder
+from dpro.errors import GraphError
 from dpro.sim.replay import critical_path, plan_levels, replay
 
 
@@ -74,5 +75,5 @@ def test_cycle_is_reported():
     a = b.add("a", "FW", 0, 0, None, 1)
     c = b.add("c", "FW", 0, 0, None, 1, preds=[a])
     b.preds[a].append(c)
-    with pytest.raises(ValueError, match="cycle"):
+    with pytest.raises(GraphError, match="cycle"):
         plan_levels(b.build())

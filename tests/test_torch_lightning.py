@@ -63,7 +63,7 @@ def test_automatic_optimization_update_is_the_optimizer_only(tmp_path):
             assert all(_end(e) <= update["ts"] + 1.0 for e in work), (rank, step, update)
             step_event = next(e for e in events if e["cat"] == "STEP")
             assert update["dur"] < 0.5 * step_event["dur"], (rank, step)
-    analysis = analyze_run(run)[0]
+    analysis = analyze_run(run).analysis
     assert not any(row["op"] == "UPDATE.optimizer" and row["share_pct"] > 40 for row in analysis.critical_path)
 
 
@@ -89,6 +89,7 @@ def test_gradient_accumulation_step_holds_every_micro_batch(tmp_path, optimizati
             bws = sorted(e["ts"] for e in events if e["name"] == "BW.net.0")
             assert fws[0] < bws[0] < fws[1] < bws[1], (rank, step)  # micro-batch 1, then 2
             assert not any(e["cat"] == "RECOMPUTE" for e in events)
-    analysis, g, _, _ = analyze_run(run)
+    result = analyze_run(run)
+    analysis, g = result.analysis, result.graph
     assert "FW.net.0#2" in g.names and "BW.net.0#2" in g.names
     assert analysis.predicted_step_ms > 0

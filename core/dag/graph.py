@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpro.dag.align import Alignment
-from dpro.io.load import Run
+from dpro.errors import GraphError
+from dpro.io.load import Run, format_steps
 
 __all__ = [
     "Graph",
@@ -222,7 +223,9 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
     """Summarise the profiled steps of every rank (aligned clocks) into one median step."""
     steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
     if not steps:
-        raise ValueError(f"{run.path}: the ranks have no profiled step in common")
+        raise GraphError(f"{run.path}: the ranks have no profiled step in common "
+                         f"({', '.join(f'rank {r}: {format_steps(t.steps)}' for r, t in sorted(run.ranks.items()))}); "
+                         "record the same window on every rank")
     per_op: dict[tuple[int, str], list[tuple[float, float, float, dict]]] = defaultdict(list)
     step_us: dict[int, list[float]] = defaultdict(list)
     tail_us: dict[int, list[float]] = defaultdict(list)
@@ -237,7 +240,10 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
                 by_step[e["args"]["step"]].append(e)
         for step in steps:
             events = by_step[step]
-            boundary = next(e for e in events if e["cat"] == "STEP")
+            boundary = next((e for e in events if e["cat"] == "STEP"), None)
+            if boundary is None:
+                raise GraphError(f"{run.path}: rank {rank} has events of step {step} but no STEP event marking "
+                                 "its boundaries")
             t0 = boundary["ts"]
             step_us[rank].append(boundary["dur"])
             work = [e for e in events if e["cat"] != "STEP"]

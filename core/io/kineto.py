@@ -46,7 +46,7 @@ import numpy as np
 
 from dpro.analyze import Analysis, critical_ops, error_pct, overlap_length, total_length, union_intervals
 from dpro.dag.graph import Graph, GraphBuilder
-from dpro.errors import TraceError, UsageError
+from dpro.errors import GraphError, TraceError, UsageError
 from dpro.sim.replay import Schedule, plan_levels, replay
 
 __all__ = [
@@ -604,7 +604,7 @@ def graph_from_kineto(traces: list[KinetoTrace], steps: list[int] | None = None)
     try:
         g, info = _build(plans, joined)
         plan_levels(g)
-    except ValueError:
+    except GraphError:
         notes.append("matching NCCL kernels across ranks by order made a cycle: collectives kept per rank")
         joined, coll_durs = {}, []
         g, info = _build(plans, joined)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpro.dag.graph import Graph
+from dpro.errors import GraphError
 
 __all__ = [
     "LevelPlan",
@@ -38,7 +39,7 @@ def plan_levels(g: Graph) -> LevelPlan:
     """Kahn's algorithm, one whole frontier at a time.
 
     Raises:
-        ValueError: the graph has a cycle (names one node on it).
+        GraphError: the graph has a cycle (names one node on it).
     """
     n = g.size
     counts = np.diff(g.pred_ptr)
@@ -74,7 +75,7 @@ def plan_levels(g: Graph) -> LevelPlan:
             frontier = succ
     if seen != n:
         stuck = int(np.flatnonzero(indegree > 0)[0])
-        raise ValueError(f"the graph has a cycle through node {stuck} ({g.names[stuck]})")
+        raise GraphError(f"the graph has a cycle through node {stuck} ({g.names[stuck]})")
     return plan
 
 
