@@ -16,6 +16,7 @@ from typing import Any
 
 from dpro import __version__
 from dpro.errors import DproError
+from dpro.logs import set_verbosity
 
 __all__ = [
     "EXIT_ERROR",
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Profile distributed training, replay its step DAG, and apply a better configuration.",
     )
     parser.add_argument("--version", action="version", version=f"dpro {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics (debug)")
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="fewer diagnostics (-qq: errors only)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
         add(subparsers)
@@ -227,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: from argparse, for ``--help``, ``--version`` and wrong arguments.
     """
     args = build_parser().parse_args(argv)
+    set_verbosity(args.verbose, args.quiet)
     try:
         return args.func(args)
     except DproError as err:

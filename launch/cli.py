@@ -274,7 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         parser.error(str(err))
     from dpro.launch.pipeline import run
+    from dpro.logs import set_verbosity
 
+    set_verbosity(verbose=int(args.verbose))  # horovodrun's --verbose: also dpro-launch's debug lines
     try:
         return run(config)
     except DproError as err:

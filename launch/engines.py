@@ -32,6 +32,7 @@ from dpro.errors import UsageError
 from dpro.launch.env import applied_env, horovodrun_flags, job_env
 from dpro.launch.node import DEFAULT_GRACE_S, PORT_LINE, exit_status
 from dpro.launch.settings import Host, LaunchConfig
+from dpro.logs import get_logger
 
 __all__ = ["ENGINES", "HorovodEngine", "TorchEngine", "ssh_argv", "remote_env"]
 
@@ -40,8 +41,8 @@ _FORWARDED_PREFIXES = ("DPRO_", "HOROVOD_", "NCCL_", "GLOO_", "TORCH_", "OMP_", 
 _FORWARDED_NAMES = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 
 
-def _say(message: str) -> None:
-    print(f"[dpro-launch] {message}", file=sys.stderr, flush=True)
+logger = get_logger("dpro.launch")
+_say = logger.info  # what the launcher tells its user
 
 
 # ---- ssh --------------------------------------------------------------------------------------------

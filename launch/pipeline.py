@@ -14,7 +14,6 @@ import dataclasses
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from dpro.errors import DproError, UsageError
 from dpro.launch.engines import ENGINES, ssh_options
 from dpro.launch.env import applied_env, horovod_env
 from dpro.launch.settings import LaunchConfig
+from dpro.logs import get_logger
 from dpro.record.protocol import claim_run_dir
 from dpro.record.trace import RUN_FILE, write_json_atomic
 
@@ -34,8 +34,8 @@ ELSEWHERE_FILE = "recorded-elsewhere.json"  # written by dpro.plugins.torch.auto
 APPLIED_SUFFIX = "-applied"
 
 
-def _say(message: str) -> None:
-    print(f"[dpro-launch] {message}", file=sys.stderr, flush=True)
+logger = get_logger("dpro.launch")
+_say = logger.info  # what the launcher tells its user
 
 
 def find_recorded_run(run_dir: Path) -> Path | None:

@@ -23,7 +23,6 @@ With Lightning, ``DproCallback(config=...)`` does the same (see ``dpro.plugins.t
 from __future__ import annotations
 
 import os
-import sys
 import types
 import warnings
 from collections.abc import Iterable
@@ -39,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
 from dpro.errors import ConfigError, UsageError
+from dpro.logs import get_logger
 from dpro.record.trace import model_fingerprint
 
 __all__ = [
@@ -307,5 +307,6 @@ def register_compression(ddp_model: DistributedDataParallel, config: Config) -> 
     except (TypeError, RuntimeError, ValueError) as err:
         raise ConfigError(config.source, f"torch refused the {kind} compression hook: {err}", key) from err
     if _rank() == 0:
-        print(f"[dpro] {config.source}: gradients are allreduced in {kind} ({hook.__name__})", file=sys.stderr)
+        get_logger("dpro.plugins.torch").info("%s: gradients are allreduced in %s (%s)", config.source, kind,
+                                              hook.__name__)
     return hook.__name__

@@ -76,7 +76,9 @@ def _rank() -> int:
 def _say(message: str) -> None:
     """Users hear from rank 0 only."""
     if _rank() == 0:
-        print(f"[dpro] {message}", file=sys.stderr, flush=True)
+        from dpro.logs import get_logger  # imported late: this module loads at every interpreter start
+
+        get_logger("dpro.plugins.torch.autoattach").info(message)
 
 
 # ---- post-import hooks ------------------------------------------------------------------------------
@@ -484,7 +486,7 @@ def _search_config_in_setup(callback: Any, search: str) -> None:
             if found is not None:
                 callback.config_path = str(found)
                 if trainer.global_rank == 0:
-                    print(f"[dpro] applying {found}", file=sys.stderr, flush=True)
+                    _say(f"applying {found}")
         return original(trainer, pl_module, stage)
 
     callback.setup = setup

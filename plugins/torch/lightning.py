@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpro.config import DPRO_CONFIG, Config
 from dpro.errors import ConfigError
+from dpro.logs import get_logger
 from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config, recomputed, register_compression
 from dpro.plugins.torch.recorder import TorchRecorder
 from dpro.record.protocol import check_window_fits, parse_steps
@@ -103,8 +103,8 @@ class DproCallback(*_callback_bases()):
         overridden = sorted(k for k in ("bucket_cap_mb", "bucket_cap_mb_list") if k in ddp_args
                             and ddp_args[k] != kwargs.get(k))
         if overridden and trainer.global_rank == 0:
-            print(f"[dpro] DproCallback: {self.config.source} overrides the strategy's {', '.join(overridden)}",
-                  file=sys.stderr)
+            get_logger("dpro.plugins.torch").info("DproCallback: %s overrides the strategy's %s", self.config.source,
+                                                  ", ".join(overridden))
         for k in ("bucket_cap_mb", "bucket_cap_mb_list"):
             ddp_args.pop(k, None)
         ddp_args.update(kwargs)

@@ -13,7 +13,6 @@ the events are turned into microseconds on the host clock once per profiled step
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import resource
@@ -31,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from dpro.errors import UsageError
+from dpro.logs import get_logger
 from dpro.plugins.torch.transport import TorchDistTransport
 from dpro.record.protocol import (
     Clock,
@@ -53,7 +53,7 @@ from dpro.record.writer import (
 )
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
-logger = logging.getLogger("dpro.plugins.torch")
+logger = get_logger("dpro.plugins.torch")
 
 _ACTIVE: weakref.WeakSet[TorchRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
 
