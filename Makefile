@@ -1,6 +1,7 @@
 # The two commands of the README. Both build what they need on a fresh machine:
 #   make example   profile a 2-rank DDP job of a bundled model; show what was recorded, analyze and optimize it
 #   make test      run the test suite (real multi-process jobs)
+#   make test-fast the tests that run no multi-process job (the inner loop; make test still runs everything)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.dpro-installed
 HVD_STAMP := $(VENV)/.horovod-installed
 RUNS := dpro-runs
 
-.PHONY: example test lint venv horovod sshd
+.PHONY: example test test-fast lint venv horovod sshd
 
 venv: $(STAMP)
 
@@ -42,6 +43,9 @@ sshd:
 
 test: $(STAMP) $(HVD_STAMP) sshd
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

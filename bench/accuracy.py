@@ -7,7 +7,7 @@ recorded by ``dpro-launch``) jobs are recorded ``--repeat`` times each on loopba
 row, and every case is summarised by its median and worst |error|. Networks: loopback (both ranks on this machine) and
 the emulated cluster network of ``dpro.testbed`` (one rank per network namespace, 1 Gbit/s links
 with 0.1 ms delay where the kernel has netem; skipped with the reason where namespaces are refused).
-The PyTorch profiler traces in ../shared/data/kineto (real A100 / V100 runs) are reported in the same
+The PyTorch profiler traces in tests/data/kineto (real A100 / V100 runs) are reported in the same
 table when present.
 
     python bench/accuracy.py [--models mlp,transformer,wide_mlp] [--buckets 1,25] [--networks loopback,1gbit]
@@ -27,7 +27,7 @@ from pathlib import Path
 from dpro import testbed
 from dpro.analyze import analyze_path
 
-KINETO_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
+KINETO_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "kineto"
 JOBS = Path(__file__).resolve().parents[1] / "tests" / "jobs"
 LIGHTNING_CASES = {  # label -> lightning_job.py arguments
     "lightning auto": ["--optimization", "automatic"],

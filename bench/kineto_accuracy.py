@@ -6,7 +6,7 @@ time to the step's last GPU op end. A second table checks that the DAG is causal
 timeline: the host step replayed again with every GPU op twice as long (a GPU-bound job slows down,
 a host-bound one does not).
 
-    python bench/kineto_accuracy.py [TRACE.json[.gz] ...]   (default: /work/shared/data/kineto/*.json.gz)
+    python bench/kineto_accuracy.py [TRACE.json[.gz] ...]   (default: tests/data/kineto/*.json.gz)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dpro.io.kineto import analyze_traces, graph_from_kineto, load_kineto
 from dpro.report.tables import format_table
 from dpro.sim.replay import replay
 
-DEFAULT = sorted(Path("/work/shared/data/kineto").glob("*.json.gz"))
+DEFAULT = sorted((Path(__file__).resolve().parents[1] / "tests" / "data" / "kineto").glob("*.json.gz"))
 GPU_CATEGORIES = ("KERNEL", "MEMCPY", "MEMSET", "NCCL")
 
 

@@ -17,6 +17,7 @@ from dpro.io.load import load_run  # noqa: E402
 SKEW_US = 2_000_000.0
 
 
+@pytest.mark.slow
 def test_alignment_recovers_an_injected_two_second_skew(tmp_path):
     run_dir = tmp_path / "run"
     torchrun("ddp_job.py", "--model", "mlp", "--steps", "6", "--profile", "2:5", "--run-dir", str(run_dir),
@@ -35,6 +36,7 @@ def test_alignment_recovers_an_injected_two_second_skew(tmp_path):
     assert abs(starts[1] - starts[0]) < 50_000, starts
 
 
+@pytest.mark.slow
 def test_analyze_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     torchrun("ddp_job.py", "--model", "transformer", "--steps", "10", "--profile", "3:9", "--run-dir", str(run_dir),
@@ -54,6 +56,7 @@ def test_analyze_end_to_end(tmp_path):
     assert "prediction error" in text and "critical path" in text
 
 
+@pytest.mark.slow
 def test_analyze_a_job_on_the_emulated_network(tmp_path):
     from dpro import testbed
 

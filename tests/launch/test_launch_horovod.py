@@ -24,9 +24,9 @@ from dpro.launch.cli import build_parser, config_from_args
 from dpro.launch.env import AUTOATTACH_DIR
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None and importlib.util.find_spec("horovod.torch") is not None
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not HAVE_HOROVOD, reason="horovod (with PyTorch) is not installed in this venv (make horovod / "
-                             "scripts/build_horovod.sh)")
+                             "scripts/build_horovod.sh)")]
 
 VENV_BIN = str(Path(sys.executable).parent)
 PLAIN = JOBS / "plain_hvd.py"

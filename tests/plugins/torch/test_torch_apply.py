@@ -23,6 +23,8 @@ from dpro.plugins.torch.apply import apply_recompute, fingerprint, recomputed  #
 from dpro.plugins.torch.models import TinyTransformer, get_example  # noqa: E402
 from dpro.record.trace import model_fingerprint  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here runs a real multi-process job
+
 
 def make_config(model: nn.Module, world_size: int = 1, **knobs) -> Config:
     return Config(fingerprint={"framework": "torch", "engine": "torch-ddp", "world_size": world_size,

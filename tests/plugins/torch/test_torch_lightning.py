@@ -11,6 +11,8 @@ from jobrunner import JOBS, run_job
 from dpro.analyze import analyze_run
 from dpro.io.load import load_run
 
+pytestmark = pytest.mark.slow  # every test here runs a real multi-process job
+
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
 def test_lightning_ddp_job_is_recorded(tmp_path, package):
@@ -48,7 +50,6 @@ def _end(e):
     return e["ts"] + e["dur"]
 
 
-@pytest.mark.slow
 def test_automatic_optimization_update_is_the_optimizer_only(tmp_path):
     """Lightning runs training_step and backward inside optimizer.step(closure): UPDATE must not span them."""
     run_dir = tmp_path / "run"
@@ -67,7 +68,6 @@ def test_automatic_optimization_update_is_the_optimizer_only(tmp_path):
     assert not any(row["op"] == "UPDATE.optimizer" and row["share_pct"] > 40 for row in analysis.critical_path)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("optimization", ["automatic", "manual"])
 def test_gradient_accumulation_step_holds_every_micro_batch(tmp_path, optimization):
     """Two batches per optimizer step: one recorded step holds two forwards and backwards, one allreduce

@@ -15,10 +15,9 @@ from dpro.errors import TraceError
 from dpro.io.kineto import analyze_kineto, analyze_traces, graph_from_kineto, load_kineto, short_name
 from dpro.sim.replay import replay
 
-DATA = Path("/work/shared/data/kineto")
+DATA = Path(__file__).resolve().parents[1] / "data" / "kineto"
 DDP = DATA / "ddp2_rank0_nccl.json.gz"
 SINGLE = DATA / "single_gpu_rank0.json.gz"
-needs_data = pytest.mark.skipif(not DDP.exists() or not SINGLE.exists(), reason="the shared Kineto traces are absent")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,6 @@ def single():
 
 # ---- loading ---------------------------------------------------------------------------------------
 
-@needs_data
 def test_load_ddp_trace(ddp) -> None:
     assert [w.number for w in ddp.steps] == [4, 5, 6]
     assert all(200_000 < w.dur < 240_000 for w in ddp.steps)
@@ -43,7 +41,6 @@ def test_load_ddp_trace(ddp) -> None:
     assert ddp.runtime and ddp.cpu_ops and ddp.flows
 
 
-@needs_data
 def test_ddp_nccl_kernels_have_sizes(ddp) -> None:
     coll = ddp.collectives()
     assert len(coll) == 21
@@ -57,7 +54,6 @@ def test_ddp_nccl_kernels_have_sizes(ddp) -> None:
     assert {c.stream for c in coll} == {40}
 
 
-@needs_data
 def test_load_single_gpu_trace(single) -> None:
     assert [w.number for w in single.steps] == [101, 102, 103, 104, 105]
     assert (single.rank, single.world_size) == (0, 1)
@@ -90,7 +86,6 @@ def test_truncated_json(tmp_path: Path) -> None:
         load_kineto(_write(tmp_path / "cut.json", '{"traceEvents": [{"ph": "X", "name": "a", "ts": 1'))
 
 
-@needs_data
 def test_truncated_gzip(tmp_path: Path) -> None:
     raw = DDP.read_bytes()
     path = tmp_path / "cut.pt.trace.json.gz"
@@ -119,7 +114,6 @@ def test_no_profiler_step(tmp_path: Path) -> None:
 
 # ---- replay of the GPU traces --------------------------------------------------------------------------
 
-@needs_data
 @pytest.mark.parametrize("path", [DDP, SINGLE], ids=["ddp2", "single_gpu"])
 def test_replay_predicts_measured_step(path: Path) -> None:
     a = analyze_kineto([path])
@@ -133,7 +127,6 @@ def test_replay_predicts_measured_step(path: Path) -> None:
     assert set(a.breakdown) >= {"compute", "communication", "overlapped_communication", "idle"}
 
 
-@needs_data
 def test_ddp_breakdown_and_notes(ddp) -> None:
     a = analyze_traces([ddp])
     b = a.breakdown
@@ -143,14 +136,12 @@ def test_ddp_breakdown_and_notes(ddp) -> None:
     assert a.per_rank[0]["nccl_kernels"] == 21
 
 
-@needs_data
 def test_single_gpu_is_gpu_bound(single) -> None:
     a = analyze_traces([single])
     assert a.breakdown["compute"] > 0.9 * a.predicted_step_ms
     assert a.breakdown["communication"] == 0.0
 
 
-@needs_data
 def test_steps_can_be_chosen(single) -> None:
     g, info = graph_from_kineto([single], steps=[103, 104])
     assert info.steps == [103, 104] and sorted({it for _, it in g.step_end}) == [0, 1]
@@ -158,7 +149,6 @@ def test_steps_can_be_chosen(single) -> None:
         graph_from_kineto([single], steps=[99])
 
 
-@needs_data
 @pytest.mark.parametrize(("path", "gpu_matters"), [(DDP, False), (SINGLE, True)], ids=["ddp2", "single_gpu"])
 def test_dependencies_are_causal(path: Path, gpu_matters: bool) -> None:
     """Slower GPU ops lengthen the replayed step of the GPU-bound job, not of the host-bound one."""
@@ -192,7 +182,6 @@ def _as_rank(src: Path, dst: Path, rank: int, shift_us: float, drop_last_nccl: b
     return dst
 
 
-@needs_data
 def test_two_ranks_join_collectives(tmp_path: Path) -> None:
     other = _as_rank(DDP, tmp_path / "rank1.json.gz", 1, 5_000_000.0)
     traces = [load_kineto(DDP), load_kineto(other)]
@@ -206,7 +195,6 @@ def test_two_ranks_join_collectives(tmp_path: Path) -> None:
     assert not any("missing" in n for n in a.notes)
 
 
-@needs_data
 def test_ranks_with_different_collectives(tmp_path: Path) -> None:
     other = _as_rank(DDP, tmp_path / "rank1.json.gz", 1, 0.0, drop_last_nccl=True)
     a = analyze_traces([load_kineto(DDP), load_kineto(other)])
@@ -214,7 +202,6 @@ def test_ranks_with_different_collectives(tmp_path: Path) -> None:
     assert abs(a.error_pct) <= 10.0
 
 
-@needs_data
 def test_correlation_from_flow_events(tmp_path: Path) -> None:
     """Without ``args.correlation``, launches find their GPU ops through the ``ac2g`` flow events."""
     doc = json.loads(gzip.decompress(DDP.read_bytes()))
@@ -228,13 +215,11 @@ def test_correlation_from_flow_events(tmp_path: Path) -> None:
     assert (g1.size, len(g1.pred_idx)) == (g2.size, len(g2.pred_idx))
 
 
-@needs_data
 def test_same_rank_twice_is_refused() -> None:
     with pytest.raises(TraceError, match="one trace per rank"):
         analyze_kineto([DDP, DDP])
 
 
-@needs_data
 def test_cli_analyze_json() -> None:
     out = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(DDP), "--json"],
                          capture_output=True, text=True, timeout=120, check=True).stdout

@@ -14,6 +14,8 @@ from dpro.io.load import load_run  # noqa: E402
 from dpro.plugins.torch.models import get_example  # noqa: E402
 from dpro.plugins.torch.recorder import recorded_modules  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here runs a real multi-process job
+
 PROFILED = range(2, 6)
 
 

@@ -98,6 +98,7 @@ def transformer_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_recompute_choice_matches_brute_force(transformer_run):
     from dpro.sim.whatif import context
 
@@ -121,6 +122,7 @@ def test_recompute_choice_matches_brute_force(transformer_run):
     assert not impossible.feasible and "smallest reachable peak" in impossible.note
 
 
+@pytest.mark.slow
 def test_whatif_and_optimize_cli(transformer_run, tmp_path):
     out = run_job([sys.executable, "-m", "dpro", "whatif", str(transformer_run), "--set",
                    "torch.ddp.bucket_cap_mb=1", "--set", "recompute=encoder.0", "--json"])

@@ -243,6 +243,7 @@ def hvd_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_horovod_job_is_recorded(hvd_run: Path) -> None:
     meta = json.loads((hvd_run / "run.json").read_text())
@@ -265,6 +266,7 @@ def test_horovod_job_is_recorded(hvd_run: Path) -> None:
             assert any(e["cat"] == "BW" for e in events if e["args"]["step"] == step)
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_horovod_timeline_is_merged(hvd_run: Path) -> None:
     run = load_run(hvd_run)
@@ -284,6 +286,7 @@ def test_horovod_timeline_is_merged(hvd_run: Path) -> None:
             assert all("allreduce_us" in e["args"] and "negotiate_us" in e["args"] for e in comm)
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_dpro_analyze_and_optimize_a_horovod_run(hvd_run: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(hvd_run), "--json"], capture_output=True,
@@ -300,6 +303,7 @@ def test_dpro_analyze_and_optimize_a_horovod_run(hvd_run: Path) -> None:
     assert int(env["HOROVOD_FUSION_THRESHOLD"]) > 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_a_killed_horovod_job_leaves_a_readable_timeline(hvd_run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "cut"
@@ -311,6 +315,7 @@ def test_a_killed_horovod_job_leaves_a_readable_timeline(hvd_run: Path, tmp_path
     assert run.meta["horovod"]["merged"]["truncated"]
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_dynamic_timeline_is_written_into_the_run_dir(tmp_path: Path) -> None:
     root = tmp_path / "dyn"

@@ -9,13 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from jobrunner import JOBS  # noqa: E402
 
 from dpro import testbed as tb  # the module, not its functions: pytest would collect testbed_available
-
-JOBS = Path(__file__).parent / "jobs"
 
 _ok, _why = tb.testbed_available()
 needs_netns = pytest.mark.skipif(not _ok, reason=_why)
