@@ -56,6 +56,7 @@ __all__ = [
     "check_fingerprint",
     "find_config",
     "knob_table",
+    "knob_table_markdown",
     "read_config",
     "write_config",
 ]
@@ -223,6 +224,15 @@ COMMON_KNOBS: tuple[Knob, ...] = (
     Knob("bandwidth_scale", "network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s)", _positive_number,
          default=1.0, config=False),
 )
+
+
+def knob_table_markdown() -> str:
+    """The knob table as Markdown (the README's copy is checked against this by a test)."""
+    rows = ["| knob | engine | what it is | what-if | config |", "|---|---|---|---|---|"]
+    for knob in knob_table().values():
+        rows.append(f"| `{knob.name}` | {knob.engine or 'any'} | {knob.doc} | {'yes' if knob.whatif else '-'} | "
+                    f"{'yes' if knob.config else '-'} |")
+    return "\n".join(rows)
 
 
 def knob_table() -> dict[str, Knob]:

@@ -240,3 +240,13 @@ def test_find_config_picks_the_newest_matching(tmp_path):
 def test_find_config_refuses_a_bad_fingerprint(tmp_path):
     with pytest.raises(ConfigError, match=r"find_config \(fingerprint\): 'model' is missing"):
         find_config(tmp_path, {"framework": "torch", "engine": "torch-ddp", "world_size": 2})
+
+
+def test_readme_knob_table_is_the_generated_one() -> None:
+    """The README's knob table is dpro.config.knob_table_markdown(), so it cannot drift from the code."""
+    from dpro.config import knob_table_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("<!-- knob-table")
+    table = readme[readme.index("\n", start) + 1:readme.index("<!-- /knob-table -->")].strip()
+    assert table == knob_table_markdown()
