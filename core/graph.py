@@ -141,6 +141,10 @@ class StepModel:
     steps: list[int]
     tail_us: dict[int, float] = field(default_factory=dict)  # rank -> last op end .. step end
     arrivals: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)  # (COMM, step) -> rank -> t
+    # collectives launched without waiting for the previous one's transfer (Horovod enqueues a request;
+    # its background loop runs them one after another): arrivals follow only program order and the
+    # compute that feeds them, and each transfer waits for the one before it
+    async_launch: bool = False
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -199,8 +203,50 @@ def _transfer_times(comm_by_step: dict[tuple[str, int], dict[int, tuple[float, f
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def step_model(run: Run, alignment: Alignment) -> StepModel:
-    """Summarise the profiled steps of every rank (aligned clocks) into one median step."""
+def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]], order: list[str],
+                            steps: list[int], n_ranks: int, step_start: dict[tuple[int, int], float],
+                            arrival: dict[str, float]) -> dict[str, float]:
+    """Transfer times such that the median step's collectives end when they end in the median step.
+
+    For engines that decide at run time which collectives run together (Horovod fuses the tensors
+    ready in one cycle, differently from step to step), a collective's transfer in one step is either
+    empty (it completed with the one before it) or the whole fused buffer; the median of such a
+    mixture, summed over a chain, is no step's. Here a collective's end ``e`` is the median over steps
+    of its end relative to the start of the step on its last-arriving rank (the rank it waits for),
+    and its transfer is ``e - max(arrival, e of the collective before it)``, where ``arrival`` is the
+    latest of the ranks' median launches (where the median step launches it): what remains after the
+    later of the two, so the replayed chain ends each collective at its median end."""
+    finish: dict[str, list[float]] = defaultdict(list)
+    for step in steps:
+        for name in order:
+            members = comm_by_step.get((name, step), {})
+            if len(members) < n_ranks:
+                continue
+            late_rank, (_, late_end) = max(members.items(), key=lambda kv: kv[1][0])
+            ref = step_start.get((late_rank, step))
+            if ref is not None:
+                finish[name].append(late_end - ref)
+    out: dict[str, float] = {}
+    previous = float("-inf")
+    for name in order:
+        if not finish.get(name) or name not in arrival:
+            continue
+        e = statistics.median(finish[name])
+        out[name] = max(0.0, e - max(arrival[name], previous))
+        previous = max(previous, e)
+    return out
+
+
+def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
+    """Summarise the profiled steps of every rank (aligned clocks) into one median step.
+
+    ``transfers``: how collectives' transfer times are calibrated, ``"per-step"`` (medians of each
+    step's transfer, ``_transfer_times``) or ``"in-step"`` (from median arrival and end times within
+    the step, ``_transfer_times_in_step``); default ``"in-step"`` for Horovod runs, whose fusion
+    differs between steps, else ``"per-step"``.
+    """
+    if transfers is None:
+        transfers = "in-step" if (run.meta or {}).get("engine") == "horovod" else "per-step"
     steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
     if not steps:
         raise ValueError(f"{run.path}: the ranks have no profiled step in common")
@@ -208,6 +254,7 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
     step_us: dict[int, list[float]] = defaultdict(list)
     tail_us: dict[int, list[float]] = defaultdict(list)
     comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
+    starts: dict[tuple[int, int], float] = {}
     queue_of: dict[tuple[int, str], str] = {}
     cat_of: dict[str, str] = {}
     for rank, trace in run.ranks.items():
@@ -220,6 +267,7 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
             events = by_step[step]
             boundary = next(e for e in events if e["cat"] == "STEP")
             t0 = boundary["ts"]
+            starts[(rank, step)] = t0 - shift
             step_us[rank].append(boundary["dur"])
             work = [e for e in events if e["cat"] != "STEP"]
             drop = _contained(work)
@@ -239,21 +287,33 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
             tail_us[rank].append(max(0.0, boundary["dur"] - max(last_end.values(), default=0.0)))
     ops: dict[int, list[OpStats]] = defaultdict(list)
     for (rank, name), samples in per_op.items():
+        order = statistics.median(s[0] for s in samples)
+        duration = statistics.median(s[1] for s in samples)
+        if transfers == "in-step" and cat_of[name] == "COMM":
+            duration = max(0.0, statistics.median(s[0] + s[1] for s in samples) - order)  # ends at its median end
         ops[rank].append(OpStats(
             name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
-            order=statistics.median(s[0] for s in samples), duration=statistics.median(s[1] for s in samples),
-            gap=None, args=samples[-1][3]))
+            order=order, duration=duration, gap=None, args=samples[-1][3]))
     for rank in ops:
         ops[rank].sort(key=lambda o: o.order)
     _same_collective_order(ops)
     canonical = [op.name for op in next(iter(ops.values())) if op.category == "COMM"] if ops else []
-    transfer = _transfer_times(comm_by_step, canonical, steps, len(run.ranks))
+    if transfers == "in-step":
+        launched: dict[str, float] = {}
+        for rank_ops in ops.values():
+            for op in rank_ops:
+                if op.category == "COMM":
+                    launched[op.name] = max(launched.get(op.name, float("-inf")), op.order)
+        transfer = _transfer_times_in_step(comm_by_step, canonical, steps, len(run.ranks), starts, launched)
+    else:
+        transfer = _transfer_times(comm_by_step, canonical, steps, len(run.ranks))
     measured = statistics.median(statistics.median(v) for v in step_us.values())
     arrivals = {key: {r: se[0] for r, se in members.items()} for key, members in comm_by_step.items()}
     return StepModel(
         ops=dict(ops), transfer=transfer,
         measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
+        async_launch=transfers == "in-step",
     )
 
 
@@ -272,6 +332,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
     prev_end: dict[int, int | None] = dict.fromkeys(ranks)
     for it in range(iterations):
         transfers: dict[str, int] = {}
+        previous_transfer: int | None = None
         for rank in ranks:
             last: dict[str, int] = {}
             queue_last: dict[str, int] = {}
@@ -308,12 +369,20 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     if op.name not in transfers:
                         transfers[op.name] = b.add(f"{op.name}.transfer", "XFER", -1, it, None,
                                                    model.transfer[op.name])
+                        if model.async_launch and previous_transfer is not None:
+                            b.preds[transfers[op.name]].append(previous_transfer)
+                        previous_transfer = transfers[op.name]
                     node = transfers[op.name]
                     b.preds[node].append(arrival)
-                    b.occupy(queue, node)  # the rank's comm queue is busy until the transfer ends
+                    if model.async_launch:
+                        queue_last[queue] = arrival  # the next launch follows this one, not its transfer
+                        measured_end[arrival] = op.order
+                    else:
+                        b.occupy(queue, node)  # the rank's comm queue is busy until the transfer ends
+                        queue_last[queue] = node
                 else:
                     node = b.add(op.name, op.category, rank, it, queue, op.duration, gap, deps)
-                queue_last[queue] = node
+                    queue_last[queue] = node
                 measured_end[node] = op.order + op.duration
                 if op.category == "COMM":
                     comm_done.append(node)

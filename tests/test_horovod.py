@@ -156,26 +156,32 @@ def test_load_run_merges_the_timeline_into_fused_comm_events(tmp_path: Path) -> 
     merged = run.meta["horovod"]["merged"]
     assert merged["fused_groups"] == 5 and merged["steps"] == [3, 4]  # 4 fused allreduces + the broadcast
     assert merged["offset_us"] == pytest.approx(OFFSET + 100)  # completions seen 100 µs after the ends
+    assert [b["tensors"] for b in merged["buffers"] if b["step"] == 3] == [["fc2.bias", "fc2.weight"],
+                                                                          ["fc1.bias", "fc1.weight"]]
     for rank in (0, 1):
         comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM"]
-        assert sorted({e["name"] for e in comm}) == ["COMM.fusion0.allreduce", "COMM.fusion1.allreduce"]
+        # one event per launched tensor, named as launched whatever the fusion
+        assert sorted({e["name"] for e in comm}) == sorted(f"COMM.{n}.allreduce" for n in BYTES)
         for step in (3, 4):
             this = sorted((e for e in comm if e["args"]["step"] == step), key=lambda e: e["ts"])
-            assert [e["args"]["tensors"] for e in this] == [["fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"]]
+            assert [e["args"]["buffer"] for e in this] == [0, 0, 1, 1]
+            assert [e["args"]["buffer_tensors"] for e in this[::2]] == [["fc2.bias", "fc2.weight"],
+                                                                       ["fc1.bias", "fc1.weight"]]
             assert sum(e["args"]["bytes"] for e in this) == sum(BYTES.values())
+            assert this[0]["args"]["buffer_bytes"] == BYTES["fc2.bias"] + BYTES["fc2.weight"]
             assert this[0]["args"]["allreduce_us"] == 1100 and this[0]["args"]["fused"] == 2
             t0 = 1_000_000.0 + step * 10_000 + rank * 50
-            assert this[0]["ts"] == t0 + 4110  # the rank's last launch of the group
-    end0 = next(e for e in run.ranks[0].events if e["name"] == "COMM.fusion0.allreduce" and e["args"]["step"] == 3)
-    assert end0["ts"] + end0["dur"] == pytest.approx(1_030_000 + 4120 + 1380 + 100)  # the timeline's end
+            assert [e["ts"] for e in this] == [t0 + 4100, t0 + 4110, t0 + 6100, t0 + 6110]  # each launch
+            # tensors of one buffer complete together, when the buffer does (here: as rank 0 saw it)
+            ends = [e["ts"] + e["dur"] for e in this[:2]]
+            assert ends == pytest.approx([1_000_000.0 + step * 10_000 + 5600] * 2)
 
 
 def test_truncated_timeline_merges_and_says_so(tmp_path: Path) -> None:
     text = _timeline_text(_timeline_events([3, 4]))[:-1]
     run = load_run(_horovod_run(tmp_path / "run", text))
     assert any("cut off" in p for p in run.problems)
-    assert {e["name"] for e in run.ranks[0].events if e["cat"] == "COMM"} == {
-        "COMM.fusion0.allreduce", "COMM.fusion1.allreduce"}
+    assert all("buffer" in e["args"] for e in run.ranks[0].events if e["cat"] == "COMM")
 
 
 def test_unreadable_timeline_keeps_the_per_tensor_events(tmp_path: Path) -> None:
@@ -272,15 +278,19 @@ def test_horovod_timeline_is_merged(hvd_run: Path) -> None:
     assert merged["probe_samples"] == 20
     grad_bytes = run.model["param_bytes"]
     names = {g["name"] for g in run.model["gradients"]}
-    used = merged.get("steps_used", merged["steps"])
-    assert used
+    assert merged["steps"] == run.ranks[0].steps  # every step is kept, whatever its fusion
     for rank in (0, 1):
-        for step in used:
+        for step in merged["steps"]:
             comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM" and e["args"]["step"] == step]
-            assert comm and all(e["name"].startswith("COMM.fusion") for e in comm)
             assert sum(e["args"]["bytes"] for e in comm) == grad_bytes
             assert sorted(n for e in comm for n in e["args"]["tensors"]) == sorted(names)
             assert all("allreduce_us" in e["args"] and "negotiate_us" in e["args"] for e in comm)
+            buffers = {e["args"]["buffer"]: e["args"]["buffer_tensors"] for e in comm}
+            assert sorted(n for b in buffers.values() for n in b) == sorted(names)  # a partition of the step
+            if rank == 0:  # the tensors of one buffer end together (the timeline's end of the buffer)
+                for k in buffers:
+                    ends = [e["ts"] + e["dur"] for e in comm if e["args"]["buffer"] == k]
+                    assert max(ends) - min(ends) < 1.0
 
 
 @needs_horovod
