@@ -145,6 +145,7 @@ class StepModel:
     # its background loop runs them one after another): arrivals follow only program order and the
     # compute that feeds them, and each transfer waits for the one before it
     async_launch: bool = False
+    step_spans: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (rank, step) -> aligned
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -255,6 +256,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     tail_us: dict[int, list[float]] = defaultdict(list)
     comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
     starts: dict[tuple[int, int], float] = {}
+    spans: dict[tuple[int, int], tuple[float, float]] = {}
     queue_of: dict[tuple[int, str], str] = {}
     cat_of: dict[str, str] = {}
     for rank, trace in run.ranks.items():
@@ -268,6 +270,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
             boundary = next(e for e in events if e["cat"] == "STEP")
             t0 = boundary["ts"]
             starts[(rank, step)] = t0 - shift
+            spans[(rank, step)] = (t0 - shift, t0 - shift + boundary["dur"])
             step_us[rank].append(boundary["dur"])
             work = [e for e in events if e["cat"] != "STEP"]
             drop = _contained(work)
@@ -313,7 +316,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         ops=dict(ops), transfer=transfer,
         measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
-        async_launch=transfers == "in-step",
+        async_launch=transfers == "in-step", step_spans=spans,
     )
 
 
