@@ -146,6 +146,9 @@ class StepModel:
     # compute that feeds them, and each transfer waits for the one before it
     async_launch: bool = False
     step_spans: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (rank, step) -> aligned
+    # collective -> its calibrated end in the median step (µs from step start; "in-step" transfers): what the
+    # ops after it measure their gap from, on every rank
+    transfer_end: dict[str, float] = field(default_factory=dict)
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -205,37 +208,37 @@ def _transfer_times(comm_by_step: dict[tuple[str, int], dict[int, tuple[float, f
 
 
 def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]], order: list[str],
-                            steps: list[int], n_ranks: int, step_start: dict[tuple[int, int], float],
-                            arrival: dict[str, float]) -> dict[str, float]:
+                            steps: list[int], step_start: dict[tuple[int, int], float],
+                            launched: dict[str, tuple[int, float]]) -> tuple[dict[str, float], dict[str, float]]:
     """Transfer times such that the median step's collectives end when they end in the median step.
 
     For engines that decide at run time which collectives run together (Horovod fuses the tensors
     ready in one cycle, differently from step to step), a collective's transfer in one step is either
     empty (it completed with the one before it) or the whole fused buffer; the median of such a
-    mixture, summed over a chain, is no step's. Here a collective's end ``e`` is the median over steps
-    of its end relative to the start of the step on its last-arriving rank (the rank it waits for),
-    and its transfer is ``e - max(arrival, e of the collective before it)``, where ``arrival`` is the
-    latest of the ranks' median launches (where the median step launches it): what remains after the
-    later of the two, so the replayed chain ends each collective at its median end."""
-    finish: dict[str, list[float]] = defaultdict(list)
-    for step in steps:
-        for name in order:
-            members = comm_by_step.get((name, step), {})
-            if len(members) < n_ranks:
-                continue
-            late_rank, (_, late_end) = max(members.items(), key=lambda kv: kv[1][0])
-            ref = step_start.get((late_rank, step))
-            if ref is not None:
-                finish[name].append(late_end - ref)
+    mixture, summed over a chain, is no step's. Here the median step starts a collective when its
+    latest rank launches it (``launched``: that rank and its median launch, relative to its step
+    start); the collective's end ``e`` is the median over steps of its end on that rank, relative to
+    that rank's step start; its transfer is ``e - max(launch, e of the collective before it)``: what
+    remains after the later of the two, so the replayed chain ends each collective at its median end.
+
+    Returns (transfer µs, ``e`` µs) per collective.
+    """
     out: dict[str, float] = {}
+    ends: dict[str, float] = {}
     previous = float("-inf")
     for name in order:
-        if not finish.get(name) or name not in arrival:
+        if name not in launched:
             continue
-        e = statistics.median(finish[name])
-        out[name] = max(0.0, e - max(arrival[name], previous))
-        previous = max(previous, e)
-    return out
+        rank, launch = launched[name]
+        samples = [members[rank][1] - step_start[(rank, step)] for step in steps
+                   if rank in (members := comm_by_step.get((name, step), {})) and (rank, step) in step_start]
+        if not samples:
+            continue
+        e = statistics.median(samples)
+        out[name] = max(0.0, e - max(launch, previous))
+        ends[name] = max(e, previous)
+        previous = ends[name]
+    return out, ends
 
 
 def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
@@ -302,21 +305,23 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     _same_collective_order(ops)
     canonical = [op.name for op in next(iter(ops.values())) if op.category == "COMM"] if ops else []
     if transfers == "in-step":
-        launched: dict[str, float] = {}
-        for rank_ops in ops.values():
+        launched: dict[str, tuple[int, float]] = {}
+        for rank, rank_ops in sorted(ops.items()):
             for op in rank_ops:
-                if op.category == "COMM":
-                    launched[op.name] = max(launched.get(op.name, float("-inf")), op.order)
-        transfer = _transfer_times_in_step(comm_by_step, canonical, steps, len(run.ranks), starts, launched)
+                if op.category == "COMM" and (op.name not in launched or op.order > launched[op.name][1]):
+                    launched[op.name] = (rank, op.order)
+        if len(ops) < len(run.ranks):
+            launched = {}
+        transfer, transfer_end = _transfer_times_in_step(comm_by_step, canonical, steps, starts, launched)
     else:
-        transfer = _transfer_times(comm_by_step, canonical, steps, len(run.ranks))
+        transfer, transfer_end = _transfer_times(comm_by_step, canonical, steps, len(run.ranks)), {}
     measured = statistics.median(statistics.median(v) for v in step_us.values())
     arrivals = {key: {r: se[0] for r, se in members.items()} for key, members in comm_by_step.items()}
     return StepModel(
         ops=dict(ops), transfer=transfer,
         measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
-        async_launch=transfers == "in-step", step_spans=spans,
+        async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end,
     )
 
 
@@ -386,7 +391,8 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                 else:
                     node = b.add(op.name, op.category, rank, it, queue, op.duration, gap, deps)
                     queue_last[queue] = node
-                measured_end[node] = op.order + op.duration
+                measured_end[node] = model.transfer_end.get(op.name, op.order + op.duration) \
+                    if op.category == "COMM" else op.order + op.duration
                 if op.category == "COMM":
                     comm_done.append(node)
                 last[op.category] = node
