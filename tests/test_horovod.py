@@ -191,6 +191,100 @@ def test_unreadable_timeline_keeps_the_per_tensor_events(tmp_path: Path) -> None
     assert merge_horovod_timeline(load_run(make_run(tmp_path / "plain"))) is None  # no timeline: nothing to do
 
 
+# ---- fusion that differs from step to step (hand-written) ------------------------------------------
+
+A, B, C, D = "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"
+LAUNCH = {A: 4100, B: 4110, C: 6100, D: 6110}     # µs into the step; rank 1 launches 50 µs later (its step does)
+FIRST, SECOND = 4170, 6170                          # where Horovod starts a buffer (after both ranks launched)
+OPERATION = 1380                                    # each buffer's ALLREDUCE phase
+# steps 3 and 5: two buffers; 4 and 6: one buffer; 7: the first tensor alone, then the rest
+FUSIONS = {3: [([A, B], FIRST), ([C, D], SECOND)], 4: [([A, B, C, D], SECOND)],
+           5: [([A, B], FIRST), ([C, D], SECOND)], 6: [([A, B, C, D], SECOND)],
+           7: [([A], FIRST), ([B, C, D], SECOND)]}
+
+
+def _fusion_timeline(fusions: dict[int, list[tuple[list[str], int]]]) -> str:
+    pids = {name: i + 1 for i, name in enumerate(SHAPES)}
+    ev: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"allreduce.{n}"}}
+                                for n, pid in pids.items()]
+    for step, groups in fusions.items():
+        t0 = 1_000_000.0 + step * 10_000 - OFFSET
+        for names, at in groups:
+            p = [pids[n] for n in names]
+            ev += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": t0 + LAUNCH[n], "pid": pids[n]} for n in names]
+            ev += [{"ph": "E", "ts": t0 + at - 10, "pid": pid} for pid in p]
+            ev += [{"ph": "B", "name": "ALLREDUCE", "ts": t0 + at, "pid": pid} for pid in p]
+            ev += [{"ph": "B", "name": "GLOO_ALLREDUCE", "ts": t0 + at + 10, "pid": pid} for pid in p]
+            ev += [{"ph": "E", "ts": t0 + at + OPERATION - 10, "pid": pid} for pid in p]
+            ev += [{"ph": "E", "ts": t0 + at + OPERATION, "pid": pid, "args": {"dtype": "float32", "shape": SHAPES[n]}}
+                   for pid, n in zip(p, names, strict=True)]
+    return _timeline_text(ev)
+
+
+def _fusion_comm_events(rank: int, step: int, groups: list[tuple[list[str], int]]) -> list[dict[str, Any]]:
+    """What record_horovod writes: each tensor from its launch to the completion its next poll saw. Rank 0
+    polls at once (10 µs after the buffer ends); rank 1 sees an early buffer only at its next launch."""
+    t0 = 1_000_000.0 + step * 10_000 + rank * 50
+    out = []
+    for k, (names, at) in enumerate(groups):
+        end = 1_000_000.0 + step * 10_000 + at + OPERATION        # rank 0's clock = rank 1's (one host)
+        seen = end + 10 if rank == 0 or k == len(groups) - 1 else max(end, t0 + LAUNCH[C]) + 5
+        for n in names:
+            out.append({"name": f"COMM.{n}.allreduce", "cat": "COMM", "ph": "X", "ts": t0 + LAUNCH[n],
+                        "dur": seen - t0 - LAUNCH[n], "pid": rank, "tid": 1,
+                        "args": {"step": step, "bytes": BYTES[n], "tensors": [n], "op": "allreduce",
+                                 "phase": "allreduce", "hvd_name": n}})
+    return out
+
+
+def _fusion_run(root: Path, fusions: dict[int, list[tuple[list[str], int]]] = FUSIONS) -> Path:
+    root = _horovod_run(root, _fusion_timeline(fusions), steps=tuple(fusions))
+    for rank in (0, 1):
+        path = root / f"rank-{rank}.json"
+        doc = json.loads(path.read_text())
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "COMM"]
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "BW":  # the gradients each backward op produces (as the recorder writes them)
+                e["args"]["grads"] = [A, B] if e["name"] == "BW.fc2" else [C, D]
+        doc["traceEvents"] += [e for s, groups in fusions.items() for e in _fusion_comm_events(rank, s, groups)]
+        path.write_text(json.dumps(doc))
+    return root
+
+
+def test_every_step_is_kept_when_fusion_differs_and_tensors_end_with_their_buffer(tmp_path: Path) -> None:
+    run = load_run(_fusion_run(tmp_path / "run"))
+    merged = run.meta["horovod"]["merged"]
+    assert merged["steps"] == [3, 4, 5, 6, 7] and merged["distinct_fusions"] == 3
+    assert run.ranks[0].steps == run.ranks[1].steps == [3, 4, 5, 6, 7]  # none left out
+    assert not any("leaves out" in p for p in run.problems)
+    for rank in (0, 1):
+        ends = {(e["args"]["step"], e["name"]): e["ts"] + e["dur"]
+                for e in run.ranks[rank].events if e["cat"] == "COMM"}
+        for step, groups in FUSIONS.items():
+            for names, at in groups:
+                end = 1_000_000.0 + step * 10_000 + at + OPERATION
+                for n in names:  # rank 1's late poll (its next launch) is not the end: the buffer's end is
+                    assert ends[(step, f"COMM.{n}.allreduce")] == pytest.approx(end, abs=11), (rank, step, n)
+
+
+def test_a_median_step_of_steps_fused_differently_replays_to_the_measured_step(tmp_path: Path) -> None:
+    from dpro.align import align
+    from dpro.analyze import analyze_run, predicted_step_us
+    from dpro.graph import graph_from_steps, step_model
+    from dpro.replay import plan_levels, replay
+
+    run = load_run(_fusion_run(tmp_path / "run"))
+    analysis, _, _, _ = analyze_run(run)
+    assert analysis.measured_step_ms == pytest.approx(9.0)
+    assert analysis.predicted_step_ms == pytest.approx(9.0, abs=0.1)
+    # the median of each tensor's own transfer is a mixture (its whole buffer, or nothing when it rode in the
+    # buffer before it): fc2.weight's is 0 in 4 steps of 5, so that chain ends 1.4 ms early
+    per_step = step_model(run, align(run), transfers="per-step")
+    g = graph_from_steps(per_step, 4)
+    replayed = max(predicted_step_us(g, replay(g, plan_levels(g))).values()) / 1000.0
+    assert replayed < 8.0
+
+
 # ---- the fusion search ---------------------------------------------------------------------------
 
 
