@@ -230,9 +230,18 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> tuple[Analysi
         critical_path=critical_ops(g, sched), stragglers=stragglers(model), per_rank=per_rank,
         alignment={"offset_us": {str(r): o for r, o in alignment.offset_us.items()},
                    "method": {str(r): m for r, m in alignment.method.items()}},
-        notes=list(run.problems) + alignment.notes, graph_nodes=g.size,
+        notes=list(run.problems) + alignment.notes + _fusion_notes(run), graph_nodes=g.size,
     )
     return analysis, g, sched, alignment
+
+
+def _fusion_notes(run: Run) -> list[str]:
+    merged = ((run.meta or {}).get("horovod") or {}).get("merged") or {}
+    if merged.get("distinct_fusions", 0) > 1:
+        return [f"Horovod fused the gradients {merged['distinct_fusions']} different ways in "
+                f"{len(merged.get('steps', []))} steps (fusion depends on timing); every step is used: each tensor's "
+                "allreduce ends with its fused buffer, and transfers are calibrated from median end times in the step"]
+    return []
 
 
 def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Analysis:

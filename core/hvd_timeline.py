@@ -20,9 +20,12 @@ phase of every tensor of a response before it runs the response, and closes them
 and it runs one response at a time (``fused_groups``).
 
 ``merge_horovod_timeline(run)`` (called by ``dpro.load.load_run`` when the run holds
-``horovod-timeline.json``) places the timeline on rank 0's clock and replaces the recorder's
-per-tensor ``COMM.<tensor>.allreduce`` events of every rank by one ``COMM.fusion<k>.allreduce`` event
-per fused buffer and step, so the graph sees fusion the way Horovod did it.
+``horovod-timeline.json``) places the timeline on rank 0's clock and gives each of the recorder's
+per-tensor ``COMM.<tensor>.allreduce`` events the end of the fused buffer the tensor went in (the
+recorder sees a completion only at its next poll) and the buffer's index, size and phases. Names do
+not depend on fusion, which Horovod decides from timing and which differs from step to step, so
+every profiled step enters the median step; tensors fused with the one before them end with it
+(an empty transfer in the DAG).
 
 Clock: the recorder stores a (wall clock, rank clock) pair in run.json, which with the timeline's
 start time on the wall clock gives the offset. Launch and completion times bound it (an operation
