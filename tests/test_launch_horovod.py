@@ -309,11 +309,12 @@ def test_horovod_tensors_end_with_their_buffer_not_at_the_late_poll(conv1d_runs)
             if e["cat"] == "COMM":
                 assert e["dur"] <= e["args"]["seen_done_us"] + 1e-6  # never after the poll that saw it
                 late += e["args"]["seen_done_us"] - e["dur"] > 1000.0
-        by_buffer: dict[tuple[int, int], set[float]] = {}
+        by_buffer: dict[tuple[int, int], list[float]] = {}
         for e in run.ranks[rank].events:
             if e["cat"] == "COMM" and rank == 0:
-                by_buffer.setdefault((e["args"]["step"], e["args"]["buffer"]), set()).add(round(e["ts"] + e["dur"]))
-        assert all(len(ends) == 1 for ends in by_buffer.values())  # one buffer, one end (rank 0's timeline)
+                by_buffer.setdefault((e["args"]["step"], e["args"]["buffer"]), []).append(e["ts"] + e["dur"])
+        # one buffer, one end (rank 0's timeline; a poll may see it a few µs before the placed end)
+        assert all(max(ends) - min(ends) < 100.0 for ends in by_buffer.values())
     assert late > 0  # the recorder's polls saw some completions more than a millisecond late
 
 
