@@ -25,7 +25,7 @@ from dpro.hvd_timeline import (
     tensor_ops,
 )
 from dpro.load import load_run
-from dpro.optimize import horovod_cycles, horovod_fusion, optimize
+from dpro.optimize import HVD_CYCLES_MS, HVD_THRESHOLDS_MB, horovod_cycles, horovod_fusion, optimize
 from dpro.whatif import context
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
@@ -300,23 +300,63 @@ def test_horovod_cycles_fuse_what_is_ready_per_cycle() -> None:
     assert small[1][2] == small[0][3]  # buffers of one cycle run back to back
 
 
+def test_horovod_cycles_price_the_cycle_fusion_and_the_cache() -> None:
+    units = [(["a"], 100, 10.0), (["b"], 100, 20.0), (["c"], 300, 1510.0), (["d"], 50, 1600.0)]
+    cost = lambda nbytes: nbytes / 10.0  # noqa: E731
+    # threshold 0: no fusion, each tensor its own allreduce; the buffers of one cycle run gap_us apart
+    none = horovod_cycles(units, 0, 1000.0, 500.0, cost, 5.0, buffer_gap_us=7.0)
+    assert [b[0] for b in none] == [["a"], ["b"], ["c"], ["d"]]
+    assert none[1][2] == none[0][3] + 7.0
+    # a long cycle fuses everything into one buffer (with the copies), but starts it late
+    long = horovod_cycles(units, 2**20, 25_000.0, 12_500.0, cost, 5.0, 0.01)
+    assert [b[0] for b in long] == [["a", "b", "c", "d"]] and long[0][2] == 12_505.0
+    assert long[0][3] == 12_505.0 + 55.0 + 0.01 * 550
+    short = horovod_cycles(units, 2**20, 500.0, 250.0, cost, 5.0, 0.01)
+    assert [b[0] for b in short] == [["a", "b"], ["c", "d"]] and short[-1][3] < long[0][3]
+    # a tensor the response cache does not hold adds a negotiation to its cycle
+    cached = horovod_cycles(units, 2**20, 1000.0, 500.0, cost, 5.0)
+    uncached = horovod_cycles(units, 2**20, 1000.0, 500.0, cost, 5.0, negotiate_us=300.0,
+                              uncached=frozenset({"d"}))
+    assert uncached[0][2] == cached[0][2] and uncached[1][2] == cached[1][2] + 300.0
+
+
+def test_the_loop_is_calibrated_from_the_timeline_buffers(tmp_path: Path) -> None:
+    from dpro.optimize import horovod_loop
+
+    run = load_run(_fusion_run(tmp_path / "run"))
+    ctx = context(run)
+    loop = horovod_loop(ctx)
+    # every buffer of the hand-written timeline starts 20 µs after the last launch of its tensors (rank 1's);
+    # under the recorded 5 ms cycle an idle loop waits 2.5 ms on average, so nothing is left for waking up
+    # (and no two buffers ran in one cycle: no gap between buffers was measured)
+    assert loop.wake_us == 0.0 and loop.buffer_gap_us == 0.0
+    assert "timeline" in loop.source
+    assert loop.comm.allreduce_us(4096) > 0
+
+
 def test_horovod_fusion_picks_a_setting_and_optimize_writes_env_knobs(tmp_path: Path) -> None:
     run = load_run(_horovod_run(tmp_path / "run", _timeline_text(_timeline_events([3, 4]))))
     ctx = context(run)
     results = horovod_fusion(ctx)
-    assert len(results) == 8 * 5 + 1  # the grid, and the setting in force (48 MB is off the grid)
+    # autotune's space: thresholds 0 (no fusion) .. 256 MB, cycles up to 50 ms; and the setting in force (48 MB)
+    assert len(results) == len(HVD_THRESHOLDS_MB) * len(HVD_CYCLES_MS) + 1
+    assert HVD_THRESHOLDS_MB[0] == 0 and HVD_THRESHOLDS_MB[-1] == 256 and max(HVD_CYCLES_MS) >= 25
     in_force = [r for r in results if r["in_force"]]
     assert len(in_force) == 1 and in_force[0]["threshold_bytes"] == 48 * 2**20
     best = results[0]
     assert best["predicted_step_ms"] == min(r["predicted_step_ms"] for r in results)
-    assert best["threshold_bytes"] in {mb * 2**20 for mb in (1, 2, 4, 8, 16, 32, 64, 128)}
+    assert best["threshold_bytes"] in {mb * 2**20 for mb in HVD_THRESHOLDS_MB}
     assert sorted(n for b in best["buffers"] for n in b) == sorted(BYTES)
     assert sorted(n for g in best["tensor_groups"] for n in g) == sorted(BYTES)
     result = optimize(ctx)
     env = result.knobs["env"]
-    assert set(env) == {"HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"}
+    assert {"HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"} <= set(env) <= {
+        "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"}
     assert int(env["HOROVOD_FUSION_THRESHOLD"]) > 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
     assert "torch.ddp.bucket_cap_mb" not in result.knobs
+    why = {e["knob"]: e["why"] for e in result.explain}
+    assert "not applicable" in why["horovod.hierarchical"]  # both ranks on one host
+    assert "response cache" in why["horovod.cache_capacity"]
     # 5 ms cycles on a 10 ms step: a shorter cycle must be predicted faster
     assert float(env["HOROVOD_CYCLE_TIME"]) < 5.0
     assert result.predicted.predicted_step_ms < result.baseline.predicted_step_ms
