@@ -143,6 +143,19 @@ def test_distributed_optimizer_gets_a_recorder_one_step_per_iteration(tmp_path, 
         ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias", "head.weight", "head.bias"])
 
 
+def test_step_clock_times_an_unmodified_scripts_steps(tmp_path):
+    times = tmp_path / "steps.json"
+    script = tmp_path / "one.py"
+    script.write_text(ONE_PROCESS)
+    env = env_for_jobs(PYTHONPATH=str(AUTOATTACH_DIR), DPRO_STEP_TIMES=str(times))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ends = json.loads(times.read_text())["step_ends"]
+    assert len(ends) == 7 and ends == sorted(ends)  # one per step() of the Horovod optimizer, not two
+    assert not list(tmp_path.glob("dpro-runs*"))  # timed, not recorded
+
+
 def test_a_horovod_config_applies_its_groups(tmp_path):
     from torch import nn
 
