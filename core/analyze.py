@@ -161,22 +161,70 @@ def critical_ops(g: Graph, sched: Schedule, top: int = 10) -> list[dict[str, Any
 
 
 def stragglers(model: StepModel) -> list[dict[str, Any]]:
-    """Who arrives last at collectives, and how long the others wait for them (measured, per step)."""
+    """Who arrives last at collectives, and how long the others wait for them (measured, per step).
+
+    A rank waits for a collective from its own arrival to the last rank's arrival. Collectives in
+    flight together (buckets, per-tensor requests fused into one buffer) make such
+    intervals overlap; a rank waits through the overlap once. So, per step and waiting rank, the
+    union of its waiting intervals (clipped to its step) is its waiting, and each instant of it is
+    charged to the last arrival of the collective that holds it longest (the interval covering it
+    that ends last). Rows, per rank (means over the profiled steps):
+
+    - ``last_to_arrive``: collectives it was last at (all steps);
+    - ``wait_caused_ms_per_step``: what the other ranks wait for it, per step and per other rank (for
+      two ranks, exactly the other rank's waiting);
+    - ``share_pct``: its share of all waiting;
+    - ``waits_ms_per_step``: its own waiting, and ``waits_pct_of_step`` that as a share of its steps.
+
+    No figure can exceed the step: a rank's waiting in a step is at most that step, and the sum over
+    ranks of ``wait_caused_ms_per_step`` times (ranks - 1) equals the sum of ``waits_ms_per_step``.
+    """
     if not model.arrivals:
         return []
+    ranks = sorted({r for members in model.arrivals.values() for r in members})
+    if len(ranks) < 2:
+        return []
     last_count: dict[int, int] = defaultdict(int)
-    caused: dict[int, float] = defaultdict(float)
-    for members in model.arrivals.values():
+    intervals: dict[tuple[int, int], list[tuple[float, float, int]]] = defaultdict(list)  # (rank, step) -> waits
+    for (_, step), members in model.arrivals.items():
         if len(members) < 2:
             continue
         late_rank, late = max(members.items(), key=lambda kv: kv[1])
         last_count[late_rank] += 1
-        caused[late_rank] += sum(late - t for t in members.values())
+        for rank, t in members.items():
+            if rank != late_rank and late > t:
+                intervals[(rank, step)].append((t, late, late_rank))
+    caused: dict[int, float] = defaultdict(float)
+    waits: dict[int, float] = defaultdict(float)
+    for (rank, step), items in intervals.items():
+        lo, hi = model.step_spans.get((rank, step), (float("-inf"), float("inf")))
+        for who, us in _charge_waiting(items, lo, hi).items():
+            caused[who] += us
+            waits[rank] += us
     steps = max(1, len(model.steps))
+    others = len(ranks) - 1
     total = sum(caused.values()) or 1.0
-    rows = [{"rank": r, "last_to_arrive": last_count[r], "wait_caused_ms_per_step": caused[r] / steps / 1000.0,
-             "share_pct": 100.0 * caused[r] / total} for r in sorted(last_count)]
-    return sorted(rows, key=lambda row: -row["wait_caused_ms_per_step"])
+    stepped: dict[int, float] = defaultdict(float)
+    for (rank, _), (lo, hi) in model.step_spans.items():
+        stepped[rank] += hi - lo
+    rows = [{"rank": r, "last_to_arrive": last_count[r],
+             "wait_caused_ms_per_step": caused[r] / steps / others / 1000.0, "share_pct": 100.0 * caused[r] / total,
+             "waits_ms_per_step": waits[r] / steps / 1000.0,
+             "waits_pct_of_step": 100.0 * waits[r] / stepped[r] if stepped.get(r) else float("nan")}
+            for r in ranks if last_count[r] or waits[r]]
+    return sorted(rows, key=lambda row: (-row["wait_caused_ms_per_step"], row["rank"]))
+
+
+def _charge_waiting(items: list[tuple[float, float, int]], lo: float, hi: float) -> dict[int, float]:
+    """Length of the union of the waiting intervals ``(from, to, late rank)`` within ``[lo, hi]``, each
+    piece charged to the late rank of the interval covering it that ends last."""
+    cuts = sorted({min(max(t, lo), hi) for a, b, _ in items for t in (a, b)})
+    out: dict[int, float] = defaultdict(float)
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        covering = [(end, who) for start, end, who in items if start <= a and end >= b]
+        if covering and b > a:
+            out[max(covering)[1]] += b - a
+    return dict(out)
 
 
 @dataclass
@@ -210,9 +258,15 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
         critical_path=critical_ops(g, sched), stragglers=stragglers(model), per_rank=per_rank,
         alignment={"offset_us": {str(r): o for r, o in alignment.offset_us.items()},
                    "method": {str(r): m for r, m in alignment.method.items()}},
-        notes=list(run.problems) + alignment.notes, graph_nodes=g.size,
+        notes=list(run.problems) + alignment.notes + _engine_notes(run), graph_nodes=g.size,
     )
     return AnalyzedRun(analysis, g, sched, alignment, model)
+
+
+def _engine_notes(run: Run) -> list[str]:
+    from dpro.engines import get_engine
+
+    return get_engine((run.meta or {}).get("engine")).notes(run)
 
 
 def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Analysis:

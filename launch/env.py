@@ -47,7 +47,7 @@ DPRO_AUTO_RECORD = "DPRO_AUTO_RECORD"    # "1": attach a recorder to the script'
 DPRO_PROFILE = "DPRO_PROFILE"            # the window, "START:STOP"
 DPRO_FORCE = "DPRO_FORCE"                # "1": apply a config made for another job anyway
 DPRO_APPLY_SEARCH = "DPRO_APPLY_SEARCH"  # --apply auto: the ranks pick the newest config made for their model here
-# DPRO_RUN_DIR (dpro.record.RUN_DIR_ENV): the run directory; DPRO_CONFIG (dpro.config.DPRO_CONFIG): the config
+# DPRO_RUN_DIR (dpro.record.protocol.RUN_DIR_ENV): the run directory; DPRO_CONFIG (dpro.config.DPRO_CONFIG): the config
 
 
 def _int_bytes(mb: Any) -> str:

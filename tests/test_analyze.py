@@ -78,3 +78,48 @@ def test_analyze_a_job_on_the_emulated_network(tmp_path):
     assert analysis.breakdown["communication"] > analysis.breakdown["compute"]
     assert analysis.measured_step_ms > 300
     assert abs(analysis.error_pct) < 25
+
+
+# ---- stragglers on hand-built steps (no job) -------------------------------------------------------
+
+
+def _model_with_arrivals(arrivals: dict[tuple[str, int], dict[int, float]], spans: dict[tuple[int, int], tuple]):
+    from dpro.dag.graph import StepModel
+
+    steps = sorted({s for _, s in arrivals})
+    return StepModel(ops={}, transfer={}, measured_step_us=10_000.0, step_us_by_rank={}, steps=steps,
+                     arrivals=arrivals, step_spans=spans)
+
+
+def test_straggler_waiting_at_fused_collectives_is_counted_once_and_fits_in_the_step():
+    from dpro.analyze import stragglers
+
+    # one 10 ms step; four tensors fused into one buffer: rank 0 launches them at 1.0-1.3 ms, rank 1 at 9.0-9.3 ms.
+    # Rank 0 waits from 1.0 to 9.3 ms: 8.3 ms, not 4 x 8 ms (the old sum per collective gave 32 ms on a 10 ms step)
+    arrivals = {(f"COMM.t{i}.allreduce", 5): {0: 1000.0 + 100 * i, 1: 9000.0 + 100 * i} for i in range(4)}
+    spans = {(0, 5): (0.0, 10_000.0), (1, 5): (0.0, 10_000.0)}
+    rows = {r["rank"]: r for r in stragglers(_model_with_arrivals(arrivals, spans))}
+    assert rows[1]["last_to_arrive"] == 4
+    assert rows[1]["wait_caused_ms_per_step"] == pytest.approx(8.3)
+    assert rows[0]["waits_ms_per_step"] == pytest.approx(8.3) and rows[0]["waits_pct_of_step"] == pytest.approx(83.0)
+    assert rows[1]["share_pct"] == pytest.approx(100.0)
+
+
+def test_straggler_figures_add_up_per_step_for_three_ranks():
+    from dpro.analyze import stragglers
+
+    spans = {(r, s): (s * 20_000.0, s * 20_000.0 + 10_000.0) for r in range(3) for s in (1, 2)}
+    arrivals = {}
+    for s in (1, 2):
+        t0 = s * 20_000.0
+        arrivals[("COMM.a.allreduce", s)] = {0: t0 + 1000, 1: t0 + 2000, 2: t0 + 6000}   # rank 2 late
+        arrivals[("COMM.b.allreduce", s)] = {0: t0 + 7000, 1: t0 + 1500, 2: t0 + 6500}   # rank 0 late
+        arrivals[("COMM.c.allreduce", s)] = {0: t0 - 5000, 1: t0 + 1000, 2: t0 + 9000}   # before the step: clipped
+    rows = {r["rank"]: r for r in stragglers(_model_with_arrivals(arrivals, spans))}
+    waits = sum(r["waits_ms_per_step"] for r in rows.values())
+    caused = sum(r["wait_caused_ms_per_step"] for r in rows.values())
+    assert caused * 2 == pytest.approx(waits)          # (ranks - 1) x what each caused = what all waited
+    assert all(r["waits_ms_per_step"] <= 10.0 and r["waits_pct_of_step"] <= 100.0 for r in rows.values())
+    # rank 1 waits 1.0..9.0 ms (a and c, then b): one union, charged to whoever holds each instant longest
+    assert rows[1]["waits_ms_per_step"] == pytest.approx(8.0)
+    assert rows[0]["waits_ms_per_step"] == pytest.approx(9.0)   # 0..9 ms within its step (c), not 14 ms

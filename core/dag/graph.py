@@ -154,6 +154,14 @@ class StepModel:
     steps: list[int]
     tail_us: dict[int, float] = field(default_factory=dict)  # rank -> last op end .. step end
     arrivals: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)  # (COMM, step) -> rank -> t
+    # collectives launched without waiting for the previous one's transfer (an engine that enqueues
+    # requests and runs them from a background loop, one after another): arrivals follow only program order and the
+    # compute that feeds them, and each transfer waits for the one before it
+    async_launch: bool = False
+    step_spans: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (rank, step) -> aligned
+    # collective -> its calibrated end in the median step (µs from step start; "in-step" transfers): what the
+    # ops after it measure their gap from, on every rank
+    transfer_end: dict[str, float] = field(default_factory=dict)
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -219,8 +227,52 @@ def occurrence_name(name: str, earlier: int) -> str:
     return name if earlier == 0 else f"{name}#{earlier + 1}"
 
 
-def step_model(run: Run, alignment: Alignment) -> StepModel:
-    """Summarise the profiled steps of every rank (aligned clocks) into one median step."""
+def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]], order: list[str],
+                            steps: list[int], step_start: dict[tuple[int, int], float],
+                            launched: dict[str, tuple[int, float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Transfer times such that the median step's collectives end when they end in the median step.
+
+    For engines that decide at run time which collectives run together (an engine that fuses the tensors
+    ready in one cycle, differently from step to step), a collective's transfer in one step is either
+    empty (it completed with the one before it) or the whole fused buffer; the median of such a
+    mixture, summed over a chain, is no step's. Here the median step starts a collective when its
+    latest rank launches it (``launched``: that rank and its median launch, relative to its step
+    start); the collective's end ``e`` is the median over steps of its end on that rank, relative to
+    that rank's step start; its transfer is ``e - max(launch, e of the collective before it)``: what
+    remains after the later of the two, so the replayed chain ends each collective at its median end.
+
+    Returns (transfer µs, ``e`` µs) per collective.
+    """
+    out: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    previous = float("-inf")
+    for name in order:
+        if name not in launched:
+            continue
+        rank, launch = launched[name]
+        samples = [members[rank][1] - step_start[(rank, step)] for step in steps
+                   if rank in (members := comm_by_step.get((name, step), {})) and (rank, step) in step_start]
+        if not samples:
+            continue
+        e = statistics.median(samples)
+        out[name] = max(0.0, e - max(launch, previous))
+        ends[name] = max(e, previous)
+        previous = ends[name]
+    return out, ends
+
+
+def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
+    """Summarise the profiled steps of every rank (aligned clocks) into one median step.
+
+    ``transfers``: how collectives' transfer times are calibrated, ``"per-step"`` (medians of each
+    step's transfer, ``_transfer_times``) or ``"in-step"`` (from median arrival and end times within
+    the step, ``_transfer_times_in_step``); default: what the run's engine says
+    (``Engine.transfer_calibration``: ``"in-step"`` for engines whose fusion differs between steps).
+    """
+    if transfers is None:
+        from dpro.engines import get_engine  # the registry imports engine modules, which import this one
+
+        transfers = get_engine((run.meta or {}).get("engine")).transfer_calibration
     steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
     if not steps:
         raise GraphError(f"{run.path}: the ranks have no profiled step in common "
@@ -230,6 +282,8 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
     step_us: dict[int, list[float]] = defaultdict(list)
     tail_us: dict[int, list[float]] = defaultdict(list)
     comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
+    starts: dict[tuple[int, int], float] = {}
+    spans: dict[tuple[int, int], tuple[float, float]] = {}
     queue_of: dict[tuple[int, str], str] = {}
     cat_of: dict[str, str] = {}
     for rank, trace in run.ranks.items():
@@ -245,6 +299,8 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
                 raise GraphError(f"{run.path}: rank {rank} has events of step {step} but no STEP event marking "
                                  "its boundaries")
             t0 = boundary["ts"]
+            starts[(rank, step)] = t0 - shift
+            spans[(rank, step)] = (t0 - shift, t0 - shift + boundary["dur"])
             step_us[rank].append(boundary["dur"])
             work = [e for e in events if e["cat"] != "STEP"]
             drop = _contained(work)
@@ -267,21 +323,35 @@ def step_model(run: Run, alignment: Alignment) -> StepModel:
             tail_us[rank].append(max(0.0, boundary["dur"] - max(last_end.values(), default=0.0)))
     ops: dict[int, list[OpStats]] = defaultdict(list)
     for (rank, name), samples in per_op.items():
+        order = statistics.median(s[0] for s in samples)
+        duration = statistics.median(s[1] for s in samples)
+        if transfers == "in-step" and cat_of[name] == "COMM":
+            duration = max(0.0, statistics.median(s[0] + s[1] for s in samples) - order)  # ends at its median end
         ops[rank].append(OpStats(
             name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
-            order=statistics.median(s[0] for s in samples), duration=statistics.median(s[1] for s in samples),
-            gap=None, args=samples[-1][3]))
+            order=order, duration=duration, gap=None, args=samples[-1][3]))
     for rank in ops:
         ops[rank].sort(key=lambda o: o.order)
     _same_collective_order(ops)
     canonical = [op.name for op in next(iter(ops.values())) if op.category == "COMM"] if ops else []
-    transfer = _transfer_times(comm_by_step, canonical, steps, len(run.ranks))
+    if transfers == "in-step":
+        launched: dict[str, tuple[int, float]] = {}
+        for rank, rank_ops in sorted(ops.items()):
+            for op in rank_ops:
+                if op.category == "COMM" and (op.name not in launched or op.order > launched[op.name][1]):
+                    launched[op.name] = (rank, op.order)
+        if len(ops) < len(run.ranks):
+            launched = {}
+        transfer, transfer_end = _transfer_times_in_step(comm_by_step, canonical, steps, starts, launched)
+    else:
+        transfer, transfer_end = _transfer_times(comm_by_step, canonical, steps, len(run.ranks)), {}
     measured = statistics.median(statistics.median(v) for v in step_us.values())
     arrivals = {key: {r: se[0] for r, se in members.items()} for key, members in comm_by_step.items()}
     return StepModel(
         ops=dict(ops), transfer=transfer,
         measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
+        async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end,
     )
 
 
@@ -300,6 +370,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
     prev_end: dict[int, int | None] = dict.fromkeys(ranks)
     for it in range(iterations):
         transfers: dict[str, int] = {}
+        previous_transfer: int | None = None
         for rank in ranks:
             last: dict[str, int] = {}
             queue_last: dict[str, int] = {}
@@ -336,13 +407,22 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     if op.name not in transfers:
                         transfers[op.name] = b.add(f"{op.name}.transfer", "XFER", -1, it, None,
                                                    model.transfer[op.name])
+                        if model.async_launch and previous_transfer is not None:
+                            b.preds[transfers[op.name]].append(previous_transfer)
+                        previous_transfer = transfers[op.name]
                     node = transfers[op.name]
                     b.preds[node].append(arrival)
-                    b.occupy(queue, node)  # the rank's comm queue is busy until the transfer ends
+                    if model.async_launch:
+                        queue_last[queue] = arrival  # the next launch follows this one, not its transfer
+                        measured_end[arrival] = op.order
+                    else:
+                        b.occupy(queue, node)  # the rank's comm queue is busy until the transfer ends
+                        queue_last[queue] = node
                 else:
                     node = b.add(op.name, op.category, rank, it, queue, op.duration, gap, deps)
-                queue_last[queue] = node
-                measured_end[node] = op.order + op.duration
+                    queue_last[queue] = node
+                measured_end[node] = model.transfer_end.get(op.name, op.order + op.duration) \
+                    if op.category == "COMM" else op.order + op.duration
                 if op.category == "COMM":
                     comm_done.append(node)
                 last[op.category] = node

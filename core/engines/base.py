@@ -17,6 +17,10 @@ def _nothing(run: Any) -> None:
     return None
 
 
+def _no_notes(run: Any) -> list[str]:
+    return []
+
+
 def _common_search(ctx: Any, **options: Any) -> Any:
     from dpro.optimize.search import optimize_common
 
@@ -36,6 +40,10 @@ class Engine:
         optimize: ``(ctx, memory_budget_bytes=, allow_compression=) -> OptimizeResult``: the engine's search.
         prepare_run: ``(run) -> None``, at load time: complete the run from the engine's own traces.
         apply: how a config reaches the job, in words (for docs and tables).
+        comm_knobs: the knobs that regroup the collectives (what-if rebuilds the communication for them).
+        transfer_calibration: ``"per-step"`` (a collective's transfer is the median of each step's) or
+            ``"in-step"`` (from median launch and end times within the step: for engines whose grouping of
+            tensors into collectives differs from step to step); see ``dpro.dag.graph.step_model``.
     """
 
     name: str
@@ -46,6 +54,8 @@ class Engine:
     prepare_run: Callable[[Any], None] = _nothing
     apply: str = ""
     comm_knobs: tuple[str, ...] = field(default=())  # knob names that regroup the collectives
+    transfer_calibration: str = "per-step"  # how dag.graph.step_model calibrates collective transfers
+    notes: Callable[[Any], list[str]] = _no_notes  # what `dpro analyze` should say about a run of this engine
 
     def knob_names(self) -> list[str]:
         return [k.name for k in self.knobs]

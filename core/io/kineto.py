@@ -2,7 +2,7 @@
 
 ``load_kineto`` reads one Chrome trace (``*.json`` or ``*.json.gz``, one file per rank) into a
 ``KinetoTrace``; ``graph_from_kineto`` turns the profiled steps of one or more ranks into a
-``dpro.graph.Graph``; ``analyze_kineto`` replays it and reports an ``Analysis`` (``dpro analyze FILE``).
+``dpro.dag.graph.Graph``; ``analyze_kineto`` replays it and reports an ``Analysis`` (``dpro analyze FILE``).
 
 The DAG, per rank:
 

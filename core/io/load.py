@@ -362,7 +362,7 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
 
 
 def _journal_events(path: Path, record: dict[str, Any], rank: int, n: int) -> Any:
-    """A journal line's events: compact ``rows`` (``dpro.trace.event_row``) or full ``events``."""
+    """A journal line's events: compact ``rows`` (``dpro.record.trace.event_row``) or full ``events``."""
     if "rows" not in record:
         return record.get("events")
     rows = record["rows"]

@@ -121,7 +121,7 @@ class RankTraceWriter:
         self._journal.flush()
 
     def end_step(self, step: int, rows: list[list[Any]]) -> None:
-        """Record a finished step's events (``dpro.trace.event_row`` rows): journaled at once, kept for the end."""
+        """Record a finished step's events (``dpro.record.trace.event_row`` rows): journaled at once, kept."""
         self._write_line({"step": step, "rows": rows})
         self.steps_done.append(step)
         self.rows.extend(rows)

@@ -34,9 +34,13 @@ def format_analysis(a: Analysis) -> str:
     if a.stragglers:
         lines += ["", "stragglers (measured: who arrives last at collectives)"]
         rows = [[str(s["rank"]), str(s["last_to_arrive"]), f"{s['wait_caused_ms_per_step']:.3f}",
-                 f"{s['share_pct']:.0f}"] for s in a.stragglers]
-        lines.append(indent(format_table(["rank", "last to arrive", "others wait ms/step", "% of waiting"],
-                                          rows, align=">>>>")))
+                 f"{s['share_pct']:.0f}",
+                 f"{s['waits_ms_per_step']:.3f}" if "waits_ms_per_step" in s else "-",
+                 f"{s['waits_pct_of_step']:.0f}" if "waits_pct_of_step" in s else "-"] for s in a.stragglers]
+        lines.append(indent(format_table(["rank", "last to arrive", "others wait ms/step", "% of waiting",
+                                          "it waits ms/step", "% of its steps"], rows, align=">>>>>>")))
+        lines.append("  (means over the profiled steps; a rank's waiting is the union of its waits at collectives "
+                     "in flight together)")
     if a.notes:
         lines += ["", "notes"] + [f"  - {n}" for n in a.notes]
     return "\n".join(lines)

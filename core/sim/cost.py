@@ -3,7 +3,7 @@
 - ``CommModel``: time of an allreduce of ``bytes`` on ``world_size`` ranks, ring algorithm:
   ``2 (N-1) * latency + 2 (N-1) / N * bytes * seconds_per_byte``. Its shape is fitted on the all_reduce
   probe the recorder runs at a few sizes when recording starts (or on the in-step transfers), its level
-  on the recorded run itself (``dpro.whatif.calibrate``).
+  on the recorded run itself (``dpro.sim.whatif.calibrate``).
 - ``MemoryModel``: peak memory from parameter, gradient, optimizer-state and activation bytes.
 """
 
@@ -68,7 +68,7 @@ def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]
 
     The probe (all_reduce alone, at four sizes, on the job's own process group and network) gives the
     cleanest shape of latency vs bandwidth; in-step transfers overlap each other and backward, so they
-    are used only when there is no probe. ``dpro.whatif.calibrate`` then scales the model so the recorded
+    are used only when there is no probe. ``dpro.sim.whatif.calibrate`` then scales the model so the recorded
     configuration replays to its measured step.
     """
     n = max(world_size, 2)

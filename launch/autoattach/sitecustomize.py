@@ -1,7 +1,8 @@
 """dpro-launch's auto-attach: Python imports this at start-up because dpro-launch put this directory first
 on ``PYTHONPATH`` for the processes it starts.
 
-When ``DPRO_AUTO_RECORD=1`` (record) or a config is to be applied (``DPRO_CONFIG``, ``DPRO_APPLY_SEARCH``)
+When ``DPRO_AUTO_RECORD=1`` (record), a config is to be applied (``DPRO_CONFIG``, ``DPRO_APPLY_SEARCH``) or
+step times are wanted (``DPRO_STEP_TIMES``)
 and torch is installed, it calls ``dpro.plugins.torch.autoattach.install()``, which patches DDP, Lightning
 and ``horovod.torch.DistributedOptimizer`` lazily, when the script imports them (nothing is imported here).
 Then it runs the ``sitecustomize`` that would have run without this directory, if there is one. Any failure
@@ -16,7 +17,7 @@ import sys
 
 def _dpro_attach() -> None:
     wanted = os.environ.get("DPRO_AUTO_RECORD") == "1" or os.environ.get("DPRO_CONFIG") or os.environ.get(
-        "DPRO_APPLY_SEARCH")
+        "DPRO_APPLY_SEARCH") or os.environ.get("DPRO_STEP_TIMES")
     if not wanted or importlib.util.find_spec("torch") is None:
         return
     name = "dpro.plugins.torch.autoattach"

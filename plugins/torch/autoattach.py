@@ -32,6 +32,11 @@ post-import hook on ``sys.meta_path`` and patches, when (and if) the script impo
   allreduced but not attributed to a layer; a parameter shared by two unrelated models picks the
   larger; with several Horovod optimizers the first one to finish a step is recorded.
 
+Step clock: with ``$DPRO_STEP_TIMES`` set to a file, rank 0 writes there (at exit, and every 25 steps) the
+wall-clock time (``time.time()``) at the end of each ``step()`` of the script's ``hvd.DistributedOptimizer``
+(outermost call only) as JSON ``{"rank": 0, "step_ends": [...]}``: an unmodified script's step times, with
+one wrapper call per step of overhead and no recorder (``bench/launch.py --script`` uses it).
+
 The recorder is closed at interpreter exit, so a run shorter than the window still leaves its steps.
 Nothing here raises into the user's import of torch: a failure to patch is printed and ignored.
 """
@@ -57,6 +62,7 @@ __all__ = ["install", "installed", "owning_model"]
 # The variables dpro-launch sets (dpro.launch.env names them too; a plugin does not import the launcher).
 AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
 CONFIG, APPLY_SEARCH, FORCE = "DPRO_CONFIG", "DPRO_APPLY_SEARCH", "DPRO_FORCE"
+STEP_TIMES = "DPRO_STEP_TIMES"
 ELSEWHERE_FILE = "recorded-elsewhere.json"
 WHO = "dpro-launch"
 HVD_ENGINE = "horovod"  # the engine dpro.plugins.torch.horovod records (a config's fingerprint names it)
@@ -568,7 +574,7 @@ def _patch_horovod(module: ModuleType) -> None:
     def DistributedOptimizer(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
         state = _STATE
         if state is None or not (state.record or os.environ.get(CONFIG) or os.environ.get(APPLY_SEARCH)):
-            return original(*args, **kwargs)
+            return _step_clock(original(*args, **kwargs))
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
@@ -596,7 +602,7 @@ def _patch_horovod(module: ModuleType) -> None:
             if isinstance(err, _ConfigRefused):
                 raise err.__cause__ from None
             _say(f"could not prepare hvd.DistributedOptimizer: {type(err).__name__}: {err}")
-        optimizer = original(*bound.args, **bound.kwargs)
+        optimizer = _step_clock(original(*bound.args, **bound.kwargs))
         try:
             state.hvd_optimizer_built(optimizer, model)
         except Exception as err:
@@ -608,6 +614,45 @@ def _patch_horovod(module: ModuleType) -> None:
     inner_module = sys.modules.get("horovod.torch.optimizer")
     if inner_module is not None and getattr(inner_module, "DistributedOptimizer", None) is original:
         inner_module.DistributedOptimizer = DistributedOptimizer
+
+
+_STEP_ENDS: list[float] = []
+
+
+def _step_clock(optimizer: Any) -> Any:
+    """With ``$DPRO_STEP_TIMES``: time the end of every ``step()`` of ``optimizer`` on rank 0 (the first
+    Horovod optimizer built; an instance attribute, so the wrapped optimizer's own ``step`` inside Horovod's
+    is not counted again)."""
+    path = os.environ.get(STEP_TIMES)
+    if not path or _rank() != 0 or getattr(_step_clock, "installed", False):
+        return optimizer
+    import time
+
+    step = optimizer.step
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        _STEP_ENDS.append(time.time())
+        if len(_STEP_ENDS) % 25 == 0:
+            _write_step_times(path)
+        return out
+
+    try:
+        optimizer.step = functools.wraps(step)(timed_step)
+    except AttributeError:
+        return optimizer
+    _step_clock.installed = True
+    atexit.register(_write_step_times, path)
+    return optimizer
+
+
+def _write_step_times(path: str) -> None:
+    try:
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(json.dumps({"rank": 0, "step_ends": _STEP_ENDS}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        _say(f"{STEP_TIMES}: cannot write {path}: {err}")
 
 
 class _ConfigRefused(Exception):

@@ -15,7 +15,7 @@ import pytest
 from jobrunner import JOBS, job_env, run_job
 from run_builder import make_run
 
-from dpro.engines.horovod.search import horovod_cycles, horovod_fusion
+from dpro.engines.horovod.search import HVD_CYCLES_MS, HVD_THRESHOLDS_MB, horovod_cycles, horovod_fusion
 from dpro.engines.horovod.timeline import (
     TIMELINE_FILE,
     fused_groups,
@@ -157,26 +157,32 @@ def test_load_run_merges_the_timeline_into_fused_comm_events(tmp_path: Path) -> 
     merged = run.meta["horovod"]["merged"]
     assert merged["fused_groups"] == 5 and merged["steps"] == [3, 4]  # 4 fused allreduces + the broadcast
     assert merged["offset_us"] == pytest.approx(OFFSET + 100)  # completions seen 100 µs after the ends
+    assert [b["tensors"] for b in merged["buffers"] if b["step"] == 3] == [["fc2.bias", "fc2.weight"],
+                                                                          ["fc1.bias", "fc1.weight"]]
     for rank in (0, 1):
         comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM"]
-        assert sorted({e["name"] for e in comm}) == ["COMM.fusion0.allreduce", "COMM.fusion1.allreduce"]
+        # one event per launched tensor, named as launched whatever the fusion
+        assert sorted({e["name"] for e in comm}) == sorted(f"COMM.{n}.allreduce" for n in BYTES)
         for step in (3, 4):
             this = sorted((e for e in comm if e["args"]["step"] == step), key=lambda e: e["ts"])
-            assert [e["args"]["tensors"] for e in this] == [["fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"]]
+            assert [e["args"]["buffer"] for e in this] == [0, 0, 1, 1]
+            assert [e["args"]["buffer_tensors"] for e in this[::2]] == [["fc2.bias", "fc2.weight"],
+                                                                       ["fc1.bias", "fc1.weight"]]
             assert sum(e["args"]["bytes"] for e in this) == sum(BYTES.values())
+            assert this[0]["args"]["buffer_bytes"] == BYTES["fc2.bias"] + BYTES["fc2.weight"]
             assert this[0]["args"]["allreduce_us"] == 1100 and this[0]["args"]["fused"] == 2
             t0 = 1_000_000.0 + step * 10_000 + rank * 50
-            assert this[0]["ts"] == t0 + 4110  # the rank's last launch of the group
-    end0 = next(e for e in run.ranks[0].events if e["name"] == "COMM.fusion0.allreduce" and e["args"]["step"] == 3)
-    assert end0["ts"] + end0["dur"] == pytest.approx(1_030_000 + 4120 + 1380 + 100)  # the timeline's end
+            assert [e["ts"] for e in this] == [t0 + 4100, t0 + 4110, t0 + 6100, t0 + 6110]  # each launch
+            # tensors of one buffer complete together, when the buffer does (here: as rank 0 saw it)
+            ends = [e["ts"] + e["dur"] for e in this[:2]]
+            assert ends == pytest.approx([1_000_000.0 + step * 10_000 + 5600] * 2)
 
 
 def test_truncated_timeline_merges_and_says_so(tmp_path: Path) -> None:
     text = _timeline_text(_timeline_events([3, 4]))[:-1]
     run = load_run(_horovod_run(tmp_path / "run", text))
     assert any("cut off" in p for p in run.problems)
-    assert {e["name"] for e in run.ranks[0].events if e["cat"] == "COMM"} == {
-        "COMM.fusion0.allreduce", "COMM.fusion1.allreduce"}
+    assert all("buffer" in e["args"] for e in run.ranks[0].events if e["cat"] == "COMM")
 
 
 def test_unreadable_timeline_keeps_the_per_tensor_events(tmp_path: Path) -> None:
@@ -184,6 +190,100 @@ def test_unreadable_timeline_keeps_the_per_tensor_events(tmp_path: Path) -> None
     assert any("not a Horovod timeline" in p for p in run.problems)
     assert any(e["name"] == "COMM.fc2.bias.allreduce" for e in run.ranks[0].events)
     assert merge_horovod_timeline(load_run(make_run(tmp_path / "plain"))) is None  # no timeline: nothing to do
+
+
+# ---- fusion that differs from step to step (hand-written) ------------------------------------------
+
+A, B, C, D = "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"
+LAUNCH = {A: 4100, B: 4110, C: 6100, D: 6110}     # µs into the step; rank 1 launches 50 µs later (its step does)
+FIRST, SECOND = 4170, 6170                          # where Horovod starts a buffer (after both ranks launched)
+OPERATION = 1380                                    # each buffer's ALLREDUCE phase
+# steps 3 and 5: two buffers; 4 and 6: one buffer; 7: the first tensor alone, then the rest
+FUSIONS = {3: [([A, B], FIRST), ([C, D], SECOND)], 4: [([A, B, C, D], SECOND)],
+           5: [([A, B], FIRST), ([C, D], SECOND)], 6: [([A, B, C, D], SECOND)],
+           7: [([A], FIRST), ([B, C, D], SECOND)]}
+
+
+def _fusion_timeline(fusions: dict[int, list[tuple[list[str], int]]]) -> str:
+    pids = {name: i + 1 for i, name in enumerate(SHAPES)}
+    ev: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"allreduce.{n}"}}
+                                for n, pid in pids.items()]
+    for step, groups in fusions.items():
+        t0 = 1_000_000.0 + step * 10_000 - OFFSET
+        for names, at in groups:
+            p = [pids[n] for n in names]
+            ev += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": t0 + LAUNCH[n], "pid": pids[n]} for n in names]
+            ev += [{"ph": "E", "ts": t0 + at - 10, "pid": pid} for pid in p]
+            ev += [{"ph": "B", "name": "ALLREDUCE", "ts": t0 + at, "pid": pid} for pid in p]
+            ev += [{"ph": "B", "name": "GLOO_ALLREDUCE", "ts": t0 + at + 10, "pid": pid} for pid in p]
+            ev += [{"ph": "E", "ts": t0 + at + OPERATION - 10, "pid": pid} for pid in p]
+            ev += [{"ph": "E", "ts": t0 + at + OPERATION, "pid": pid, "args": {"dtype": "float32", "shape": SHAPES[n]}}
+                   for pid, n in zip(p, names, strict=True)]
+    return _timeline_text(ev)
+
+
+def _fusion_comm_events(rank: int, step: int, groups: list[tuple[list[str], int]]) -> list[dict[str, Any]]:
+    """What record_horovod writes: each tensor from its launch to the completion its next poll saw. Rank 0
+    polls at once (10 µs after the buffer ends); rank 1 sees an early buffer only at its next launch."""
+    t0 = 1_000_000.0 + step * 10_000 + rank * 50
+    out = []
+    for k, (names, at) in enumerate(groups):
+        end = 1_000_000.0 + step * 10_000 + at + OPERATION        # rank 0's clock = rank 1's (one host)
+        seen = end + 10 if rank == 0 or k == len(groups) - 1 else max(end, t0 + LAUNCH[C]) + 5
+        for n in names:
+            out.append({"name": f"COMM.{n}.allreduce", "cat": "COMM", "ph": "X", "ts": t0 + LAUNCH[n],
+                        "dur": seen - t0 - LAUNCH[n], "pid": rank, "tid": 1,
+                        "args": {"step": step, "bytes": BYTES[n], "tensors": [n], "op": "allreduce",
+                                 "phase": "allreduce", "hvd_name": n}})
+    return out
+
+
+def _fusion_run(root: Path, fusions: dict[int, list[tuple[list[str], int]]] = FUSIONS) -> Path:
+    root = _horovod_run(root, _fusion_timeline(fusions), steps=tuple(fusions))
+    for rank in (0, 1):
+        path = root / f"rank-{rank}.json"
+        doc = json.loads(path.read_text())
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "COMM"]
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "BW":  # the gradients each backward op produces (as the recorder writes them)
+                e["args"]["grads"] = [A, B] if e["name"] == "BW.fc2" else [C, D]
+        doc["traceEvents"] += [e for s, groups in fusions.items() for e in _fusion_comm_events(rank, s, groups)]
+        path.write_text(json.dumps(doc))
+    return root
+
+
+def test_every_step_is_kept_when_fusion_differs_and_tensors_end_with_their_buffer(tmp_path: Path) -> None:
+    run = load_run(_fusion_run(tmp_path / "run"))
+    merged = run.meta["horovod"]["merged"]
+    assert merged["steps"] == [3, 4, 5, 6, 7] and merged["distinct_fusions"] == 3
+    assert run.ranks[0].steps == run.ranks[1].steps == [3, 4, 5, 6, 7]  # none left out
+    assert not any("leaves out" in p for p in run.problems)
+    for rank in (0, 1):
+        ends = {(e["args"]["step"], e["name"]): e["ts"] + e["dur"]
+                for e in run.ranks[rank].events if e["cat"] == "COMM"}
+        for step, groups in FUSIONS.items():
+            for names, at in groups:
+                end = 1_000_000.0 + step * 10_000 + at + OPERATION
+                for n in names:  # rank 1's late poll (its next launch) is not the end: the buffer's end is
+                    assert ends[(step, f"COMM.{n}.allreduce")] == pytest.approx(end, abs=11), (rank, step, n)
+
+
+def test_a_median_step_of_steps_fused_differently_replays_to_the_measured_step(tmp_path: Path) -> None:
+    from dpro.analyze import analyze_run, predicted_step_us
+    from dpro.dag.align import align
+    from dpro.dag.graph import graph_from_steps, step_model
+    from dpro.sim.replay import plan_levels, replay
+
+    run = load_run(_fusion_run(tmp_path / "run"))
+    analysis = analyze_run(run).analysis
+    assert analysis.measured_step_ms == pytest.approx(9.0)
+    assert analysis.predicted_step_ms == pytest.approx(9.0, abs=0.1)
+    # the median of each tensor's own transfer is a mixture (its whole buffer, or nothing when it rode in the
+    # buffer before it): fc2.weight's is 0 in 4 steps of 5, so that chain ends 1.4 ms early
+    per_step = step_model(run, align(run), transfers="per-step")
+    g = graph_from_steps(per_step, 4)
+    replayed = max(predicted_step_us(g, replay(g, plan_levels(g))).values()) / 1000.0
+    assert replayed < 8.0
 
 
 # ---- the fusion search ---------------------------------------------------------------------------
@@ -201,23 +301,63 @@ def test_horovod_cycles_fuse_what_is_ready_per_cycle() -> None:
     assert small[1][2] == small[0][3]  # buffers of one cycle run back to back
 
 
+def test_horovod_cycles_price_the_cycle_fusion_and_the_cache() -> None:
+    units = [(["a"], 100, 10.0), (["b"], 100, 20.0), (["c"], 300, 1510.0), (["d"], 50, 1600.0)]
+    cost = lambda nbytes: nbytes / 10.0  # noqa: E731
+    # threshold 0: no fusion, each tensor its own allreduce; the buffers of one cycle run gap_us apart
+    none = horovod_cycles(units, 0, 1000.0, 500.0, cost, 5.0, buffer_gap_us=7.0)
+    assert [b[0] for b in none] == [["a"], ["b"], ["c"], ["d"]]
+    assert none[1][2] == none[0][3] + 7.0
+    # a long cycle fuses everything into one buffer (with the copies), but starts it late
+    long = horovod_cycles(units, 2**20, 25_000.0, 12_500.0, cost, 5.0, 0.01)
+    assert [b[0] for b in long] == [["a", "b", "c", "d"]] and long[0][2] == 12_505.0
+    assert long[0][3] == 12_505.0 + 55.0 + 0.01 * 550
+    short = horovod_cycles(units, 2**20, 500.0, 250.0, cost, 5.0, 0.01)
+    assert [b[0] for b in short] == [["a", "b"], ["c", "d"]] and short[-1][3] < long[0][3]
+    # a tensor the response cache does not hold adds a negotiation to its cycle
+    cached = horovod_cycles(units, 2**20, 1000.0, 500.0, cost, 5.0)
+    uncached = horovod_cycles(units, 2**20, 1000.0, 500.0, cost, 5.0, negotiate_us=300.0,
+                              uncached=frozenset({"d"}))
+    assert uncached[0][2] == cached[0][2] and uncached[1][2] == cached[1][2] + 300.0
+
+
+def test_the_loop_is_calibrated_from_the_timeline_buffers(tmp_path: Path) -> None:
+    from dpro.engines.horovod.search import horovod_loop
+
+    run = load_run(_fusion_run(tmp_path / "run"))
+    ctx = context(run)
+    loop = horovod_loop(ctx)
+    # every buffer of the hand-written timeline starts 20 µs after the last launch of its tensors (rank 1's);
+    # under the recorded 5 ms cycle an idle loop waits 2.5 ms on average, so nothing is left for waking up
+    # (and no two buffers ran in one cycle: no gap between buffers was measured)
+    assert loop.wake_us == 0.0 and loop.buffer_gap_us == 0.0
+    assert "timeline" in loop.source
+    assert loop.comm.allreduce_us(4096) > 0
+
+
 def test_horovod_fusion_picks_a_setting_and_optimize_writes_env_knobs(tmp_path: Path) -> None:
     run = load_run(_horovod_run(tmp_path / "run", _timeline_text(_timeline_events([3, 4]))))
     ctx = context(run)
     results = horovod_fusion(ctx)
-    assert len(results) == 8 * 5 + 1  # the grid, and the setting in force (48 MB is off the grid)
+    # autotune's space: thresholds 0 (no fusion) .. 256 MB, cycles up to 50 ms; and the setting in force (48 MB)
+    assert len(results) == len(HVD_THRESHOLDS_MB) * len(HVD_CYCLES_MS) + 1
+    assert HVD_THRESHOLDS_MB[0] == 0 and HVD_THRESHOLDS_MB[-1] == 256 and max(HVD_CYCLES_MS) >= 25
     in_force = [r for r in results if r["in_force"]]
     assert len(in_force) == 1 and in_force[0]["threshold_bytes"] == 48 * 2**20
     best = results[0]
     assert best["predicted_step_ms"] == min(r["predicted_step_ms"] for r in results)
-    assert best["threshold_bytes"] in {mb * 2**20 for mb in (1, 2, 4, 8, 16, 32, 64, 128)}
+    assert best["threshold_bytes"] in {mb * 2**20 for mb in HVD_THRESHOLDS_MB}
     assert sorted(n for b in best["buffers"] for n in b) == sorted(BYTES)
     assert sorted(n for g in best["tensor_groups"] for n in g) == sorted(BYTES)
     result = optimize(ctx)
     env = result.knobs["env"]
-    assert set(env) == {"HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"}
+    assert {"HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"} <= set(env) <= {
+        "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"}
     assert int(env["HOROVOD_FUSION_THRESHOLD"]) > 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
     assert "torch.ddp.bucket_cap_mb" not in result.knobs
+    why = {e["knob"]: e["why"] for e in result.explain}
+    assert "not applicable" in why["horovod.hierarchical"]  # both ranks on one host
+    assert "response cache" in why["horovod.cache_capacity"]
     # 5 ms cycles on a 10 ms step: a shorter cycle must be predicted faster
     assert float(env["HOROVOD_CYCLE_TIME"]) < 5.0
     assert result.predicted.predicted_step_ms < result.baseline.predicted_step_ms
@@ -275,15 +415,19 @@ def test_horovod_timeline_is_merged(hvd_run: Path) -> None:
     assert merged["probe_samples"] == 20
     grad_bytes = run.model["param_bytes"]
     names = {g["name"] for g in run.model["gradients"]}
-    used = merged.get("steps_used", merged["steps"])
-    assert used
+    assert merged["steps"] == run.ranks[0].steps  # every step is kept, whatever its fusion
     for rank in (0, 1):
-        for step in used:
+        for step in merged["steps"]:
             comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM" and e["args"]["step"] == step]
-            assert comm and all(e["name"].startswith("COMM.fusion") for e in comm)
             assert sum(e["args"]["bytes"] for e in comm) == grad_bytes
             assert sorted(n for e in comm for n in e["args"]["tensors"]) == sorted(names)
             assert all("allreduce_us" in e["args"] and "negotiate_us" in e["args"] for e in comm)
+            buffers = {e["args"]["buffer"]: e["args"]["buffer_tensors"] for e in comm}
+            assert sorted(n for b in buffers.values() for n in b) == sorted(names)  # a partition of the step
+            if rank == 0:  # the tensors of one buffer end together (the timeline's end of the buffer)
+                for k in buffers:
+                    ends = [e["ts"] + e["dur"] for e in comm if e["args"]["buffer"] == k]
+                    assert max(ends) - min(ends) < 1.0
 
 
 @pytest.mark.slow

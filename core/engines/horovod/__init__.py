@@ -22,6 +22,15 @@ def _prepare_run(run: Any) -> None:
         merge_horovod_timeline(run, path)
 
 
+def _notes(run: Any) -> list[str]:
+    merged = ((run.meta or {}).get("horovod") or {}).get("merged") or {}
+    if merged.get("distinct_fusions", 0) > 1:
+        return [f"Horovod fused the gradients {merged['distinct_fusions']} different ways in "
+                f"{len(merged.get('steps', []))} steps (fusion depends on timing); every step is used: each tensor's "
+                "allreduce ends with its fused buffer, and transfers are calibrated from median end times in the step"]
+    return []
+
+
 def _search(ctx: Any, **options: Any) -> Any:
     from dpro.engines.horovod.search import search
 
@@ -33,6 +42,8 @@ ENGINE = Engine(
     doc="Horovod (PyTorch, Gloo/MPI): tensors fused by Horovod's background loop, one allreduce per buffer",
     optimize=_search,
     prepare_run=_prepare_run,
+    notes=_notes,
+    transfer_calibration="in-step",  # Horovod fuses the tensors ready in a cycle: differently in every step
     apply="environment (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME) set by dpro-launch --apply; tensor_groups as "
           "hvd.DistributedOptimizer(groups=) by dpro-launch's auto-attach",
 )

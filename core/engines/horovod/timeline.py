@@ -19,10 +19,13 @@ Tensors whose ALLREDUCE phases overlap were fused into one buffer: Horovod opens
 phase of every tensor of a response before it runs the response, and closes them all afterwards,
 and it runs one response at a time (``fused_groups``).
 
-``merge_horovod_timeline(run)`` (called by ``dpro.load.load_run`` when the run holds
-``horovod-timeline.json``) places the timeline on rank 0's clock and replaces the recorder's
-per-tensor ``COMM.<tensor>.allreduce`` events of every rank by one ``COMM.fusion<k>.allreduce`` event
-per fused buffer and step, so the graph sees fusion the way Horovod did it.
+``merge_horovod_timeline(run)`` (called by ``dpro.io.load.load_run`` when the run holds
+``horovod-timeline.json``) places the timeline on rank 0's clock and gives each of the recorder's
+per-tensor ``COMM.<tensor>.allreduce`` events the end of the fused buffer the tensor went in (the
+recorder sees a completion only at its next poll) and the buffer's index, size and phases. Names do
+not depend on fusion, which Horovod decides from timing and which differs from step to step, so
+every profiled step enters the median step; tensors fused with the one before them end with it
+(an empty transfer in the DAG).
 
 Clock: the recorder stores a (wall clock, rank clock) pair in run.json, which with the timeline's
 start time on the wall clock gives the offset. Launch and completion times bound it (an operation
@@ -455,22 +458,27 @@ def _offset(timeline: Timeline, launches: list[_Launch],
     return offset, method, _match(ops_by_key, launches, offset)
 
 
-def merge_horovod_timeline(run: Any, path: str | Path | None = None, *,
-                           all_steps: bool = False) -> dict[str, Any] | None:
+def merge_horovod_timeline(run: Any, path: str | Path | None = None) -> dict[str, Any] | None:
     """Merge the run's Horovod timeline into its traces (in memory); return a summary, or None.
 
-    Per profiled step, each fused group of the timeline becomes ``COMM.fusion<k>.allreduce`` (k in
-    order of start within the step) on every rank, replacing the ranks' per-tensor events of its
-    tensors: it starts when the rank launched the last of its tensors and ends when the group ended
-    (rank 0: the timeline; other ranks: the first completion the recorder saw). Its args hold
-    ``bytes``, ``tensors`` (gradient names), ``fused`` and Horovod's phases in µs (``negotiate_us``,
-    ``queue_us``, ``memcpy_in_us``, ``allreduce_us``, ``memcpy_out_us``, ``operation_us``; from rank 0's
-    timeline). The ``comm_probe`` samples become the probe tensors' ALLREDUCE phases (no cycle wait).
-    The summary is also stored as ``run.meta["horovod"]["merged"]``; problems go to ``run.problems``.
+    Every rank keeps one ``COMM.<tensor>.allreduce`` event per launched tensor (per explicit group
+    with ``groups=``); the timeline corrects its end and says how it was fused. The recorder sees a
+    completion only when it next polls (at the rank's next launch, or in ``synchronize()``), so its end
+    can be milliseconds late; a tensor really completes when its fused buffer does: the timeline's end
+    of the buffer (rank 0's clock) placed on the rank's clock, or the completion the rank saw if that
+    is earlier. Each event gains ``buffer`` (index of its fused buffer within the step), ``fused``
+    (tensors in the buffer), ``buffer_bytes``, ``buffer_tensors`` and Horovod's phases of the buffer in
+    µs (``negotiate_us``, ``queue_us``, ``memcpy_in_us``, ``allreduce_us``, ``memcpy_out_us``,
+    ``operation_us``), and keeps what the recorder saw as ``seen_done_us``.
 
-    Horovod's fusion depends on timing, so steps may differ in it; a median step cannot mix them.
-    Unless ``all_steps``, only the steps with the most common fusion stay in the run (the others are
-    removed from every rank's trace in memory and named in ``run.problems``).
+    The names do not depend on fusion, which Horovod decides from timing and which may differ from
+    step to step: tensors fused with the one before them complete with it, so in the DAG their
+    transfer is empty, and every profiled step takes part in the median step (``dpro.dag.graph``).
+
+    The summary (also ``run.meta["horovod"]["merged"]``) lists every fused buffer (``buffers``: step,
+    tensors, bytes, the last launch over ranks, start and end on rank 0's aligned clock, phases) and
+    how many distinct fusions the steps used. The ``comm_probe`` samples become the probe tensors'
+    ALLREDUCE phases (no cycle wait). Problems go to ``run.problems``.
 
     Raises:
         TraceError: the timeline file is unreadable or broken before its end.
@@ -510,45 +518,42 @@ def merge_horovod_timeline(run: Any, path: str | Path | None = None, *,
     for rank, items in launches.items():
         for launch in items:
             index[(rank, launch.step, launch.key)] = launch
-    merged_keys: dict[int, set[tuple[int, str]]] = defaultdict(set)
-    added: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    shifts = _rank_shifts(run)
     shapes: dict[tuple[tuple[str, ...], ...], list[int]] = defaultdict(list)
+    buffers: list[dict[str, Any]] = []
     for step, groups in sorted(steps.items()):
         groups.sort(key=lambda g: g.start)
         shapes[tuple(tuple(g.tensors) for g in groups)].append(step)
         for k, group in enumerate(groups):
-            _add_group(run, group, k, step, offset, index, step_of_op, merged_keys, added)
-    for rank, trace in run.ranks.items():
-        if not added.get(rank):
-            continue
-        drop = merged_keys[rank]
-        kept = [e for e in trace.events
-                if not (e["cat"] == "COMM" and "hvd_name" in e["args"]
-                        and (e["args"]["step"], str(e["args"]["hvd_name"])) in drop)]
-        trace.events = sorted(kept + added[rank], key=lambda e: e["ts"])
+            buffer = _annotate_group(run, group, k, step, offset, index, step_of_op, shifts)
+            if buffer is not None:
+                buffers.append(buffer)
     summary.update({
         "steps": sorted(steps),
         "groups_per_step": {str(s): len(g) for s, g in sorted(steps.items())},
         "distinct_fusions": len(shapes),
-        "note": "fusion differs between steps" if len(shapes) > 1 else "the same fusion in every step",
+        "note": (f"Horovod fused the gradients {len(shapes)} different ways in {len(steps)} steps (fusion depends "
+                 "on timing); every step is used" if len(shapes) > 1 else "the same fusion in every step"),
+        "buffers": buffers,
     })
-    if len(shapes) > 1 and not all_steps:
-        modal = max(shapes.values(), key=lambda v: (len(v), -v[0]))
-        dropped = sorted(s for v in shapes.values() if v is not modal for s in v)
-        _drop_steps(run, set(dropped))
-        summary["steps_used"] = modal
-        run.problems.append(
-            f"{path.name}: Horovod fused the gradients {len(shapes)} different ways in {len(steps)} steps (fusion "
-            f"depends on timing); analysis uses the {len(modal)} step(s) with the most common fusion "
-            f"({len(next(k for k, v in shapes.items() if v is modal))} buffers: steps "
-            f"{', '.join(map(str, modal))}) and leaves out steps {', '.join(map(str, dropped))}")
     _store(run, summary)
     return summary
 
 
-def _add_group(run: Any, group: FusedGroup, k: int, step: int, offset: float,
-               index: dict[tuple[int, int, str], _Launch], step_of_op: dict[int, _Launch],
-               merged_keys: dict[int, set[tuple[int, str]]], added: dict[int, list[dict[str, Any]]]) -> None:
+def _rank_shifts(run: Any) -> dict[int, float]:
+    """Each rank's clock minus rank 0's (µs), from the clock exchange (ranks of one host: 0)."""
+    from dpro.dag.align import align
+
+    try:
+        return dict(align(run).offset_us)
+    except (KeyError, TypeError, ValueError):
+        return {}
+
+
+def _annotate_group(run: Any, group: FusedGroup, k: int, step: int, offset: float,
+                    index: dict[tuple[int, int, str], _Launch], step_of_op: dict[int, _Launch],
+                    shifts: dict[int, float]) -> dict[str, Any] | None:
+    """Give each rank's events of the group's tensors the group's end and fusion (see the merge)."""
     keys = list(dict.fromkeys(m.key for m in group.members))
     names: list[str] = []
     nbytes = 0
@@ -561,26 +566,28 @@ def _add_group(run: Any, group: FusedGroup, k: int, step: int, offset: float,
             nbytes += m.nbytes
         elif launch is not None:
             nbytes += launch.nbytes // max(1, len(launch.tensors))
-    phases = group.phases()
+    phases = {name: round(us, 3) for name, us in group.phases().items()}
+    end0 = group.end + offset          # rank 0's clock
+    last_launch = None
     for rank in run.ranks:
         members = [index.get((rank, step, key)) for key in keys]
-        if any(x is None for x in members):
-            continue
-        start = max(x.launch for x in members)
-        end = group.end + offset if rank == 0 else min(x.done for x in members)
-        args = {"step": step, "bytes": nbytes, "tensors": names, "op": "allreduce", "phase": "allreduce",
-                "fused": len(group.members), "source": "horovod timeline (rank 0)",
-                **{name: round(us, 3) for name, us in phases.items()}}
-        tid = members[0].event["tid"]
-        added[rank].append({"name": f"COMM.fusion{k}.allreduce", "cat": "COMM", "ph": "X", "ts": start,
-                            "dur": max(0.0, end - start), "pid": rank, "tid": tid, "args": args})
-        merged_keys[rank].update((step, key) for key in keys)
-
-
-def _drop_steps(run: Any, steps: set[int]) -> None:
-    for trace in run.ranks.values():
-        trace.events = [e for e in trace.events if e["args"].get("step") not in steps]
-        trace.steps = [s for s in trace.steps if s not in steps]
+        shift = shifts.get(rank, 0.0)
+        for launch in members:
+            if launch is None:
+                continue
+            seen = launch.done
+            end = max(launch.launch, min(seen, end0 + shift))
+            ev = launch.event
+            ev["dur"] = end - ev["ts"]
+            ev["args"].update({"buffer": k, "fused": len(group.members), "buffer_bytes": nbytes,
+                               "buffer_tensors": names, "seen_done_us": round(seen - ev["ts"], 3),
+                               "source": "launch to its fused buffer's end (Horovod timeline, rank 0)", **phases})
+            aligned = launch.launch - shift
+            last_launch = aligned if last_launch is None else max(last_launch, aligned)
+    if last_launch is None:
+        return None
+    return {"step": step, "index": k, "tensors": names, "bytes": nbytes, "last_launch_us": last_launch,
+            "start_us": group.start + offset, "end_us": end0, **phases}
 
 
 def _probe_from_timeline(run: Any, timeline: Timeline, summary: dict[str, Any]) -> None:
