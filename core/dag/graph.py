@@ -261,13 +261,25 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
     return out, ends
 
 
+def _median_ready_offset(samples: list[tuple[float, float, float, dict]]) -> float | None:
+    """When a backward op's gradients are all ready, from the op's start (median over steps): a collective
+    of those gradients can start then, before the op ends (it goes on computing its input's gradient)."""
+    offsets = []
+    for _, _, _, args in samples:
+        ready = args.get("grads_ready_us") or []
+        t0 = args.get("_ts")
+        if ready and t0 is not None:
+            offsets.append(max(ready) - t0)
+    return statistics.median(offsets) if offsets else None
+
+
 def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
     """Summarise the profiled steps of every rank (aligned clocks) into one median step.
 
     ``transfers``: how collectives' transfer times are calibrated, ``"per-step"`` (medians of each
     step's transfer, ``_transfer_times``) or ``"in-step"`` (from median arrival and end times within
     the step, ``_transfer_times_in_step``); default: what the run's engine says
-    (``Engine.transfer_calibration``: ``"in-step"`` for engines whose fusion differs between steps).
+    (``Engine.transfer_calibration``, ``"in-step"`` unless an engine says otherwise).
     """
     if transfers is None:
         from dpro.engines import get_engine  # the registry imports engine modules, which import this one
@@ -315,7 +327,9 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
                 last_end[e["tid"]] = max(last_end.get(e["tid"], 0.0), start + e["dur"])
                 name = occurrence_name(e["name"], runs[e["name"]])
                 runs[e["name"]] += 1
-                per_op[(rank, name)].append((start, e["dur"], gap, e["args"]))
+                args = {**e["args"], "_ts": e["ts"]} if e["cat"] == "BW" and e["args"].get("grads_ready_us") \
+                    else e["args"]
+                per_op[(rank, name)].append((start, e["dur"], gap, args))
                 queue_of[(rank, name)] = q
                 cat_of[name] = e["cat"]
                 if e["cat"] == "COMM":
@@ -327,9 +341,12 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         duration = statistics.median(s[1] for s in samples)
         if transfers == "in-step" and cat_of[name] == "COMM":
             duration = max(0.0, statistics.median(s[0] + s[1] for s in samples) - order)  # ends at its median end
+        args = {k: v for k, v in samples[-1][3].items() if k != "_ts"}
+        if cat_of[name] == "BW":
+            args["grads_ready_offset_us"] = _median_ready_offset(samples)
         ops[rank].append(OpStats(
             name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
-            order=order, duration=duration, gap=None, args=samples[-1][3]))
+            order=order, duration=duration, gap=None, args=args))
     for rank in ops:
         ops[rank].sort(key=lambda o: o.order)
     _same_collective_order(ops)
@@ -353,6 +370,18 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
         async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end,
     )
+
+
+SPLIT_MIN_US = 20.0  # a gradient ready less than this before its op ends is ready at the end (timer noise)
+
+
+def _ready_split(op: OpStats) -> float | None:
+    """Where a backward op's gradients are ready (µs into the op), when clearly before its end; else None."""
+    offset = op.args.get("grads_ready_offset_us")
+    if offset is None or not op.args.get("grads"):
+        return None
+    offset = max(0.0, offset)
+    return offset if op.duration - offset > SPLIT_MIN_US else None
 
 
 def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
@@ -418,6 +447,16 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     else:
                         b.occupy(queue, node)  # the rank's comm queue is busy until the transfer ends
                         queue_last[queue] = node
+                elif op.category == "BW" and _ready_split(op) is not None:
+                    # the op's gradients are ready part-way through it: collectives wait for that part only
+                    split = _ready_split(op)
+                    ready_node = b.add(op.name, op.category, rank, it, queue, split, gap, deps)
+                    node = b.add(f"{op.name}.rest", op.category, rank, it, queue, op.duration - split, 0.0,
+                                 [ready_node])
+                    measured_end[ready_node] = op.order + split
+                    for g in op.args.get("grads", []):
+                        grad_node[g] = ready_node
+                    queue_last[queue] = node
                 else:
                     node = b.add(op.name, op.category, rank, it, queue, op.duration, gap, deps)
                     queue_last[queue] = node
@@ -429,7 +468,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                 if op.category == "BW":
                     bw_nodes.append(node)
                     for g in op.args.get("grads", []):
-                        grad_node[g] = node
+                        grad_node.setdefault(g, node)  # a split op registered its ready part above
             ends = [last[c] for c in ("UPDATE", "BW") if c in last] + comm_done
             step_end = b.add("STEP.end", "STEP", rank, it, f"r{rank}/host", 0.0, model.tail_us.get(rank, 0.0), ends)
             b.step_end[(rank, it)] = step_end

@@ -41,9 +41,10 @@ class Engine:
         prepare_run: ``(run) -> None``, at load time: complete the run from the engine's own traces.
         apply: how a config reaches the job, in words (for docs and tables).
         comm_knobs: the knobs that regroup the collectives (what-if rebuilds the communication for them).
-        transfer_calibration: ``"per-step"`` (a collective's transfer is the median of each step's) or
-            ``"in-step"`` (from median launch and end times within the step: for engines whose grouping of
-            tensors into collectives differs from step to step); see ``dpro.dag.graph.step_model``.
+        transfer_calibration: ``"in-step"`` (from median launch and end times within the step, the default:
+            right for engines that fuse differently from step to step and for collectives that run concurrently,
+            as gloo's do) or ``"per-step"`` (a collective's transfer is the median of each step's transfer,
+            collectives one after another); see ``dpro.dag.graph.step_model``.
     """
 
     name: str
@@ -54,7 +55,7 @@ class Engine:
     prepare_run: Callable[[Any], None] = _nothing
     apply: str = ""
     comm_knobs: tuple[str, ...] = field(default=())  # knob names that regroup the collectives
-    transfer_calibration: str = "per-step"  # how dag.graph.step_model calibrates collective transfers
+    transfer_calibration: str = "in-step"  # how dag.graph.step_model calibrates collective transfers
     notes: Callable[[Any], list[str]] = _no_notes  # what `dpro analyze` should say about a run of this engine
 
     def knob_names(self) -> list[str]:

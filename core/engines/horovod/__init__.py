@@ -43,7 +43,6 @@ ENGINE = Engine(
     optimize=_search,
     prepare_run=_prepare_run,
     notes=_notes,
-    transfer_calibration="in-step",  # Horovod fuses the tensors ready in a cycle: differently in every step
     apply="environment (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME) set by dpro-launch --apply; tensor_groups as "
           "hvd.DistributedOptimizer(groups=) by dpro-launch's auto-attach",
 )
