@@ -3,8 +3,9 @@ on ``PYTHONPATH`` for the processes it starts.
 
 When ``DPRO_AUTO_RECORD=1`` (record), a config is to be applied (``DPRO_CONFIG``, ``DPRO_APPLY_SEARCH``) or
 step times are wanted (``DPRO_STEP_TIMES``)
-and torch is installed, it calls ``dpro.plugins.torch.autoattach.install()``, which patches DDP, Lightning
-and ``horovod.torch.DistributedOptimizer`` lazily, when the script imports them (nothing is imported here).
+it asks each plugin whose framework is installed (``PLUGINS``: today the torch plugin) to register its
+patches with the post-import hook of ``dpro.launch.post_import``; they run when the script imports what they
+patch (DDP, Lightning, ``horovod.torch.DistributedOptimizer``), and nothing is imported ahead of the script.
 Then it runs the ``sitecustomize`` that would have run without this directory, if there is one. Any failure
 is printed and ignored: a dpro problem never stops the user's program from starting.
 """
@@ -14,26 +15,41 @@ import importlib.util
 import os
 import sys
 
+PLUGINS = (("torch", "torch"),)  # (plugin folder under dpro/plugins, the framework it needs)
+
+
+def _plugin_autoattach(folder: str):  # noqa: ANN202 - a module
+    """A plugin's ``autoattach.py`` loaded alone: its package imports the framework, which must wait until the
+    script imports it."""
+    name = f"dpro.plugins.{folder}.autoattach"
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    plugins = importlib.util.find_spec("dpro.plugins")
+    if plugins is None or not plugins.submodule_search_locations:
+        return None
+    path = os.path.join(list(plugins.submodule_search_locations)[0], folder, "autoattach.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 def _dpro_attach() -> None:
     wanted = os.environ.get("DPRO_AUTO_RECORD") == "1" or os.environ.get("DPRO_CONFIG") or os.environ.get(
         "DPRO_APPLY_SEARCH") or os.environ.get("DPRO_STEP_TIMES")
-    if not wanted or importlib.util.find_spec("torch") is None:
+    if not wanted:
         return
-    name = "dpro.plugins.torch.autoattach"
-    module = sys.modules.get(name)
-    if module is None:
-        # Load the module file alone: the package dpro.plugins.torch imports torch, which must wait until
-        # the script imports it.
-        plugins = importlib.util.find_spec("dpro.plugins")
-        if plugins is None or not plugins.submodule_search_locations:
-            return
-        path = os.path.join(list(plugins.submodule_search_locations)[0], "torch", "autoattach.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    module.install()
+    from dpro.launch.post_import import finder
+
+    hooks = finder()
+    for folder, framework in PLUGINS:
+        if importlib.util.find_spec(framework) is None:
+            continue
+        module = _plugin_autoattach(folder)
+        if module is not None:
+            module.install(hooks.when_imported)
 
 
 def _chain() -> None:

@@ -1,8 +1,9 @@
 """Record (and configure) an unmodified PyTorch script started by ``dpro-launch``.
 
 ``dpro-launch`` puts ``dpro/launch/autoattach`` first on ``PYTHONPATH``; its ``sitecustomize.py`` calls
-``install()`` at interpreter start when torch is installed. ``install`` imports nothing heavy: it puts a
-post-import hook on ``sys.meta_path`` and patches, when (and if) the script imports them,
+``install(when_imported)`` at interpreter start when torch is installed, with the post-import hook of
+``dpro.launch.post_import``. ``install`` imports nothing heavy: it registers ``PATCHES``, which patch, when
+(and if) the script imports them,
 
 - ``torch.nn.parallel.DistributedDataParallel.__init__``: before DDP wraps the model, the config named by
   ``$DPRO_CONFIG`` (or the newest config made for this model under ``$DPRO_APPLY_SEARCH``) is applied:
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import importlib.abc
 import inspect
 import json
 import os
@@ -85,68 +85,6 @@ def _say(message: str) -> None:
         from dpro.logs import get_logger  # imported late: this module loads at every interpreter start
 
         get_logger("dpro.plugins.torch.autoattach").info(message)
-
-
-# ---- post-import hooks ------------------------------------------------------------------------------
-
-
-class _ThenLoader(importlib.abc.Loader):
-    """Runs the real loader, then a callback on the fresh module; the module keeps the real loader."""
-
-    def __init__(self, inner: Any, callback: Callable[[ModuleType], None]) -> None:
-        self.inner = inner
-        self.callback = callback
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__loader__ = self.inner
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.inner
-        self.inner.exec_module(module)
-        _run_callback(self.callback, module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-def _run_callback(callback: Callable[[ModuleType], None], module: ModuleType) -> None:
-    try:
-        callback(module)
-    except Exception as err:  # never break the user's import
-        _say(f"could not attach to {module.__name__}: {type(err).__name__}: {err}")
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """On ``sys.meta_path``: calls ``callbacks[name](module)`` once module ``name`` has been executed."""
-
-    def __init__(self) -> None:
-        self.callbacks: dict[str, Callable[[ModuleType], None]] = {}
-
-    def when_imported(self, name: str, callback: Callable[[ModuleType], None]) -> None:
-        module = sys.modules.get(name)
-        if module is not None:
-            _run_callback(callback, module)
-        else:
-            self.callbacks[name] = callback
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        callback = self.callbacks.pop(fullname, None)
-        if callback is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _ThenLoader(spec.loader, callback)
-        return spec
 
 
 # ---- the process's state: the auto-attached recorder ----------------------------------------------------
@@ -388,12 +326,12 @@ class _State:
 
 
 _STATE: _State | None = None
-_FINDER: _PostImportFinder | None = None
+_INSTALLED = False
 
 
 def installed() -> bool:
     """True once ``install`` ran in this process."""
-    return _FINDER is not None
+    return _INSTALLED
 
 
 def _window(text: str | None) -> tuple[int, int] | None:
@@ -689,18 +627,26 @@ def _hvd_apply_config(state: _State, hvd: ModuleType, model: Any, bound: inspect
     bound.arguments["groups"] = [[params[n] for n in group] for group in groups if len(group) > 1] or None
 
 
-def install() -> None:
-    """Install the post-import patches (once per process). Reads the DPRO_* variables set by dpro-launch."""
-    global _STATE, _FINDER
-    if _FINDER is not None:
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "torch.nn.parallel.distributed": _patch_ddp,
+    "lightning.pytorch.trainer.trainer": _patch_trainer,
+    "pytorch_lightning.trainer.trainer": _patch_trainer,
+    "horovod.torch": _patch_horovod,
+}
+"""The modules this plugin patches when a script imports them, and the patch of each."""
+
+
+def install(when_imported: Callable[[str, Callable[[ModuleType], None]], None]) -> None:
+    """Register the torch plugin's patches (once per process) with dpro-launch's post-import hook
+    (``dpro.launch.post_import``): ``when_imported(module name, patch)`` calls ``patch(module)`` once that
+    module has been executed. Reads the DPRO_* variables set by dpro-launch."""
+    global _STATE, _INSTALLED
+    if _INSTALLED:
         return
+    _INSTALLED = True
     record = os.environ.get(AUTO_RECORD) == "1"
     _STATE = _State(record=record, window=_window(os.environ.get(PROFILE)) if record else None,
                     run_dir=os.environ.get(RUN_DIR) or None)
-    _FINDER = _PostImportFinder()
-    sys.meta_path.insert(0, _FINDER)
-    _FINDER.when_imported("torch.nn.parallel.distributed", _patch_ddp)
-    _FINDER.when_imported("lightning.pytorch.trainer.trainer", _patch_trainer)
-    _FINDER.when_imported("pytorch_lightning.trainer.trainer", _patch_trainer)
-    _FINDER.when_imported("horovod.torch", _patch_horovod)
+    for module_name, patch in PATCHES.items():
+        when_imported(module_name, patch)
     atexit.register(_STATE.at_exit)
