@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+__all__ = ["DEFAULT_GRACE_S", "EXIT_PORT_TAKEN", "PORT_LINE", "Workers", "build_parser", "exit_status", "worker_env"]
+
 PORT_LINE = "DPRO_MASTER_PORT="
 EXIT_PORT_TAKEN = 98
 DEFAULT_GRACE_S = 10.0

@@ -24,6 +24,8 @@ from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config
 from dpro.plugins.torch.models import MODELS, get_example
 from dpro.plugins.torch.profiler import Profiler
 
+__all__ = ["main"]
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dpro.plugins.torch.example", description=__doc__.split("\n")[0])

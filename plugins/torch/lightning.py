@@ -28,6 +28,8 @@ from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config, recomputed,
 from dpro.plugins.torch.recorder import TorchRecorder
 from dpro.record.protocol import check_window_fits, parse_steps
 
+__all__ = ["DproCallback"]
+
 
 def _callback_bases() -> tuple[type, ...]:
     bases = []

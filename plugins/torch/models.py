@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+__all__ = ["Example", "TinyTransformer", "get_example"]
+
 
 class TinyTransformer(nn.Module):
     """A small encoder-only transformer classifier (uses nn.MultiheadAttention)."""

@@ -12,6 +12,8 @@ from torch import nn
 from dpro.errors import UsageError
 from dpro.plugins.torch.recorder import TorchRecorder
 
+__all__ = ["Profiler"]
+
 
 class Profiler:
     """Record the steps ``steps`` of a training loop into a dpro run directory.

@@ -52,6 +52,8 @@ from dpro.record.writer import (
     write_run_json,
 )
 
+__all__ = ["TorchRecorder", "active_recorders", "in_backward", "recorded_modules", "tensor_bytes", "timed_closure"]
+
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
 logger = get_logger("dpro.plugins.torch")
 

@@ -21,6 +21,24 @@ from dpro.sim.cost import CommModel, fit_comm_model
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.whatif import MB, Context, Prediction, predict, regroup
 
+__all__ = [
+    "HOROVOD_MIN_GAIN",
+    "HVD_CYCLES_MS",
+    "HVD_DEFAULT_CACHE",
+    "HVD_DEFAULT_CYCLE_MS",
+    "HVD_DEFAULT_THRESHOLD",
+    "HVD_PHASES",
+    "HVD_THRESHOLDS_MB",
+    "HorovodLoop",
+    "horovod_comm_model",
+    "horovod_cycles",
+    "horovod_fusion",
+    "horovod_hierarchical",
+    "horovod_loop",
+    "horovod_memcpy_us_per_byte",
+    "search",
+]
+
 HOROVOD_MIN_GAIN = 0.01  # Horovod's fusion model prices its buffer copies from the timeline (see bench/launch.py)
 
 
