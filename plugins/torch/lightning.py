@@ -155,6 +155,16 @@ class DproCallback(*_callback_bases()):
         self._global_step = trainer.global_step
         self.recorder.step()
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Validation inside the window is not training: its forwards are not recorded (a gap of the step)."""
+        if self.recorder is not None:
+            self.recorder.suspend()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """Training resumes: record again."""
+        if self.recorder is not None:
+            self.recorder.resume()
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Write what was recorded, even if the run was shorter than the window."""
         if self.recorder is not None:

@@ -220,6 +220,7 @@ class TorchRecorder:
         self._iteration = 0
         self._log: _StepLog | None = None
         self._recording = False
+        self._suspended = False
         self._writer: RankTraceWriter | None = None
         self._closed = False
         self._fired: set[str] = set()
@@ -394,16 +395,32 @@ class TorchRecorder:
         if self._iteration in self.window:
             self._open_step()
         elif self._recording:
-            self._remove_hooks()
+            if not self._suspended:
+                self._remove_hooks()
             self._recording = False
         if self._iteration > self.steps[-1]:
             self.close()
+
+    def suspend(self) -> None:
+        """Stop timing until ``resume``: work inside a step that is not training (Lightning's validation loop,
+        a callback's evaluation) runs without hooks and shows as a gap. Safe outside the window."""
+        if self._recording and not self._suspended:
+            self._suspended = True
+            self._remove_hooks()
+
+    def resume(self) -> None:
+        """Time again after ``suspend``."""
+        if self._suspended:
+            self._suspended = False
+            if self._recording:
+                self._install_hooks()
 
     def _open_step(self) -> None:
         if self._writer is None:
             self._begin_window()
         if not self._recording:
-            self._install_hooks()
+            if not self._suspended:
+                self._install_hooks()
             self._recording = True
         self._log = _StepLog(start=self._mark())
 

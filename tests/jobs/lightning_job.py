@@ -23,6 +23,7 @@ parser.add_argument("--run-dir", required=True)
 parser.add_argument("--config", default=None, help="a dpro config.json for DproCallback to apply")
 parser.add_argument("--optimization", choices=["automatic", "manual"], default="automatic")
 parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
+parser.add_argument("--val-every", type=int, default=0, help="run 2 validation batches every N training batches")
 args = parser.parse_args()
 pl = importlib.import_module(args.package)
 
@@ -49,6 +50,10 @@ class Module(pl.LightningModule):
                 self.manual_backward(loss / args.accumulate)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -58,13 +63,16 @@ def main() -> None:
     x, y = example.batch(example.batch_size * args.steps * args.accumulate, torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, y), batch_size=example.batch_size)
     start, stop = (int(v) for v in args.profile.split(":"))
+    validation = {"val_check_interval": args.val_every, "limit_val_batches": 2, "num_sanity_val_steps": 0,
+                  "check_val_every_n_epoch": None} if args.val_every else {"limit_val_batches": 0}
     trainer = pl.Trainer(
+        **validation,
         accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, logger=False,
         accumulate_grad_batches=args.accumulate if args.optimization == "automatic" else 1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[DproCallback(run_dir=args.run_dir, steps=range(start, stop), config=args.config)],
     )
-    trainer.fit(Module(), loader)
+    trainer.fit(Module(), loader, val_dataloaders=loader if args.val_every else None)
 
 
 if __name__ == "__main__":

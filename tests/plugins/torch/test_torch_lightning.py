@@ -93,3 +93,18 @@ def test_gradient_accumulation_step_holds_every_micro_batch(tmp_path, optimizati
     analysis, g = result.analysis, result.graph
     assert "FW.net.0#2" in g.names and "BW.net.0#2" in g.names
     assert analysis.predicted_step_ms > 0
+
+
+def test_validation_inside_the_window_is_not_recorded(tmp_path):
+    """Lightning validates every 2 batches here; the validation forwards are not training steps' FW events."""
+    run_dir = tmp_path / "run"
+    run_job([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--steps", "8",
+             "--profile", "2:7", "--val-every", "2", "--run-dir", str(run_dir)], timeout=240, cwd=tmp_path)
+    run = load_run(run_dir)
+    for rank, trace in run.ranks.items():
+        assert trace.steps == [2, 3, 4, 5, 6], rank
+        for step, events in _steps_of(trace):
+            names = [e["name"] for e in events]
+            assert names.count("FW.net.0") == 1 and names.count("BW.net.0") == 1, (rank, step, names)
+    analysis = analyze_run(run).analysis
+    assert analysis.predicted_step_ms > 0
