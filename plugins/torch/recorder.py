@@ -318,6 +318,8 @@ class TorchRecorder:
             self._log.backward.bw_end[name] = self._mark()
 
         def pre(module: nn.Module, inputs: Any) -> None:
+            if not module.training and not torch.is_grad_enabled():
+                return  # evaluation inside a step (eval mode, no autograd): not the step's training work
             log = self._log
             now = self._mark()
             if log.io_open:

@@ -121,3 +121,23 @@ def test_closure_work_is_not_update(tmp_path):
         assert len(fws) >= 2  # LBFGS evaluated the closure more than once
         assert len([e for e in events if e["name"] == "BW.0"]) == len(fws)
         assert all(e["ts"] + e["dur"] <= update["ts"] + 1.0 for e in events if e["cat"] in ("FW", "BW"))
+
+
+def test_evaluation_inside_a_step_is_not_recorded(tmp_path):
+    """A loop that evaluates (eval mode, no_grad) between training steps: only the training forwards are FW."""
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Profiler(model, opt, run_dir=tmp_path / "run", steps=range(1, 3)) as prof:
+        for _ in range(4):
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(4, 8))
+            model.train()
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            prof.step()
+    trace = load_run(tmp_path / "run").ranks[0]
+    for step in trace.steps:
+        names = [e["name"] for e in trace.events if e["args"]["step"] == step]
+        assert names.count("FW.0") == 1 and names.count("BW.0") == 1, names
