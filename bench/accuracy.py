@@ -2,11 +2,11 @@
 
 For each bundled model x DDP bucket size x network, a 2-rank gloo DDP job is recorded for real,
 then ``dpro analyze`` predicts its step time. Lightning (automatic and manual optimization, gradient
-accumulation; tests/jobs/lightning_job.py) and Horovod (an unmodified script, tests/jobs/plain_hvd.py,
-recorded by ``dpro-launch``) jobs are recorded ``--repeat`` times each on loopback, each recording a
-row, and every case is summarised by its median and worst |error|. Networks: loopback (both ranks on this machine) and
-the emulated cluster network of ``dpro.testbed`` (one rank per network namespace, 1 Gbit/s links
-with 0.1 ms delay where the kernel has netem; skipped with the reason where namespaces are refused).
+accumulation) and Horovod jobs, unmodified scripts (bench/scripts/, tests/jobs/plain_hvd.py) recorded by
+``dpro-launch --profile 10:30``, are recorded ``--repeat`` times each on loopback (cases alternate), each
+recording a row, and every case is summarised by its median and worst |error|. Networks: loopback (both ranks
+on this machine) and the emulated cluster network of ``dpro.testbed`` (one rank per network namespace,
+1 Gbit/s links with 0.1 ms delay where the kernel has netem; skipped with the reason where namespaces are refused).
 The PyTorch profiler traces in tests/data/kineto (real A100 / V100 runs) are reported in the same
 table when present.
 
@@ -29,35 +29,31 @@ from dpro.analyze import analyze_path
 
 KINETO_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "kineto"
 JOBS = Path(__file__).resolve().parents[1] / "tests" / "jobs"
-LIGHTNING_CASES = {  # label -> lightning_job.py arguments
-    "lightning auto": ["--optimization", "automatic"],
-    "lightning manual": ["--optimization", "manual"],
-    "lightning accumulate 2": ["--optimization", "automatic", "--accumulate", "2"],
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# label -> (script, its arguments): unmodified scripts (no dpro import), each recorded by dpro-launch
+LIGHTNING_CASES = {
+    "lightning auto mlp": (SCRIPTS / "lit_train.py", ["--model", "mlp"]),
+    "lightning auto conv": (SCRIPTS / "lit_train.py", ["--model", "conv"]),
+    "lightning manual mlp": (SCRIPTS / "lit_train.py", ["--model", "mlp", "--optimization", "manual"]),
+    "lightning accumulate 2": (SCRIPTS / "lit_train.py", ["--model", "conv", "--accumulate", "2"]),
 }
-HOROVOD_CASES = {  # label -> plain_hvd.py arguments (an unmodified script, recorded by dpro-launch)
-    "horovod width 256": ["--width", "256"],
-    "horovod width 1024": ["--width", "1024"],
+HOROVOD_CASES = {
+    "horovod mlp (plain_hvd)": (JOBS / "plain_hvd.py", ["--width", "512"]),
+    "horovod gru (hvd_train)": (SCRIPTS / "hvd_train.py", []),
 }
 
 
-def _run(cmd: list[str], **kwargs: object) -> None:
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600, **kwargs)
+def record_with_launcher(script: Path, script_args: list[str], run_dir: Path, steps: int, window: str,
+                         horovod: bool) -> None:
+    """``dpro-launch -np 2 -H localhost:2 [--gloo] --profile A:B --run-dir RUN python SCRIPT ...``."""
+    launcher = Path(sys.executable).with_name("dpro-launch")
+    cmd = [str(launcher), "-np", "2", "-H", "localhost:2", *(["--gloo"] if horovod else []), "--profile", window,
+           "--run-dir", str(run_dir), sys.executable, str(script), "--steps", str(steps), *script_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=run_dir.parent)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-
-
-def record_lightning(case: str, model: str, run_dir: Path, steps: int, window: str) -> None:
-    _run([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--model", model,
-          "--steps", str(steps), "--profile", window, "--run-dir", str(run_dir), *LIGHTNING_CASES[case]],
-         cwd=run_dir.parent)
-
-
-def record_horovod(case: str, run_dir: Path, steps: int, window: str) -> None:
-    launcher = Path(sys.executable).with_name("dpro-launch")
-    _run([str(launcher), "-np", "2", "-H", "localhost:2", "--gloo", "--profile", window, "--run-dir", str(run_dir),
-          sys.executable, str(JOBS / "plain_hvd.py"), "--steps", str(steps), *HOROVOD_CASES[case]],
-         cwd=run_dir.parent)
 
 
 def example_argv(model: str, bucket_mb: float, run_dir: Path, steps: int, window: str) -> list[str]:
@@ -105,7 +101,8 @@ def main() -> int:
     parser.add_argument("--profile", default="8:20")
     parser.add_argument("--frameworks", default="ddp,lightning,horovod")
     parser.add_argument("--repeat", type=int, default=3, help="recordings of each Lightning and Horovod case")
-    parser.add_argument("--lightning-model", default="mlp")
+    parser.add_argument("--lightning-steps", type=int, default=40, help="steps of each Lightning / Horovod job")
+    parser.add_argument("--lightning-profile", default="10:30", help="the window dpro-launch records (A:B)")
     args = parser.parse_args()
     frameworks = args.frameworks.split(",")
     models, buckets = args.models.split(","), [float(b) for b in args.buckets.split(",")]
@@ -120,15 +117,14 @@ def main() -> int:
 
     by_case: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeat):  # cases alternate, so a slow spell of the machine hits them alike
+        for _ in range(args.repeat):  # cases alternate, so a slow spell of the machine hits them alike
             cases = [(c, "lightning") for c in LIGHTNING_CASES if "lightning" in frameworks]
             cases += [(c, "horovod") for c in HOROVOD_CASES if "horovod" in frameworks]
             for case, kind in cases:
-                run_dir = Path(tmp) / f"{kind}-{case.replace(' ', '-')}-{i}"
-                if kind == "lightning":
-                    record_lightning(case, args.lightning_model, run_dir, args.steps, args.profile)
-                else:
-                    record_horovod(case, run_dir, args.steps, args.profile)
+                run_dir = Path(tmp) / f"{kind}-{len(by_case.get(case, []))}-{abs(hash(case))}"
+                script, script_args = (LIGHTNING_CASES if kind == "lightning" else HOROVOD_CASES)[case]
+                record_with_launcher(script, script_args, run_dir, args.lightning_steps, args.lightning_profile,
+                                     horovod=kind == "horovod")
                 a = analyze_path(run_dir)
                 by_case.setdefault(case, []).append(a.error_pct)
                 show(("loopback", case, "-", a.measured_step_ms, a.predicted_step_ms, a.error_pct))
