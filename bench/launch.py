@@ -278,21 +278,37 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
 
 
 def check_settings(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -> list[dict]:
-    """Measure other settings and set them next to dpro's replayed prediction for them."""
+    """Measure other settings and set them next to dpro's prediction for them.
+
+    The recorded setting is measured too, and the jobs are interleaved (round r runs one job of every
+    setting), so a machine that gets busier or quieter during the check shifts all settings alike. Each
+    row gives the error of the prediction (``error_pct``) and of the predicted ratio to the recorded
+    setting (``relative_error_pct``: prediction / prediction of the recorded setting vs measured / measured
+    of the recorded setting), which leaves out the level (the recorded job's own overhead and drift)."""
     from dpro.load import load_run
-    from dpro.optimize import horovod_predict
+    from dpro.optimize import _in_force, horovod_predict
     from dpro.whatif import context
 
     ctx = context(load_run(work / "dpro-run"))
+    threshold0, cycle0, _ = _in_force(ctx)
+    settings = [(threshold0 / 2**20, cycle0)] + [tuple(float(v) for v in item.split("/"))
+                                                 for item in args.check.split(",")]
+    predicted = [horovod_predict(ctx, mb * 2**20, ms) for mb, ms in settings]  # as optimize_horovod reports it
+    runs: list[list[float]] = [[] for _ in settings]
+    one = argparse.Namespace(**{**vars(args), "repeat": 1})
+    for _ in range(args.repeat):
+        for k, (mb, ms) in enumerate(settings):
+            env = {"HOROVOD_FUSION_THRESHOLD": str(int(mb * 2**20)), "HOROVOD_CYCLE_TIME": f"{ms:g}"}
+            runs[k] += measure(cluster, one, env)
+    base_step, base_pred = statistics.median(runs[0]), predicted[0]
     out = []
-    for item in args.check.split(","):
-        mb, ms = (float(v) for v in item.split("/"))
-        predicted = horovod_predict(ctx, mb * 2**20, ms)  # as optimize_horovod reports it
-        env = {"HOROVOD_FUSION_THRESHOLD": str(int(mb * 2**20)), "HOROVOD_CYCLE_TIME": f"{ms:g}"}
-        times = measure(cluster, args, env)
-        step = statistics.median(times)
-        out.append({"setting": f"{mb:g} MiB / {ms:g} ms", "step_ms": step, "runs_ms": times,
-                    "predicted_ms": predicted, "error_pct": 100.0 * (predicted - step) / step})
+    for k, (mb, ms) in enumerate(settings):
+        step = statistics.median(runs[k])
+        ratio_pred, ratio_meas = predicted[k] / base_pred, step / base_step
+        out.append({"setting": f"{mb:g} MiB / {ms:g} ms" + (" (recorded)" if k == 0 else ""), "step_ms": step,
+                    "runs_ms": runs[k], "predicted_ms": predicted[k],
+                    "error_pct": 100.0 * (predicted[k] - step) / step,
+                    "relative_error_pct": 100.0 * (ratio_pred - ratio_meas) / ratio_meas})
         print("check", out[-1], file=sys.stderr)
     return out
 
@@ -384,7 +400,8 @@ def main() -> int:
             print(f"{name:<10} {r['setting']:<34} {r['step_ms']:>9.1f} {jobs(r):<24} {r['find_s']:>18.1f}")
     for r in rows.get("check", []):
         print(f"{'check':<10} {r['setting']:<34} {r['step_ms']:>9.1f} {jobs(r):<24}   dpro predicted "
-              f"{r['predicted_ms']:.1f} ({r['error_pct']:+.1f}%)")
+              f"{r['predicted_ms']:.1f} ({r['error_pct']:+.1f}%; ratio to the recorded setting "
+              f"{r['relative_error_pct']:+.1f}%)")
     if "dpro" in rows:
         d = rows["dpro"]
         print(f"\ndpro: recorded job {d['record_s']:.1f} s + optimize {d['optimize_s']:.1f} s; the recorded run "
