@@ -738,7 +738,7 @@ def optimize_horovod(ctx: Context, *, memory_budget_bytes: int | None = None) ->
     knobs: dict[str, Any] = {"env": env}
     described = (f"{chosen['threshold_mb']:g} MB / {chosen['cycle_time_ms']:g} ms: "
                  f"{len(chosen['buffers'])} allreduce buffer(s) per step")
-    space = (f"{len(results)} settings replayed: thresholds {HVD_THRESHOLDS_MB[0]:g}-{HVD_THRESHOLDS_MB[-1]:g} MB x "
+    space = (f"{len(results)} settings simulated: thresholds {HVD_THRESHOLDS_MB[0]:g}-{HVD_THRESHOLDS_MB[-1]:g} MB x "
              f"cycles {HVD_CYCLES_MS[0]:g}-{HVD_CYCLES_MS[-1]:g} ms")
     if chosen is best:
         explain.append({"knob": "env", "predicted_gain_ms": gain,
