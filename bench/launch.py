@@ -16,6 +16,18 @@ namespaces joined by tbf-limited links, 1 Gbit/s by default), one rank per host:
 
 Each measured step time is the median over the steps after warm-up, from rank 0.
 
+``--script train.py [args...]`` (last on the command line) runs any unmodified Horovod training script
+instead of the bundled job. Its step time is measured without its cooperation: dpro's auto-attach
+(``dpro/launch/autoattach`` first on ``PYTHONPATH``, what ``dpro-launch`` does) with
+``DPRO_STEP_TIMES`` times the end of every ``step()`` of the script's ``hvd.DistributedOptimizer`` on rank
+0 (no recorder, one wrapper call per step); the step time is the median interval between step ends after
+``--warmup`` steps. The script needs only to step an ``hvd.DistributedOptimizer`` once per iteration (what
+dpro records anyway). Its own arguments decide how many steps it runs; ``--autotune-args`` are appended
+for the autotune job (e.g. ``"--steps 220"``, so the autotuner has time to finish), ``--record-args`` for
+the recorded job. The dpro way records the script the way ``dpro-launch`` does (``DPRO_AUTO_RECORD``,
+``--profile`` window, ``HOROVOD_TIMELINE=DYNAMIC``) and applies the config's ``tensor_groups`` through
+``DPRO_CONFIG``.
+
 Ranks are started directly in their namespaces (no ssh, so no ``horovodrun -H``): a Horovod
 rendezvous server (``horovod.runner.http.http_server.RendezvousServer``, what ``horovodrun --gloo``
 runs) lives in host 0's namespace, and each rank gets the ``HOROVOD_GLOO_*`` / ``HOROVOD_RANK`` ...
@@ -26,7 +38,8 @@ over /etc/hosts) mapping the host name to the host's own address, removed again 
 ``--loopback`` runs the same on one host with
 ``horovodrun -np 2 -H localhost:2 --gloo`` instead. Needs root for the namespaces.
 
-    python bench/launch.py [--model wide_mlp] [--rate 1gbit] [--steps 40] [--loopback]
+    python bench/launch.py [--model wide_mlp] [--rate 1gbit] [--steps 40] [--loopback] [--check 16/25,128/1]
+    python bench/launch.py --loopback --warmup 5 --script tests/jobs/conv1d_hvd.py --steps 30
 """
 
 from __future__ import annotations
@@ -107,10 +120,43 @@ def hvd_env(cluster: tb.Cluster, rank: int, world: int, port: int) -> dict[str, 
     }
 
 
-def run_job(cluster: tb.Cluster | None, job_args: list[str], env: dict[str, str],
-            timeout: float) -> tuple[dict, float, str]:
-    """Run hvd_job.py on 2 ranks; return rank 0's result, the wall time from launch to exit and the output."""
-    argv = [sys.executable, str(JOB), *job_args]
+def _step_clock_result(path: Path, warmup: int) -> dict:
+    """Step time of an unmodified script from its step clock (``DPRO_STEP_TIMES``): the median interval
+    between the ends of consecutive ``hvd.DistributedOptimizer`` steps after ``warmup`` steps."""
+    if not path.is_file():
+        raise RuntimeError(f"the script wrote no step times ({path}): does it step a hvd.DistributedOptimizer?")
+    ends = json.loads(path.read_text())["step_ends"]
+    intervals = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    tail = intervals[max(0, warmup - 1):] or intervals
+    if not tail:
+        raise RuntimeError(f"the script ran {len(ends)} step(s): too few to time")
+    return {"step_ms": statistics.median(tail) * 1000, "steps": len(ends), "step_ends": ends}
+
+
+def run_job(cluster: tb.Cluster | None, job_args: list[str], env: dict[str, str], timeout: float,
+            args: argparse.Namespace | None = None, extra_script_args: list[str] = ()) -> tuple[dict, float, str]:
+    """Run hvd_job.py (or ``args.script``) on 2 ranks; return rank 0's result (``step_ms``, ``step_ends``), the
+    wall time from launch to exit and the output."""
+    clock = None
+    if args is not None and args.script:
+        from dpro.launch.env import AUTOATTACH_DIR
+
+        clock = Path(tempfile.mkdtemp(prefix="dpro-steps-")) / "steps.json"
+        path = os.pathsep.join(p for p in (str(AUTOATTACH_DIR), env.get("PYTHONPATH", os.environ.get("PYTHONPATH")))
+                               if p)
+        env = {**env, "PYTHONPATH": path, "DPRO_STEP_TIMES": str(clock)}
+        argv = [sys.executable, *args.script, *extra_script_args]
+    else:
+        argv = [sys.executable, str(JOB), *job_args]
+    try:
+        result, wall, output = _run(cluster, argv, env, timeout)
+        return (_step_clock_result(clock, args.warmup) if clock else result), wall, output
+    finally:
+        if clock is not None:
+            shutil.rmtree(clock.parent, ignore_errors=True)
+
+
+def _run(cluster: tb.Cluster | None, argv: list[str], env: dict[str, str], timeout: float) -> tuple[dict, float, str]:
     began = time.time()
     if cluster is None:
         launcher = str(Path(sys.executable).with_name("horovodrun"))
@@ -119,7 +165,7 @@ def run_job(cluster: tb.Cluster | None, job_args: list[str], env: dict[str, str]
                               env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **env})
         if proc.returncode != 0:
             raise RuntimeError(f"job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        return _rank0_json(proc.stdout), time.time() - began, proc.stdout + proc.stderr
+        return _result(argv, proc.stdout), time.time() - began, proc.stdout + proc.stderr
     world = len(cluster.hosts)
     hosts = ",".join(f"{h.name}:1" for h in cluster.hosts)
     server = cluster.popen(0, [sys.executable, __file__, "rendezvous", "--hosts", hosts, "--size", str(world)],
@@ -135,7 +181,11 @@ def run_job(cluster: tb.Cluster | None, job_args: list[str], env: dict[str, str]
     for rank, res in enumerate(results):
         if res.returncode != 0:
             raise RuntimeError(f"rank {rank} failed ({res.returncode}):\n{res.stderr[-4000:]}")
-    return _rank0_json(results[0].stdout), time.time() - began, results[0].stdout + results[0].stderr
+    return _result(argv, results[0].stdout), time.time() - began, results[0].stdout + results[0].stderr
+
+
+def _result(argv: list[str], stdout: str) -> dict:
+    return _rank0_json(stdout) if argv[1:2] == [str(JOB)] else {}
 
 
 # ---- the three ways --------------------------------------------------------------------------------
@@ -146,7 +196,7 @@ def measure(cluster: tb.Cluster | None, args: argparse.Namespace, env: dict[str,
     times = []
     for _ in range(args.repeat):
         result, _, _ = run_job(cluster, ["--model", args.model, "--steps", str(args.steps), "--profile", "",
-                                         "--warmup", str(args.warmup), *extra], env, args.timeout)
+                                         "--warmup", str(args.warmup), *extra], env, args.timeout, args)
         times.append(result["step_ms"])
     return times
 
@@ -168,7 +218,8 @@ def autotune_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Pat
            "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": str(args.autotune_bayes_samples)}
     began = time.time()
     result, wall, output = run_job(cluster, ["--model", args.model, "--steps", str(args.autotune_steps),
-                                             "--profile", "", "--warmup", str(args.warmup)], env, args.timeout * 6)
+                                             "--profile", "", "--warmup", str(args.warmup)], env, args.timeout * 6,
+                                   args, args.autotune_args.split())
     lines = [ln for ln in log.read_text().splitlines()[1:] if ln.strip()] if log.exists() else []
     done_at = log.stat().st_mtime if log.exists() else None  # the best parameters are its last line
     ends = result["step_ends"]
@@ -188,9 +239,14 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
     run_dir = work / "dpro-run"
     run_dir.mkdir()
     began = time.time()
+    if args.script:  # recorded the way dpro-launch records an unmodified script
+        record_env = {"DPRO_AUTO_RECORD": "1", "DPRO_PROFILE": args.profile, "DPRO_RUN_DIR": str(run_dir),
+                      "HOROVOD_TIMELINE": "DYNAMIC"}
+    else:
+        record_env = {"HOROVOD_TIMELINE": str(run_dir / TIMELINE)}
     _, record_s, _ = run_job(cluster, ["--model", args.model, "--steps", str(args.record_steps), "--profile",
-                                    args.profile, "--run-dir", str(run_dir)],
-                          {"HOROVOD_TIMELINE": str(run_dir / TIMELINE)}, args.timeout)
+                                       args.profile, "--run-dir", str(run_dir)], record_env, args.timeout, args,
+                             args.record_args.split())
     config = work / "config.json"
     t0 = time.time()
     out = subprocess.run([sys.executable, "-m", "dpro", "optimize", str(run_dir), "--output", str(config)],
@@ -200,12 +256,20 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
     optimize_s = time.time() - t0
     found = time.time() - began
     doc = json.loads(config.read_text())
-    env = doc["knobs"]["env"]
-    times = measure(cluster, args, env, ["--config", str(config)] if doc["knobs"].get("tensor_groups") else [])
+    env = dict(doc["knobs"]["env"])
+    extra: list[str] = []
+    if doc["knobs"].get("tensor_groups"):
+        if args.script:
+            env["DPRO_CONFIG"] = str(config)  # auto-attach gives hvd.DistributedOptimizer the groups
+        else:
+            extra = ["--config", str(config)]
+    times = measure(cluster, args, env, extra)
     analysis = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(run_dir), "--json"], capture_output=True,
                               text=True, timeout=600)
     replay = json.loads(analysis.stdout) if analysis.returncode == 0 else {}
     groups = f" + {len(doc['knobs']['tensor_groups'])} groups" if doc["knobs"].get("tensor_groups") else ""
+    if "HOROVOD_CACHE_CAPACITY" in env:
+        groups += f", cache {env['HOROVOD_CACHE_CAPACITY']}"
     return {"setting": f"{int(env['HOROVOD_FUSION_THRESHOLD']) / 2**20:g} MiB / {env['HOROVOD_CYCLE_TIME']} ms{groups}",
             "find_s": found, "record_s": record_s, "optimize_s": optimize_s, "step_ms": statistics.median(times),
             "runs_ms": times, "predicted_ms": doc["predicted"]["step_ms"],
@@ -214,25 +278,37 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
 
 
 def check_settings(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -> list[dict]:
-    """Measure other settings and set them next to dpro's replayed prediction for them."""
-    from dpro.engines.horovod.search import horovod_fusion
+    """Measure other settings and set them next to dpro's prediction for them.
+
+    The recorded setting is measured too, and the jobs are interleaved (round r runs one job of every
+    setting), so a machine that gets busier or quieter during the check shifts all settings alike. Each
+    row gives the error of the prediction (``error_pct``) and of the predicted ratio to the recorded
+    setting (``relative_error_pct``: prediction / prediction of the recorded setting vs measured / measured
+    of the recorded setting), which leaves out the level (the recorded job's own overhead and drift)."""
+    from dpro.engines.horovod.search import _in_force, horovod_predict
     from dpro.io.load import load_run
-    from dpro.sim.whatif import context, predict
+    from dpro.sim.whatif import context
 
     ctx = context(load_run(work / "dpro-run"))
-    results = horovod_fusion(ctx)
-    current = next(r for r in results if r["in_force"])
-    level = predict(ctx, {}).predicted_step_ms - current["predicted_step_ms"]  # as the horovod engine's search does
+    threshold0, cycle0, _ = _in_force(ctx)
+    settings = [(threshold0 / 2**20, cycle0)] + [tuple(float(v) for v in item.split("/"))
+                                                 for item in args.check.split(",")]
+    predicted = [horovod_predict(ctx, mb * 2**20, ms) for mb, ms in settings]  # as the engine's search does
+    runs: list[list[float]] = [[] for _ in settings]
+    one = argparse.Namespace(**{**vars(args), "repeat": 1})
+    for _ in range(args.repeat):
+        for k, (mb, ms) in enumerate(settings):
+            env = {"HOROVOD_FUSION_THRESHOLD": str(int(mb * 2**20)), "HOROVOD_CYCLE_TIME": f"{ms:g}"}
+            runs[k] += measure(cluster, one, env)
+    base_step, base_pred = statistics.median(runs[0]), predicted[0]
     out = []
-    for item in args.check.split(","):
-        mb, ms = (float(v) for v in item.split("/"))
-        match = next((r for r in results if abs(r["threshold_mb"] - mb) < 1e-9 and abs(r["cycle_time_ms"] - ms) < 1e-9),
-                     None)
-        env = {"HOROVOD_FUSION_THRESHOLD": str(int(mb * 2**20)), "HOROVOD_CYCLE_TIME": f"{ms:g}"}
-        times = measure(cluster, args, env)
-        out.append({"setting": f"{mb:g} MiB / {ms:g} ms", "step_ms": statistics.median(times), "runs_ms": times,
-                    "model_ms": match["predicted_step_ms"] if match else None,
-                    "predicted_ms": match["predicted_step_ms"] + level if match else None})
+    for k, (mb, ms) in enumerate(settings):
+        step = statistics.median(runs[k])
+        ratio_pred, ratio_meas = predicted[k] / base_pred, step / base_step
+        out.append({"setting": f"{mb:g} MiB / {ms:g} ms" + (" (recorded)" if k == 0 else ""), "step_ms": step,
+                    "runs_ms": runs[k], "predicted_ms": predicted[k],
+                    "error_pct": 100.0 * (predicted[k] - step) / step,
+                    "relative_error_pct": 100.0 * (ratio_pred - ratio_meas) / ratio_meas})
         print("check", out[-1], file=sys.stderr)
     return out
 
@@ -260,6 +336,12 @@ def main() -> int:
     parser.add_argument("--keep", default=None, help="keep the runs, logs and config in this new directory")
     parser.add_argument("--check", default="", help="also measure these THRESHOLD_MB/CYCLE_MS settings, e.g. "
                                                      "'4/5,32/1': the replay's prediction next to the measurement")
+    parser.add_argument("--autotune-args", default="", help="with --script: appended to the autotune job's "
+                                                            "arguments (e.g. '--steps 220')")
+    parser.add_argument("--record-args", default="", help="with --script: appended to the recorded job's arguments")
+    parser.add_argument("--script", nargs=argparse.REMAINDER, default=None,
+                        help="SCRIPT [ARGS...] (last): an unmodified Horovod training script instead of the bundled "
+                             "job; its steps are timed by dpro's step clock (see the module docstring)")
     args = parser.parse_args()
     if args.command == "rendezvous":
         serve_rendezvous(args.hosts, args.size)
@@ -303,8 +385,10 @@ def main() -> int:
             names.__exit__(None, None, None)
             if cluster_cm is not None:
                 cluster_cm.__exit__(None, None, None)
-    print(f"\nHorovod 0.28.1 + Gloo, model {args.model}, {where}; step = median of steps after {args.warmup}, "
-          f"median of {args.repeat} jobs of {args.steps} steps (autotune: the steps after it finished, 1 job)")
+    what = f"script {' '.join(args.script)}" if args.script else f"model {args.model}"
+    length = "the script's steps" if args.script else f"{args.steps} steps"
+    print(f"\nHorovod 0.28.1 + Gloo, {what}, {where}; step = median of steps after {args.warmup}, "
+          f"median of {args.repeat} jobs of {length} (autotune: the steps after it finished, 1 job)")
     print(f"{'way':<10} {'setting':<34} {'step ms':>9} {'jobs (ms)':<24} {'time to setting s':>18}")
 
     def jobs(r: dict) -> str:
@@ -315,8 +399,9 @@ def main() -> int:
             r = rows[name]
             print(f"{name:<10} {r['setting']:<34} {r['step_ms']:>9.1f} {jobs(r):<24} {r['find_s']:>18.1f}")
     for r in rows.get("check", []):
-        predicted = f"dpro predicted {r['predicted_ms']:.1f}" if r["predicted_ms"] is not None else "off dpro's grid"
-        print(f"{'check':<10} {r['setting']:<34} {r['step_ms']:>9.1f} {jobs(r):<24}   {predicted}")
+        print(f"{'check':<10} {r['setting']:<34} {r['step_ms']:>9.1f} {jobs(r):<24}   dpro predicted "
+              f"{r['predicted_ms']:.1f} ({r['error_pct']:+.1f}%; ratio to the recorded setting "
+              f"{r['relative_error_pct']:+.1f}%)")
     if "dpro" in rows:
         d = rows["dpro"]
         print(f"\ndpro: recorded job {d['record_s']:.1f} s + optimize {d['optimize_s']:.1f} s; the recorded run "

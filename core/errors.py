@@ -45,7 +45,7 @@ class ConfigError(DproError):
     Args:
         source: the config file at fault (or the API that was handed the config).
         problem: what is wrong and how to fix it.
-        key: optionally the key inside the config, e.g. ``knobs["torch.ddp.bucket_cap_mb"]``.
+        key: optionally the key inside the config, e.g. ``knobs["recompute"]``.
     """
 
     def __init__(self, source: str | Path, problem: str, key: str | None = None) -> None:

@@ -112,7 +112,7 @@ class Context:
 
     @property
     def engine(self) -> str:
-        """The run's engine (run.json), e.g. torch-ddp; ``dpro.engines.get_engine`` looks it up."""
+        """The run's engine (run.json's ``engine``); ``dpro.engines.get_engine`` looks it up."""
         return str((self.run.meta or {}).get("engine") or "")
 
 

@@ -182,6 +182,7 @@ class HorovodRecorder(TorchRecorder):
             "note": "HOROVOD_TIMELINE is written by rank 0 only; its ts count µs from hvd.init() on "
                     "CLOCK_MONOTONIC, placed on rank 0's clock with the wall/rank clock pair below",
             "clock": {"wall_us": wall_us, "rank_us": rank_us},
+            "local_size": hvd.local_size(), "cross_size": hvd.cross_size(),  # ranks per host, hosts (Horovod's view)
             "tensor_names": {k: v for k, v in names.items() if k != v},
             "groups": [[self._name_of(p) for p in group] for group in _explicit_groups(self.hvd_optimizer)],
         }}

@@ -321,15 +321,37 @@ def test_horovod_cycles_price_the_cycle_fusion_and_the_cache() -> None:
     assert uncached[0][2] == cached[0][2] and uncached[1][2] == cached[1][2] + 300.0
 
 
+def test_the_loop_runs_on_from_step_to_step_so_a_long_cycle_quantises_the_step() -> None:
+    from dpro.engines.horovod.search import HorovodLoop, horovod_steps
+    from dpro.sim.cost import CommModel
+
+    one_ms = CommModel(latency_us=500.0, us_per_byte=0.0, world_size=2)   # 1 ms per allreduce
+    loop = HorovodLoop(one_ms, 0.0, wake_us=0.0, buffer_gap_us=0.0, negotiate_us=0.0)
+    step = [(["g"], 1000, 30_000.0)]   # the gradient is launched 30 ms after the last allreduce ended
+    steps = horovod_steps([step] * 4, 2**20, 25_000.0, loop)
+    # the 1 ms allreduce does not run over the 25 ms cycle, so the cycles stay on their grid: the gradient
+    # waits for the second cycle after the previous allreduce, every step lasts two cycles (not 31 ms + half
+    # a cycle on average, as a loop unaligned with the steps would give)
+    assert [round(t) for t, _ in steps[1:]] == [50_000] * 3
+    # rank 1's loop 10 ms behind rank 0's: the gradient must be queued by rank 0's cycle (39 ms after the previous
+    # allreduce ended) and the allreduce starts with rank 1's, 10 ms later
+    lagged = horovod_steps([step] * 4, 2**20, 25_000.0, loop, lag_us=10_000.0)
+    assert [round(t) for t, _ in lagged[1:]] == [50_000] * 3 and lagged[-1][1][0][2] == pytest.approx(49_000.0)
+    # an allreduce longer than the cycle restarts the loop when it ends: two cycles plus the work
+    thirty_ms = CommModel(latency_us=15_000.0, us_per_byte=0.0, world_size=2)
+    long = horovod_steps([step] * 4, 2**20, 25_000.0, HorovodLoop(thirty_ms, 0.0, 0.0, 0.0, 0.0))
+    assert [round(t) for t, _ in long[1:]] == [80_000] * 3
+
+
 def test_the_loop_is_calibrated_from_the_timeline_buffers(tmp_path: Path) -> None:
     from dpro.engines.horovod.search import horovod_loop
 
     run = load_run(_fusion_run(tmp_path / "run"))
     ctx = context(run)
     loop = horovod_loop(ctx)
-    # every buffer of the hand-written timeline starts 20 µs after the last launch of its tensors (rank 1's);
-    # under the recorded 5 ms cycle an idle loop waits 2.5 ms on average, so nothing is left for waking up
-    # (and no two buffers ran in one cycle: no gap between buffers was measured)
+    # every buffer of the hand-written timeline starts 20 µs after the last launch of its tensors (rank 1's):
+    # less than the recorded 5 ms cycle alone makes the loop model wait, so no wake time is left (and no two
+    # buffers were agreed on in one cycle: no gap between buffers was measured)
     assert loop.wake_us == 0.0 and loop.buffer_gap_us == 0.0
     assert "timeline" in loop.source
     assert loop.comm.allreduce_us(4096) > 0
@@ -353,7 +375,7 @@ def test_horovod_fusion_picks_a_setting_and_optimize_writes_env_knobs(tmp_path: 
     env = result.knobs["env"]
     assert {"HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"} <= set(env) <= {
         "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"}
-    assert int(env["HOROVOD_FUSION_THRESHOLD"]) > 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
+    assert int(env["HOROVOD_FUSION_THRESHOLD"]) >= 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
     assert "torch.ddp.bucket_cap_mb" not in result.knobs
     why = {e["knob"]: e["why"] for e in result.explain}
     assert "not applicable" in why["horovod.hierarchical"]  # both ranks on one host
@@ -424,10 +446,10 @@ def test_horovod_timeline_is_merged(hvd_run: Path) -> None:
             assert all("allreduce_us" in e["args"] and "negotiate_us" in e["args"] for e in comm)
             buffers = {e["args"]["buffer"]: e["args"]["buffer_tensors"] for e in comm}
             assert sorted(n for b in buffers.values() for n in b) == sorted(names)  # a partition of the step
-            if rank == 0:  # the tensors of one buffer end together (the timeline's end of the buffer)
-                for k in buffers:
+            if rank == 0:  # the tensors of one buffer end together (the timeline's end of the buffer; a poll
+                for k in buffers:  # may see it a few µs before the placed end)
                     ends = [e["ts"] + e["dur"] for e in comm if e["args"]["buffer"] == k]
-                    assert max(ends) - min(ends) < 1.0
+                    assert max(ends) - min(ends) < 100.0
 
 
 @pytest.mark.slow
@@ -444,7 +466,7 @@ def test_dpro_analyze_and_optimize_a_horovod_run(hvd_run: Path) -> None:
     config = json.loads(config_path.read_text())
     assert config["fingerprint"]["engine"] == "horovod"
     env = config["knobs"]["env"]
-    assert int(env["HOROVOD_FUSION_THRESHOLD"]) > 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
+    assert int(env["HOROVOD_FUSION_THRESHOLD"]) >= 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
 
 
 @pytest.mark.slow

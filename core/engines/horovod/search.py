@@ -12,6 +12,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from dpro.dag.graph import graph_from_steps
 from dpro.optimize.search import OptimizeResult, best_grouping, best_recompute, gradient_ready_us
 from dpro.sim.cost import CommModel, fit_comm_model
 from dpro.sim.replay import plan_levels, replay
-from dpro.sim.whatif import MB, Context, Prediction, predict, regroup
+from dpro.sim.whatif import MB, Context, Prediction, predict
 
 __all__ = [
     "HOROVOD_MIN_GAIN",
@@ -27,29 +28,41 @@ __all__ = [
     "HVD_DEFAULT_CACHE",
     "HVD_DEFAULT_CYCLE_MS",
     "HVD_DEFAULT_THRESHOLD",
-    "HVD_PHASES",
+    "HVD_STARTS",
     "HVD_THRESHOLDS_MB",
+    "HVD_TRIM",
+    "HVD_WARM_STEPS",
     "HorovodLoop",
+    "LoopRun",
     "horovod_comm_model",
     "horovod_cycles",
     "horovod_fusion",
     "horovod_hierarchical",
     "horovod_loop",
     "horovod_memcpy_us_per_byte",
+    "horovod_predict",
+    "horovod_steps",
+    "recorded_launches",
     "search",
+    "simulate_loop",
 ]
 
 HOROVOD_MIN_GAIN = 0.01  # Horovod's fusion model prices its buffer copies from the timeline (see bench/launch.py)
 
 
 # The space Horovod's autotuner explores (0.28.1: fusion threshold, cycle time, response cache, hierarchical
-# allreduce / allgather), searched by replay.
+# allreduce / allgather), searched with a model of Horovod's background loop.
 HVD_THRESHOLDS_MB = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 HVD_CYCLES_MS = (0.5, 1, 2.5, 5, 10, 15, 20, 25, 50)
 HVD_DEFAULT_THRESHOLD = 128 * MB   # horovod 0.28.1 (operations.cc)
 HVD_DEFAULT_CYCLE_MS = 1.0
 HVD_DEFAULT_CACHE = 1024           # HOROVOD_CACHE_CAPACITY
-HVD_PHASES = 8                     # cycle phases averaged over (the loop runs unaligned with the steps)
+HVD_STARTS = 2                     # the loop's starting phase and the lag between the ranks' loops: 2 x 2 values
+HVD_WARM_STEPS = 6                 # simulated steps before the loop's steady state is read (at least)
+HVD_TRIM = 0.1                     # simulated step times: mean without the top and bottom 10%
+
+Unit = tuple[list[str], int, float]                    # gradient names, bytes, ready µs
+Buffer = tuple[list[str], float, float, float]         # gradient names, ready µs (last member), start, end
 
 
 @dataclass(frozen=True)
@@ -65,7 +78,7 @@ class HorovodLoop:
 
     comm: CommModel                 # the allreduce phase of a buffer (e.g. GLOO_ALLREDUCE) vs its bytes
     memcpy_us_per_byte: float       # copies into and out of the fusion buffer, per byte of a fused buffer
-    wake_us: float                  # a cycle with work: from the cycle's start to its first buffer's start
+    wake_us: float                  # a cycle with work: from the cycle's start (last rank) to its first buffer
     buffer_gap_us: float            # between buffers run back to back in one cycle
     negotiate_us: float             # added to a cycle holding a tensor the response cache does not hold
     source: str = ""
@@ -89,11 +102,11 @@ def horovod_comm_model(ctx: Context) -> CommModel:
     """Allreduce cost without Horovod's cycle, negotiation and fusion-buffer copies, from the timeline's
     allreduce phases of every step's fused buffers (``allreduce_us``, e.g. GLOO_ALLREDUCE) and of the probe.
 
-    The slope (time per byte) is the fit of ``fit_comm_model``. The fixed cost per allreduce is the lower
-    envelope of the samples (the least any of them took beyond its bytes): a lone small allreduce also
-    waits for the other ranks' background threads to be scheduled, which buffers reduced back to back
-    in one cycle do not, so an intercept fitted through the samples would price every extra buffer with
-    that wait (measured: several ms per buffer on a busy 2-core machine, where fusing less was faster).
+    The slope (time per byte) is the fit of ``fit_comm_model`` (the probe's when it has two sizes). The
+    fixed cost per allreduce is the median, over the step's buffers, of what each took beyond its bytes:
+    what one more buffer typically costs in this job. (Its least, the lower envelope, prices a buffer as if
+    the background threads always ran at once; on a busy CPU-only machine they wait to be scheduled, and
+    there a job without fusion measured nearly twice the step of the default: see bench/launch.py.)
     """
     transfers = [(float(b["bytes"]), float(b["allreduce_us"])) for b in _hvd_buffers(ctx)
                  if b.get("bytes") and b.get("allreduce_us") is not None]
@@ -103,10 +116,10 @@ def horovod_comm_model(ctx: Context) -> CommModel:
     fitted = fit_comm_model(transfers, probe, ctx.world_size)
     n = max(ctx.world_size, 2)
     frac = 2 * (n - 1) / n
-    samples = transfers + [(float(b), float(us)) for b, us in probe]
-    floor = min(us - frac * b * fitted.us_per_byte for b, us in samples)
-    latency = max(0.0, min(fitted.latency_us, floor / (2 * (n - 1))))
-    return dataclasses.replace(fitted, latency_us=latency, source=fitted.source + ", latency: lower envelope")
+    samples = transfers or [(float(b), float(us)) for b, us in probe]
+    typical = statistics.median(us - frac * b * fitted.us_per_byte for b, us in samples)
+    return dataclasses.replace(fitted, latency_us=max(0.0, typical / (2 * (n - 1))),
+                               source=fitted.source + ", fixed cost: median of the step's buffers")
 
 
 def horovod_memcpy_us_per_byte(ctx: Context) -> float:
@@ -119,75 +132,86 @@ def horovod_memcpy_us_per_byte(ctx: Context) -> float:
     return took / copied if copied else 0.0
 
 
-def horovod_loop(ctx: Context) -> HorovodLoop:
-    """Calibrate ``HorovodLoop`` from the recorded run.
+def recorded_launches(ctx: Context) -> list[dict[str, float]]:
+    """Per recorded step that follows a recorded step: when each gradient was launched on its last rank,
+    µs after the previous step's last fused buffer ended (the timeline's end). What happens in between
+    (the optimizer, the forward, the backward) does not depend on Horovod's knobs, and its jitter from step
+    to step decides, with a long cycle, which cycle a gradient catches. Without a merged timeline: one
+    vector, from the replay of the recorded step (``_ready_after_comm``)."""
+    replayed = _ready_after_comm(ctx)
+    buffers = _hvd_buffers(ctx)
+    if ctx.run is None or not buffers:
+        return [replayed]
+    from dpro.dag.align import align
 
-    Per step, each buffer could start when its last tensor was launched on every rank and the buffer
-    before it had finished; it started ``delay`` later. A buffer whose tensors were all launched before
-    the previous buffer started ran back to back with it in one cycle: its delay is the gap between
-    buffers. Any other buffer waited for a cycle: when the loop was idle, half a cycle on average (the
-    loop runs unaligned with the steps); right after a buffer, nothing (a cycle whose work ran over starts
-    the next at once). The wake time is the median of those delays less that wait; on a busy machine it
-    holds the time the background thread waits to be scheduled. Medians, so a few stalls do not count.
-    """
-    comm = horovod_comm_model(ctx)
-    memcpy = horovod_memcpy_us_per_byte(ctx)
-    coordinate = comm.allreduce_us(0)
-    _, cycle_ms, _ = _in_force(ctx)
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for b in _hvd_buffers(ctx):
-        if all(k in b for k in ("start_us", "end_us", "last_launch_us")):
-            by_step.setdefault(b["step"], []).append(b)
-    wake, gaps = [], []
-    for buffers in by_step.values():
-        buffers.sort(key=lambda b: b["start_us"])
-        previous: dict[str, Any] | None = None
-        for b in buffers:
-            if previous is not None and b["last_launch_us"] <= previous["start_us"]:
-                gaps.append(b["start_us"] - previous["end_us"])
-            elif previous is not None and b["last_launch_us"] <= previous["end_us"]:
-                wake.append(b["start_us"] - previous["end_us"])
-            else:
-                wake.append(b["start_us"] - b["last_launch_us"] - cycle_ms * 500.0)
-            previous = b
-    if not wake and not gaps:
-        return HorovodLoop(comm, memcpy, coordinate, 0.0, 2 * coordinate, "no Horovod timeline: loop not measured")
-    return HorovodLoop(
-        comm, memcpy, max(0.0, statistics.median(wake)) if wake else coordinate,
-        max(0.0, statistics.median(gaps)) if gaps else 0.0, 2 * coordinate,
-        f"{len(wake) + len(gaps)} buffers of {len(by_step)} steps (timeline); {comm.source}")
+    shifts = align(ctx.run).offset_us
+    ends: dict[int, float] = {}
+    for b in buffers:
+        ends[b["step"]] = max(ends.get(b["step"], float("-inf")), float(b["end_us"]))
+    launched: dict[int, dict[str, float]] = defaultdict(dict)
+    for rank, trace in ctx.run.ranks.items():
+        shift = shifts.get(rank, 0.0)
+        for e in trace.events:
+            if e["cat"] == "COMM" and "hvd_name" in e["args"]:
+                step = e["args"].get("step")
+                for name in e["args"].get("tensors", []):
+                    t = e["ts"] - shift
+                    launched[step][name] = max(launched[step].get(name, float("-inf")), t)
+    out = []
+    for step in sorted(launched):
+        if step - 1 in ends:
+            vector = {n: max(0.0, t - ends[step - 1]) for n, t in launched[step].items()}
+            out.append({n: vector.get(n, replayed.get(n, 0.0)) for n, _ in ctx.gradients})
+    return out or [replayed]
 
 
-def horovod_cycles(units: list[tuple[list[str], int, float]], threshold: float, cycle_us: float, phase_us: float,
-                   cost_us: Any, coordinate_us: float, memcpy_us_per_byte: float = 0.0, *,
-                   buffer_gap_us: float = 0.0, negotiate_us: float = 0.0,
-                   uncached: frozenset[str] = frozenset()) -> list[tuple[list[str], float, float, float]]:
-    """Horovod's background loop: every cycle (start ``phase_us + k * cycle_us``, or at once when the
-    previous cycle's work ran over), the requests ready so far are fused, in ready order, into buffers of
-    at most ``threshold`` bytes (a larger request goes alone; threshold 0: no fusion); after
+def horovod_cycles(units: list[Unit], threshold: float, cycle_us: float, phase_us: float, cost_us: Any,
+                   coordinate_us: float, memcpy_us_per_byte: float = 0.0, *, buffer_gap_us: float = 0.0,
+                   negotiate_us: float = 0.0, uncached: frozenset[str] = frozenset(),
+                   lag_us: float = 0.0) -> list[Buffer]:
+    """Horovod's background loop over one step: every cycle (start ``phase_us + k * cycle_us``, or at once
+    when the previous cycle's work ran over), the requests ready so far are fused, in ready order, into
+    buffers of at most ``threshold`` bytes (a larger request goes alone; threshold 0: no fusion); after
     ``coordinate_us`` (plus ``negotiate_us`` when a ready tensor is ``uncached``: not in the response
     cache) the buffers are reduced one after the other, ``buffer_gap_us`` apart, each priced by
     ``cost_us(bytes)`` plus, for a buffer of several tensors, the copies into and out of the fusion buffer
     (``memcpy_us_per_byte``).
 
+    Every rank runs the loop, each sleeping until its own last cycle start plus the cycle, and a cycle
+    takes the requests every rank had queued when it started; ``lag_us`` is how much later than the first
+    the last rank's cycle starts (the cycle's agreement, an allreduce, waits for it): a request must be
+    ready by the first rank's cycle start, and the buffers start from the last one's. Work that runs over
+    the cycle brings all ranks to the next cycle together (lag 0).
+
     ``units`` are (gradient names, bytes, ready µs) in ready order; a unit is never split (one tensor,
     or an explicit group of ``hvd.DistributedOptimizer(groups=)``).
     Returns the buffers: (names, ready µs of the last member, start µs, end µs).
     """
+    return _loop_run(units, threshold, cycle_us, (phase_us, phase_us + lag_us), cost_us, coordinate_us,
+                     memcpy_us_per_byte, buffer_gap_us, negotiate_us, uncached)[0]
+
+
+def _loop_run(units: list[Unit], threshold: float, cycle_us: float, pops: tuple[float, float], cost_us: Any,
+              coordinate_us: float, memcpy_us_per_byte: float, buffer_gap_us: float, negotiate_us: float,
+              uncached: frozenset[str]) -> tuple[list[Buffer], tuple[float, float]]:
+    """``horovod_cycles`` from a loop whose next cycle starts at ``pops`` (the first and the last rank);
+    also returns when the next cycle after the step's last work starts (the loop goes on into the next
+    step)."""
+    first, last = min(pops), max(pops)
     remaining = sorted(units, key=lambda u: u[2])
-    out: list[tuple[list[str], float, float, float]] = []
-    t = phase_us
+    out: list[Buffer] = []
     while remaining:
-        ready = [u for u in remaining if u[2] <= t]
+        ready = [u for u in remaining if u[2] <= first]
         if not ready:
             upcoming = remaining[0][2]
-            t = upcoming if cycle_us <= 0 else t + math.ceil((upcoming - t) / cycle_us) * cycle_us
+            skip = (upcoming - first) if cycle_us <= 0 else math.ceil((upcoming - first) / cycle_us) * cycle_us
+            first, last = first + skip, last + skip
             continue
-        remaining = [u for u in remaining if u[2] > t]
-        cursor = t + coordinate_us
+        remaining = [u for u in remaining if u[2] > first]
+        cursor = last + coordinate_us
         if uncached and any(n in uncached for u in ready for n in u[0]):
             cursor += negotiate_us
-        buffers: list[list[tuple[list[str], int, float]]] = []
+        buffers: list[list[Unit]] = []
         size = 0.0
         for unit in ready:
             if buffers and size + unit[1] <= threshold:
@@ -203,54 +227,173 @@ def horovod_cycles(units: list[tuple[list[str], int, float]], threshold: float, 
             end = start + cost_us(nbytes) + (memcpy_us_per_byte * nbytes if len(names) > 1 else 0.0)
             out.append((names, max(u[2] for u in buf), start, end))
             cursor = end
-        t = max(t + cycle_us, cursor) if cycle_us > 0 else cursor
+        if cycle_us > 0:
+            first, last = sorted((max(first + cycle_us, cursor), max(last + cycle_us, cursor)))
+        else:
+            first = last = cursor
+    return out, (first, last)
+
+
+def horovod_steps(steps: list[list[Unit]], threshold: float, cycle_us: float, loop: HorovodLoop,
+                  phase_us: float = 0.0, uncached: frozenset[str] = frozenset(),
+                  lag_us: float = 0.0) -> list[tuple[float, list[Buffer]]]:
+    """Consecutive steps under Horovod's loop, which runs on from one step into the next.
+
+    ``steps[i]`` are step i's units, ready ``u[2]`` µs after the previous step's last allreduce ended (what
+    the step does in between: optimizer, forward, backward). The loop is not aligned with the steps at
+    random: a cycle whose work (the step's last buffer) runs over starts the next cycle at once, so the
+    next step's gradients meet cycles at fixed offsets from it, and with a long cycle a step lasts a whole
+    number of cycles plus its buffers. Returns per step its time (µs, from the previous step's last end
+    to its own) and its buffers relative to the previous step's last end; ``phase_us`` is the first
+    rank's first cycle and ``lag_us`` how much later the last rank's is (see ``horovod_cycles``).
+    """
+    anchor, pops = 0.0, (phase_us, phase_us + lag_us)
+    out = []
+    for units in steps:
+        buffers, pops = _loop_run([(n, b, anchor + r) for n, b, r in units], threshold, cycle_us, pops,
+                                  loop.comm.allreduce_us, loop.wake_us, loop.memcpy_us_per_byte, loop.buffer_gap_us,
+                                  loop.negotiate_us, uncached)
+        end = max((b[3] for b in buffers), default=anchor)
+        out.append((end - anchor, [(names, ready - anchor, start - anchor, stop - anchor)
+                                   for names, ready, start, stop in buffers]))
+        anchor = end
     return out
 
 
-def _replay_buffers(ctx: Context, comm: CommModel, buffers: list[tuple[list[str], float, float, float]],
-                    knobs: dict[str, Any]) -> Prediction:
-    """Regroup the step into ``buffers`` and replay it; each buffer's transfer holds what Horovod's loop
-    adds to the allreduce itself (waiting for the cycle, negotiation, earlier buffers of the cycle)."""
-    hctx = dataclasses.replace(ctx, comm=comm)
-    model = regroup(hctx, ctx.base, [b[0] for b in buffers])
-    previous_end = 0.0
-    for k, (_, ready, _, end) in enumerate(buffers):
-        model.transfer[f"COMM.group{k}.allreduce"] = max(0.0, end - max(ready, previous_end))
+def _loop_delay(buffers: list[Buffer], first_could: float | None = None) -> float:
+    """What the loop added to a step's buffers: each buffer's start beyond the later of its last launch and
+    the previous buffer's end."""
+    total, previous_end = 0.0, first_could
+    for _, ready, start, end in buffers:
+        total += max(0.0, start - (ready if previous_end is None else max(ready, previous_end)))
         previous_end = end
-    model.transfer_end = {}
-    g = graph_from_steps(model, iterations=4)
-    sched = replay(g, plan_levels(g))
-    from dpro.analyze import predicted_step_us
-
-    per_rank = predicted_step_us(g, sched)
-    return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
-                      predicted_peak_memory_bytes=ctx.memory.peak_bytes(()), graph_nodes=g.size,
-                      per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
+    return total
 
 
-def _horovod_predict(ctx: Context, loop: HorovodLoop, units: list[tuple[list[str], int, float]], threshold: float,
-                     cycle_ms: float, cache_capacity: int = HVD_DEFAULT_CACHE,
-                     phases: int = HVD_PHASES) -> tuple[float, list[list[str]], Prediction]:
-    """Mean replayed step (ms) over cycle phases, the buffers of the median phase, and its prediction."""
+def _trimmed_mean(values: list[float], trim: float = HVD_TRIM) -> float:
+    ordered = sorted(values)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut:len(ordered) - cut] or ordered
+    return statistics.fmean(kept)
+
+
+@dataclass
+class LoopRun:
+    """A setting simulated over the recorded steps: step times (µs), loop delays, a typical step's buffers."""
+
+    step_us: float                  # trimmed mean over the simulated steps
+    delay_us: float                 # median of the loop's added delay per step
+    buffers: list[Buffer]
+
+
+def simulate_loop(loop: HorovodLoop, steps: list[list[Unit]], threshold: float, cycle_ms: float,
+                  uncached: frozenset[str] = frozenset()) -> LoopRun:
+    """``horovod_steps`` over the recorded steps (their launch times, in order), after a warm-up pass, from
+    ``HVD_STARTS`` x ``HVD_STARTS`` starting phases and lags spread over a cycle (set when the job starts)."""
     cycle_us = cycle_ms * 1000.0
-    names = [n for u in units for n in u[0]]
-    uncached = frozenset(names[max(0, cache_capacity):])
-    runs = []
-    for i in range(phases if cycle_us > 0 else 1):
-        buffers = horovod_cycles(units, threshold, cycle_us, (i + 0.5) / phases * cycle_us,
-                                 lambda nbytes: loop.comm.allreduce_us(nbytes), loop.wake_us,
-                                 loop.memcpy_us_per_byte, buffer_gap_us=loop.buffer_gap_us,
-                                 negotiate_us=loop.negotiate_us, uncached=uncached)
-        knobs = {"HOROVOD_FUSION_THRESHOLD": int(threshold), "HOROVOD_CYCLE_TIME": cycle_ms,
-                 "HOROVOD_CACHE_CAPACITY": cache_capacity}
-        runs.append((_replay_buffers(ctx, loop.comm, buffers, knobs), buffers))
-    mean = statistics.fmean(p.predicted_step_ms for p, _ in runs)
-    prediction, buffers = sorted(runs, key=lambda r: r[0].predicted_step_ms)[len(runs) // 2]
-    return mean, [b[0] for b in buffers], prediction
+    n = HVD_STARTS if cycle_us > 0 else 1
+    warm = [steps[k % len(steps)] for k in range(max(len(steps), HVD_WARM_STEPS))]
+    times, delays, samples = [], [], []
+    for i in range(n):
+        for j in range(n):
+            out = horovod_steps(warm + steps, threshold, cycle_us, loop, (i + 0.5) / n * cycle_us, uncached,
+                                (j + 0.5) / n * cycle_us)[len(warm):]
+            for step_us, buffers in out:
+                times.append(step_us)
+                delays.append(_loop_delay(buffers))
+                samples.append((step_us, buffers))
+    middle = statistics.median(times)
+    typical = min(samples, key=lambda s: abs(s[0] - middle))[1]
+    return LoopRun(_trimmed_mean(times), statistics.median(delays), typical)
 
 
-def _units(ctx: Context, groups: list[list[str]] | None = None) -> list[tuple[list[str], int, float]]:
-    ready = gradient_ready_us(ctx)
+def _unit_steps(ctx: Context, launches: list[dict[str, float]], groups: list[list[str]] | None = None,
+                ) -> list[list[Unit]]:
+    return [_units(ctx, groups, ready) for ready in launches]
+
+
+def horovod_loop(ctx: Context, launches: list[dict[str, float]] | None = None) -> HorovodLoop:
+    """Calibrate ``HorovodLoop`` from the recorded run.
+
+    Per step, each buffer could start when its last tensor was launched on every rank and the buffer
+    before it had finished; it started later. Two buffers agreed on in the same cycle (the timeline's
+    negotiation of the second ended before the first started) ran back to back: the median of their
+    distance is the gap between buffers. The wake time (from the cycle's start on the last rank to its
+    first buffer) is the one with which the loop model (``simulate_loop`` over the recorded steps' launch
+    times, under the setting in force) adds as much delay per step as the recording did (medians over
+    steps): it holds the ranks' agreement and, on a busy machine, the time the background threads wait to
+    be scheduled.
+    """
+    comm = horovod_comm_model(ctx)
+    memcpy = horovod_memcpy_us_per_byte(ctx)
+    coordinate = comm.allreduce_us(0)
+    threshold, cycle_ms, cache = _in_force(ctx)
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for b in _hvd_buffers(ctx):
+        if all(k in b for k in ("start_us", "end_us", "last_launch_us")):
+            by_step.setdefault(b["step"], []).append(b)
+    gaps, added = [], []
+    for buffers in by_step.values():
+        buffers.sort(key=lambda b: b["start_us"])
+        added.append(_loop_delay([(b["tensors"], b["last_launch_us"], b["start_us"], b["end_us"]) for b in buffers]))
+        for previous, b in zip(buffers, buffers[1:], strict=False):
+            if b.get("negotiated_us", float("inf")) <= previous["start_us"]:
+                gaps.append(b["start_us"] - previous["end_us"])
+    gap = max(0.0, statistics.median(gaps)) if gaps else 0.0
+    if not added:
+        return HorovodLoop(comm, memcpy, coordinate, gap, 2 * coordinate, "no Horovod timeline: loop not measured")
+    target = statistics.median(added)
+    steps = _unit_steps(ctx, launches if launches is not None else recorded_launches(ctx))
+    names = [n for n, _ in ctx.gradients]
+    uncached = frozenset(names[max(0, cache):])
+
+    def delay_with(wake: float) -> float:
+        trial = HorovodLoop(comm, memcpy, wake, gap, 2 * max(coordinate, wake))
+        return simulate_loop(trial, steps, threshold, cycle_ms, uncached).delay_us
+
+    lo, hi = 0.0, max(target, 1.0)
+    if delay_with(lo) >= target:
+        wake = lo
+    else:
+        while delay_with(hi) < target and hi < 1e7:
+            hi *= 2
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if delay_with(mid) < target else (lo, mid)
+        wake = (lo + hi) / 2
+    # without the response cache a cycle sends the requests to rank 0 and the responses back: two more
+    # rounds of the background threads, each priced like the cycle's own agreement (not measured)
+    return HorovodLoop(comm, memcpy, wake, gap, 2 * max(coordinate, wake),
+                       f"{sum(len(v) for v in by_step.values())} buffers of {len(by_step)} steps (timeline): "
+                       f"{target / 1000:.2f} ms of loop delay per step; {comm.source}")
+
+
+def _ready_after_comm(ctx: Context) -> dict[str, float]:
+    """When each gradient is launched on its last rank, µs after the previous step's last allreduce ended,
+    in the replay of the recorded step."""
+    g = graph_from_steps(ctx.base, iterations=4)
+    sched = replay(g, plan_levels(g))
+    last = int(g.iteration.max())
+    ends = [sched.end[n] for n in range(g.size) if g.iteration[n] == last - 1 and g.category[n] == "XFER"]
+    anchor = max(ends) if ends else min(sched.end[n] for (_, it), n in g.step_end.items() if it == last - 1)
+    tensors = {op.name: op.args.get("tensors") or [] for ops in ctx.base.ops.values() for op in ops
+               if op.category == "COMM"}
+    ready: dict[str, float] = {}
+    for n in range(g.size):
+        if g.iteration[n] == last and g.category[n] == "COMM" and g.rank[n] >= 0:
+            for t in tensors.get(g.names[n], []):
+                ready[t] = max(ready.get(t, float("-inf")), float(sched.end[n]) - anchor)
+    if len(ready) < len(ctx.gradients):  # no per-tensor launches: the ends of the backward ops
+        by_bw = gradient_ready_us(ctx)
+        step_start = min(sched.end[n] for (_, it), n in g.step_end.items() if it == last - 1)
+        for name, _ in ctx.gradients:
+            ready.setdefault(name, by_bw[name] + step_start - anchor)
+    return ready
+
+
+def _units(ctx: Context, groups: list[list[str]] | None = None,
+           ready: dict[str, float] | None = None) -> list[Unit]:
+    ready = ready or gradient_ready_us(ctx)
     sizes = dict(ctx.gradients)
     order = {n: i for i, (n, _) in enumerate(ctx.gradients)}
     grouped = {n for g in groups or [] for n in g}
@@ -277,39 +420,51 @@ def _in_force(ctx: Context) -> tuple[float, float, int]:
 
 
 def horovod_hierarchical(ctx: Context) -> tuple[bool, str]:
-    """Whether hierarchical allreduce / allgather could apply (several hosts, several ranks on one), and why."""
-    hosts = list((ctx.run.meta or {}).get("hosts") or []) if ctx.run is not None else []
-    per_host: dict[str, int] = {}
-    for h in hosts:
-        per_host[h] = per_host.get(h, 0) + 1
-    if len(per_host) <= 1:
+    """Whether hierarchical allreduce / allgather could apply (several hosts, several ranks on one), and why.
+
+    Horovod's own view (``hvd.local_size()``, ``hvd.cross_size()``, recorded in run.json) when there,
+    else the host names of run.json."""
+    meta = (ctx.run.meta or {}) if ctx.run is not None else {}
+    sizes = meta.get("horovod") or {}
+    local, cross = sizes.get("local_size"), sizes.get("cross_size")
+    if not (isinstance(local, int) and isinstance(cross, int)):
+        per_host: dict[str, int] = {}
+        for h in meta.get("hosts") or []:
+            per_host[h] = per_host.get(h, 0) + 1
+        local, cross = max(per_host.values(), default=1), len(per_host) or 1
+    if cross <= 1:
         return False, ("not applicable: every rank is on one host, where hierarchical allreduce/allgather is "
                        "the flat ring")
-    if max(per_host.values()) == 1:
+    if local <= 1:
         return False, ("not applicable: one rank per host, so the local reduction is empty and "
                        "HOROVOD_HIERARCHICAL_ALLREDUCE / ALLGATHER equal the flat ring")
-    return True, (f"{len(per_host)} hosts with up to {max(per_host.values())} ranks: hierarchical allreduce "
-                  "could apply, but dpro measures no intra-host bandwidth apart from the ring's, so it is "
-                  "not priced (try HOROVOD_HIERARCHICAL_ALLREDUCE=1 and compare)")
+    return True, (f"{cross} hosts with {local} ranks each: hierarchical allreduce could apply, but dpro "
+                  "measures no intra-host bandwidth apart from the ring's, so it is not priced (try "
+                  "HOROVOD_HIERARCHICAL_ALLREDUCE=1 and compare)")
+
+
+def _uncached(ctx: Context, capacity: int) -> frozenset[str]:
+    names = [n for n, _ in ctx.gradients]
+    return frozenset(names[max(0, capacity):])
 
 
 def horovod_fusion(ctx: Context, thresholds_mb: tuple[float, ...] = HVD_THRESHOLDS_MB,
                    cycles_ms: tuple[float, ...] = HVD_CYCLES_MS) -> list[dict[str, Any]]:
-    """Search ``HOROVOD_FUSION_THRESHOLD`` x ``HOROVOD_CYCLE_TIME`` by replay of a model of Horovod's loop.
+    """Search ``HOROVOD_FUSION_THRESHOLD`` x ``HOROVOD_CYCLE_TIME`` with a model of Horovod's loop.
 
-    Each candidate's buffers come from ``horovod_cycles`` with the loop calibrated by ``horovod_loop``
-    (gradients ready at the end of the backward op producing them, on the slowest rank); the step is
-    regrouped into them (``whatif.regroup``) and replayed, averaged over ``HVD_PHASES`` cycle phases.
-    The setting in force is evaluated the same way (``"in_force": True``), so gains compare like with
-    like. Returns one dict per candidate, best first: ``threshold_bytes``, ``cycle_time_ms``,
-    ``predicted_step_ms``, ``buffers`` (gradient names per fused buffer, one cycle phase). The best also
-    gets ``tensor_groups`` (``best_grouping``'s groups, for ``hvd.DistributedOptimizer(groups=)``),
-    ``tensor_groups_predicted_step_ms`` (those groups as units under the best setting), ``comm_model``
-    (the calibrated loop) and ``cache`` (the step with the response cache in force, holding every
-    tensor, and off).
+    Each candidate is simulated over the recorded steps (``simulate_loop``: the launch times of every
+    recorded step, the loop calibrated by ``horovod_loop``); its value is the simulated step time. The
+    setting in force is evaluated the same way (``"in_force": True``), so gains compare like with like.
+    Returns one dict per candidate, best first: ``threshold_bytes``, ``cycle_time_ms``,
+    ``predicted_step_ms`` (the loop model's), ``buffers`` (gradient names per fused buffer of a typical
+    step). The best also gets ``tensor_groups`` (``best_grouping``'s groups, for
+    ``hvd.DistributedOptimizer(groups=)``), ``tensor_groups_predicted_step_ms`` (those groups as units under
+    the best setting), ``comm_model`` (the calibrated loop) and ``cache`` (the response cache in force,
+    holding every tensor, and the step without it).
     """
-    loop = horovod_loop(ctx)
-    units = _units(ctx)
+    launches = recorded_launches(ctx)
+    loop = horovod_loop(ctx, launches)
+    steps = _unit_steps(ctx, launches)
     threshold0, cycle0, cache0 = _in_force(ctx)
     cache = max(cache0, len(ctx.gradients)) if cache0 > 0 else 0
     results: list[dict[str, Any]] = []
@@ -318,22 +473,37 @@ def horovod_fusion(ctx: Context, thresholds_mb: tuple[float, ...] = HVD_THRESHOL
         grid.append((threshold0, cycle0))
     for threshold, cycle in grid:
         in_force = abs(threshold - threshold0) < 1 and abs(cycle - cycle0) < 1e-9
-        mean, buffers, _ = _horovod_predict(ctx, loop, units, threshold, cycle, cache0 if in_force else cache)
+        capacity = cache0 if in_force else cache
+        run = simulate_loop(loop, steps, threshold, cycle, _uncached(ctx, capacity))
         results.append({"threshold_bytes": int(threshold), "threshold_mb": threshold / MB, "cycle_time_ms": cycle,
-                        "predicted_step_ms": mean, "buffers": buffers, "in_force": in_force,
-                        "cache_capacity": cache0 if in_force else cache})
+                        "predicted_step_ms": run.step_us / 1000.0, "buffers": [b[0] for b in run.buffers],
+                        "in_force": in_force, "cache_capacity": capacity})
     results.sort(key=lambda r: (round(r["predicted_step_ms"], 6), -r["threshold_bytes"], r["cycle_time_ms"]))
     best = results[0]
     groups, _ = best_grouping(ctx)
-    grouped, _, _ = _horovod_predict(ctx, loop, _units(ctx, groups), best["threshold_bytes"], best["cycle_time_ms"],
-                                     best["cache_capacity"])
+    grouped = simulate_loop(loop, _unit_steps(ctx, launches, groups), best["threshold_bytes"],
+                            best["cycle_time_ms"], _uncached(ctx, best["cache_capacity"]))
     best["tensor_groups"] = groups
-    best["tensor_groups_predicted_step_ms"] = grouped
+    best["tensor_groups_predicted_step_ms"] = grouped.step_us / 1000.0
     best["comm_model"] = loop.describe()
-    off, _, _ = _horovod_predict(ctx, loop, units, best["threshold_bytes"], best["cycle_time_ms"], 0)
+    off = simulate_loop(loop, steps, best["threshold_bytes"], best["cycle_time_ms"], _uncached(ctx, 0))
     best["cache"] = {"capacity": best["cache_capacity"], "tensors": len(ctx.gradients),
-                     "predicted_step_ms": best["predicted_step_ms"], "off_predicted_step_ms": off}
+                     "predicted_step_ms": best["predicted_step_ms"], "off_predicted_step_ms": off.step_us / 1000.0}
     return results
+
+
+def horovod_predict(ctx: Context, threshold_bytes: float, cycle_ms: float,
+                    cache_capacity: int | None = None) -> float:
+    """Predicted step (ms) of the recorded job under one Horovod setting, as ``optimize_horovod`` reports it:
+    the replay of the recorded step plus the loop model's difference from the setting in force."""
+    launches = recorded_launches(ctx)
+    loop = horovod_loop(ctx, launches)
+    steps = _unit_steps(ctx, launches)
+    threshold0, cycle0, cache0 = _in_force(ctx)
+    current = simulate_loop(loop, steps, threshold0, cycle0, _uncached(ctx, cache0))
+    other = simulate_loop(loop, steps, threshold_bytes, cycle_ms,
+                          _uncached(ctx, cache0 if cache_capacity is None else cache_capacity))
+    return predict(ctx, {}).predicted_step_ms + (other.step_us - current.step_us) / 1000.0
 
 
 def search(ctx: Context, *, memory_budget_bytes: int | None = None,
@@ -359,7 +529,7 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
     knobs: dict[str, Any] = {"env": env}
     described = (f"{chosen['threshold_mb']:g} MB / {chosen['cycle_time_ms']:g} ms: "
                  f"{len(chosen['buffers'])} allreduce buffer(s) per step")
-    space = (f"{len(results)} settings replayed: thresholds {HVD_THRESHOLDS_MB[0]:g}-{HVD_THRESHOLDS_MB[-1]:g} MB x "
+    space = (f"{len(results)} settings simulated: thresholds {HVD_THRESHOLDS_MB[0]:g}-{HVD_THRESHOLDS_MB[-1]:g} MB x "
              f"cycles {HVD_CYCLES_MS[0]:g}-{HVD_CYCLES_MS[-1]:g} ms")
     if chosen is best:
         explain.append({"knob": "env", "predicted_gain_ms": gain,

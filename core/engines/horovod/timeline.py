@@ -586,8 +586,11 @@ def _annotate_group(run: Any, group: FusedGroup, k: int, step: int, offset: floa
             last_launch = aligned if last_launch is None else max(last_launch, aligned)
     if last_launch is None:
         return None
-    return {"step": step, "index": k, "tensors": names, "bytes": nbytes, "last_launch_us": last_launch,
-            "start_us": group.start + offset, "end_us": end0, **phases}
+    out = {"step": step, "index": k, "tensors": names, "bytes": nbytes, "last_launch_us": last_launch,
+           "start_us": group.start + offset, "end_us": end0, **phases}
+    if "queue_us" in phases:  # when the cycle that ran it had agreed on it (negotiation's end)
+        out["negotiated_us"] = group.start + offset - phases["queue_us"]
+    return out
 
 
 def _probe_from_timeline(run: Any, timeline: Timeline, summary: dict[str, Any]) -> None:
