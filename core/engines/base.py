@@ -17,6 +17,10 @@ def _nothing(run: Any) -> None:
     return None
 
 
+def _no_prediction(ctx: Any, knobs: dict[str, Any]) -> None:
+    return None
+
+
 def _no_notes(run: Any) -> list[str]:
     return []
 
@@ -41,6 +45,8 @@ class Engine:
         prepare_run: ``(run) -> None``, at load time: complete the run from the engine's own traces.
         apply: how a config reaches the job, in words (for docs and tables).
         comm_knobs: the knobs that regroup the collectives (what-if rebuilds the communication for them).
+        predict: ``(ctx, knobs) -> Prediction | None``: the engine's own prediction when ``knobs`` hold its knobs
+            that no regrouping expresses (e.g. a background loop's cycle time); None: what-if's replay decides.
         transfer_calibration: ``"in-step"`` (from median launch and end times within the step, the default:
             right for engines that fuse differently from step to step and for collectives that run concurrently,
             as gloo's do) or ``"per-step"`` (a collective's transfer is the median of each step's transfer,
@@ -57,6 +63,7 @@ class Engine:
     comm_knobs: tuple[str, ...] = field(default=())  # knob names that regroup the collectives
     transfer_calibration: str = "in-step"  # how dag.graph.step_model calibrates collective transfers
     notes: Callable[[Any], list[str]] = _no_notes  # what `dpro analyze` should say about a run of this engine
+    predict: Callable[[Any, dict[str, Any]], Any] = _no_prediction  # (ctx, knobs) -> Prediction or None
 
     def knob_names(self) -> list[str]:
         return [k.name for k in self.knobs]

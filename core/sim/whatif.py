@@ -279,7 +279,17 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
 
 
 def predict(ctx: Context, knobs: dict[str, Any], iterations: int = 4) -> Prediction:
-    """Replay the step under ``knobs`` and predict its time and peak memory."""
+    """Replay the step under ``knobs`` and predict its time and peak memory (an engine's own knobs that no
+    regrouping expresses are priced by the engine: ``Engine.predict``)."""
+    table = knob_table()
+    for key in knobs:
+        engine_of = table[key].engine if key in table else ""
+        if engine_of and engine_of != ctx.engine:
+            raise UsageError(f"{key} is a knob of the {engine_of} engine; this run's engine is "
+                             f"{ctx.engine or 'not named in run.json'}")
+    own = get_engine(ctx.engine).predict(ctx, knobs) if knobs else None
+    if own is not None:
+        return own
     model = transformed_model(ctx, knobs)
     g = graph_from_steps(model, iterations=iterations)
     sched = replay(g, plan_levels(g))

@@ -490,3 +490,27 @@ def test_dynamic_timeline_is_written_into_the_run_dir(tmp_path: Path) -> None:
     assert (root / TIMELINE_FILE).is_file()
     run = load_run(root)
     assert run.meta["horovod"]["merged"]["steps"]
+
+
+def test_whatif_prices_horovod_knobs_and_refuses_them_on_another_engine(tmp_path: Path) -> None:
+    """Horovod's knobs are in the knob table: `dpro whatif --set HOROVOD_CYCLE_TIME=...` on a Horovod run is the
+    search's own price of that setting; on a DDP run the knob is refused naming its engine."""
+    from run_builder import make_run
+
+    from dpro.cli import main
+    from dpro.engines.horovod.search import horovod_predict
+    from dpro.errors import UsageError
+    from dpro.sim.whatif import parse_settings, predict
+
+    ctx = context(load_run(_horovod_run(tmp_path / "run", _timeline_text(_timeline_events([3, 4])))))
+    knobs = parse_settings(["HOROVOD_CYCLE_TIME=25", "HOROVOD_FUSION_THRESHOLD=0"])
+    assert knobs == {"HOROVOD_CYCLE_TIME": 25.0, "HOROVOD_FUSION_THRESHOLD": 0}
+    baseline = predict(ctx, {}).predicted_step_ms
+    expected = baseline + horovod_predict(ctx, 0, 25.0) - horovod_predict(ctx, 48 * 2**20, 5.0)
+    assert predict(ctx, knobs).predicted_step_ms == pytest.approx(expected)
+    assert predict(ctx, {"HOROVOD_CYCLE_TIME": 25.0}).predicted_step_ms != pytest.approx(baseline)
+    ddp = context(load_run(make_run(tmp_path / "ddp")))
+    with pytest.raises(UsageError, match="HOROVOD_CYCLE_TIME is a knob of the horovod engine; this run's engine is "
+                                         "torch-ddp"):
+        predict(ddp, {"HOROVOD_CYCLE_TIME": 25.0})
+    assert main(["whatif", str(tmp_path / "run"), "--set", "HOROVOD_CYCLE_TIME=25", "--json"]) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpro.config import Knob, _count, _number
 from dpro.engines.base import Engine
 
 __all__ = ["ENGINE", "NAME"]
@@ -31,6 +32,36 @@ def _notes(run: Any) -> list[str]:
     return []
 
 
+THRESHOLD, CYCLE, CACHE = "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"
+
+
+def _bytes(value: Any, source: str, key: str) -> int:
+    return _count(value, source, key)
+
+
+def _cycle_ms(value: Any, source: str, key: str) -> float:
+    return _number(value, source, key, positive=True, what="a positive number of milliseconds")
+
+
+def _predict(ctx: Any, knobs: dict[str, Any]) -> Any:
+    """What-if of Horovod's own knobs: the loop model's difference from the setting in force, added to the replay
+    (as the search prices them); other knobs are left to what-if's replay."""
+    if not any(k in knobs for k in (THRESHOLD, CYCLE, CACHE)):
+        return None
+    from dpro.engines.horovod.search import _in_force, horovod_predict
+    from dpro.sim.whatif import Prediction, predict
+
+    others = {k: v for k, v in knobs.items() if k not in (THRESHOLD, CYCLE, CACHE)}
+    base = predict(ctx, others)
+    threshold0, cycle0, cache0 = _in_force(ctx)
+    step_ms = horovod_predict(ctx, float(knobs.get(THRESHOLD, threshold0)), float(knobs.get(CYCLE, cycle0)),
+                              int(knobs.get(CACHE, cache0)))
+    same = horovod_predict(ctx, threshold0, cycle0, cache0)
+    return Prediction(knobs=dict(knobs), predicted_step_ms=base.predicted_step_ms + step_ms - same,
+                          predicted_peak_memory_bytes=base.predicted_peak_memory_bytes, graph_nodes=base.graph_nodes,
+                          per_rank_ms={})
+
+
 def _search(ctx: Any, **options: Any) -> Any:
     from dpro.engines.horovod.search import search
 
@@ -41,6 +72,15 @@ ENGINE = Engine(
     name=NAME,
     doc="Horovod (PyTorch, Gloo/MPI): tensors fused by Horovod's background loop, one allreduce per buffer",
     optimize=_search,
+    knobs=(
+        Knob(THRESHOLD, "Horovod's fusion buffer in bytes (0: no fusion); applied through the config's env",
+             _bytes, default=128 * 2**20, config=False, engine=NAME),
+        Knob(CYCLE, "Horovod's background cycle in ms; applied through the config's env", _cycle_ms, default=1.0,
+             config=False, engine=NAME),
+        Knob(CACHE, "Horovod's response cache entries (0: off); applied through the config's env", _bytes,
+             default=1024, config=False, engine=NAME),
+    ),
+    predict=_predict,
     prepare_run=_prepare_run,
     notes=_notes,
     apply="environment (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME) set by dpro-launch --apply; tensor_groups as "
