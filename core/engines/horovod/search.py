@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpro.dag.graph import graph_from_steps
-from dpro.optimize.search import OptimizeResult, best_grouping, best_recompute, gradient_ready_us
+from dpro.optimize.search import MIN_GAIN, OptimizeResult, best_grouping, best_recompute, gradient_ready_us
 from dpro.sim.cost import CommModel, fit_comm_model
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.whatif import MB, Context, Prediction, predict
@@ -47,10 +47,10 @@ __all__ = [
     "simulate_loop",
 ]
 
-# A Horovod setting must be predicted to save 2% to replace the one in force. bench/launch.py measured the loop
-# model's predicted ratios between settings within 0.6-2.3% on wide_mlp (interleaved jobs), but a no-fusion
-# setting predicted 1.8% faster on a latency-bound GRU job ran 12% slower: small gains are not to be trusted.
-HOROVOD_MIN_GAIN = 0.02
+# The same rule as every engine's search (optimize.search.MIN_GAIN, 3%): bench/launch.py measured the loop model's
+# ratios between settings within 0.6-2.3% on wide_mlp, but no-fusion settings predicted 1.8% and 2.2% faster on a
+# latency-bound GRU job ran 10-12% slower; gains below 3% are not to be trusted.
+HOROVOD_MIN_GAIN = MIN_GAIN
 
 
 # The space Horovod's autotuner explores (0.28.1: fusion threshold, cycle time, response cache, hierarchical
