@@ -38,6 +38,8 @@ def main() -> int:
     parser.add_argument("--networks", default="loopback,1gbit")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--profile", default="8:20")
+    parser.add_argument("--keep", default=None, help="record into this new directory and keep the runs (to compare "
+                                                     "dpro versions on the same recordings)")
     args = parser.parse_args()
     errors: list[float] = []
     header = (f"{'network':<9} {'model':<12} {'recorded':<14} {'predicted config':<18} {'predicted ms':>12} "
@@ -50,7 +52,9 @@ def main() -> int:
         print(f"{network:<9} {model:<12} {recorded:<14} {target:<18} {predicted:>12.2f} {measured:>12.2f} "
               f"{err:>+8.2f}", flush=True)
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=args.keep is None)
         for network in args.networks.split(","):
             if network != "loopback":
                 ok, why = testbed.testbed_available()
