@@ -261,16 +261,18 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
     return out, ends
 
 
-def _median_ready_offset(samples: list[tuple[float, float, float, dict]]) -> float | None:
-    """When a backward op's gradients are all ready, from the op's start (median over steps): a collective
-    of those gradients can start then, before the op ends (it goes on computing its input's gradient)."""
-    offsets = []
+def _median_ready_offsets(samples: list[tuple[float, float, float, dict]]) -> dict[str, float]:
+    """When each gradient of a backward op is ready, from the op's start (median over steps): a collective of a
+    gradient can start then, before the op ends (it goes on computing other gradients and its input's)."""
+    offsets: dict[str, list[float]] = defaultdict(list)
     for _, _, _, args in samples:
-        ready = args.get("grads_ready_us") or []
         t0 = args.get("_ts")
-        if ready and t0 is not None:
-            offsets.append(max(ready) - t0)
-    return statistics.median(offsets) if offsets else None
+        ready = args.get("grads_ready_us") or []
+        if t0 is None or len(ready) != len(args.get("grads") or []):
+            continue
+        for grad, t in zip(args["grads"], ready, strict=True):
+            offsets[grad].append(t - t0)
+    return {grad: statistics.median(v) for grad, v in offsets.items()}
 
 
 def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
@@ -343,7 +345,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
             duration = max(0.0, statistics.median(s[0] + s[1] for s in samples) - order)  # ends at its median end
         args = {k: v for k, v in samples[-1][3].items() if k != "_ts"}
         if cat_of[name] == "BW":
-            args["grads_ready_offset_us"] = _median_ready_offset(samples)
+            args["grads_ready_offset_us"] = _median_ready_offsets(samples)
         ops[rank].append(OpStats(
             name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
             order=order, duration=duration, gap=None, args=args))
@@ -375,13 +377,22 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
 SPLIT_MIN_US = 20.0  # a gradient ready less than this before its op ends is ready at the end (timer noise)
 
 
-def _ready_split(op: OpStats) -> float | None:
-    """Where a backward op's gradients are ready (µs into the op), when clearly before its end; else None."""
-    offset = op.args.get("grads_ready_offset_us")
-    if offset is None or not op.args.get("grads"):
-        return None
-    offset = max(0.0, offset)
-    return offset if op.duration - offset > SPLIT_MIN_US else None
+def _ready_splits(op: OpStats) -> list[tuple[float, list[str]]]:
+    """Where a backward op's gradients are ready (µs into the op) when clearly before its end: the points to split
+    it at, each with the gradients ready there, in order; empty when every gradient is ready at the end."""
+    offsets = op.args.get("grads_ready_offset_us")
+    if not isinstance(offsets, dict):
+        return []
+    points: list[tuple[float, list[str]]] = []
+    for grad, offset in sorted(offsets.items(), key=lambda kv: kv[1]):
+        at = min(max(0.0, offset), op.duration)
+        if op.duration - at <= SPLIT_MIN_US:
+            break  # this one and the later ones are ready at the op's end
+        if points and at - points[-1][0] <= SPLIT_MIN_US:
+            points[-1][1].append(grad)
+        else:
+            points.append((at, [grad]))
+    return points
 
 
 def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
@@ -447,15 +458,17 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     else:
                         b.occupy(queue, node)  # the rank's comm queue is busy until the transfer ends
                         queue_last[queue] = node
-                elif op.category == "BW" and _ready_split(op) is not None:
-                    # the op's gradients are ready part-way through it: collectives wait for that part only
-                    split = _ready_split(op)
-                    ready_node = b.add(op.name, op.category, rank, it, queue, split, gap, deps)
-                    node = b.add(f"{op.name}.rest", op.category, rank, it, queue, op.duration - split, 0.0,
-                                 [ready_node])
-                    measured_end[ready_node] = op.order + split
-                    for g in op.args.get("grads", []):
-                        grad_node[g] = ready_node
+                elif op.category == "BW" and _ready_splits(op):
+                    # gradients ready part-way through the op: a collective waits for the part before its gradient
+                    done, node = 0.0, None
+                    for at, grads in _ready_splits(op):
+                        node = b.add(op.name if node is None else f"{op.name}.rest", op.category, rank, it, queue,
+                                     at - done, gap if node is None else 0.0, deps if node is None else [node])
+                        measured_end[node] = op.order + at
+                        for g in grads:
+                            grad_node[g] = node
+                        done = at
+                    node = b.add(f"{op.name}.rest", op.category, rank, it, queue, op.duration - done, 0.0, [node])
                     queue_last[queue] = node
                 else:
                     node = b.add(op.name, op.category, rank, it, queue, op.duration, gap, deps)
