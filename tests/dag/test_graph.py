@@ -74,3 +74,34 @@ def test_concurrent_collectives_replay_to_the_measured_step(tmp_path: Path) -> N
 
     a = analyze_run(load_run(_run_with(concurrent, tmp_path / "run"))).analysis
     assert abs(a.error_pct) < 2.0, a.error_pct
+
+
+def test_each_gradient_of_a_backward_op_launches_its_collective_when_it_is_ready(tmp_path: Path) -> None:
+    """A recurrent layer's gradients are ready at different moments of its backward (per-tensor collectives, as
+    Horovod launches them): each collective starts after the part of the op that made its gradient."""
+
+    def staggered(rank: int, step: int) -> list[dict]:
+        t0 = 1_000_000.0 + step * 10_000 + rank * 50
+        return [
+            x_event("STEP", "STEP", t0, STEP_US, rank=rank, queue="host", step=step),
+            x_event("FW.rnn", "FW", t0, 1000.0, rank=rank, queue="compute", step=step, bytes=2048),
+            x_event("BW.rnn", "BW", t0 + 1000, 4000.0, rank=rank, queue="compute", step=step,
+                    grads=["rnn.a", "rnn.b"], grads_ready_us=[t0 + 2000, t0 + 4000]),
+            x_event("COMM.rnn.a.allreduce", "COMM", t0 + 2010, 1000.0, rank=rank, queue="comm", step=step,
+                    bytes=4096, tensors=["rnn.a"], op="allreduce", phase="allreduce"),
+            x_event("COMM.rnn.b.allreduce", "COMM", t0 + 4010, 1000.0, rank=rank, queue="comm", step=step,
+                    bytes=4096, tensors=["rnn.b"], op="allreduce", phase="allreduce"),
+            x_event("UPDATE.sgd", "UPDATE", t0 + 5100, 500.0, rank=rank, queue="compute", step=step),
+        ]
+
+    result = analyze_run(load_run(_run_with(staggered, tmp_path / "run")))
+    g, sched = result.graph, result.schedule
+    last = max(g.iteration)
+
+    def start(name: str) -> float:
+        node = next(n for n in range(g.size) if g.names[n] == name and g.rank[n] == 0 and g.iteration[n] == last)
+        return float(sched.start[node])
+
+    assert g.names.count("BW.rnn.rest") == 2 * 2 * (last + 1)  # split twice, on 2 ranks, in every iteration
+    assert start("COMM.rnn.b.allreduce") - start("COMM.rnn.a.allreduce") > 1500.0  # ~2 ms apart, as recorded
+    assert abs(result.analysis.error_pct) < 2.0
