@@ -3,11 +3,11 @@
 The schema is DESIGN.md "The applied config"::
 
     {"schema": "dpro.config/1",
-     "fingerprint": {"framework": "torch", "engine": "torch-ddp", "world_size": 2, "model": "3f2a..."},
+     "fingerprint": {"framework": "torch", "engine": "<run.json's engine>", "world_size": 2, "model": "3f2a..."},
      "baseline":  {"run": "runs/a", "step_ms": 412.0},
      "predicted": {"step_ms": 301.0, "peak_memory_bytes": 1200000000},
-     "knobs": {"torch.ddp.bucket_cap_mb": 6.5, "recompute": ["encoder.layers.3"]},
-     "explain": [{"knob": "torch.ddp.bucket_cap_mb", "why": "...", "predicted_gain_ms": 40.0}]}
+     "knobs": {"<an engine knob>": 6.5, "recompute": ["encoder.layers.3"]},
+     "explain": [{"knob": "recompute", "why": "...", "predicted_gain_ms": -4.0}]}
 
 Every knob dpro can change is named once, in ``knob_table()`` (common knobs here, each engine's in
 its engine module), and applied by one plugin function
@@ -24,8 +24,8 @@ framework, engine, world size or model differ from the job's, unless ``force=Tru
 Example::
 
     config = read_config(os.environ[DPRO_CONFIG])
-    check_fingerprint(config, framework="torch", engine="torch-ddp", world_size=2, model=fp)
-    print(config.knobs.get("torch.ddp.bucket_cap_mb"))
+    check_fingerprint(config, framework="torch", engine=run_engine, world_size=2, model=fp)
+    print(config.knobs.get("recompute"))
 """
 
 from __future__ import annotations
@@ -365,10 +365,10 @@ class Config:
         ConfigError: naming ``path`` (or "Config"), the key and what is wrong.
 
     Example:
-        >>> cfg = Config(fingerprint={"framework": "torch", "engine": "torch-ddp", "world_size": 2,
-        ...                           "model": "3f2a"}, knobs={"torch.ddp.bucket_cap_mb": 4})
-        >>> cfg.knobs["torch.ddp.bucket_cap_mb"]
-        4.0
+        >>> cfg = Config(fingerprint={"framework": "torch", "engine": engine, "world_size": 2,
+        ...                           "model": "3f2a"}, knobs={"recompute": ["encoder.0"]})
+        >>> cfg.knobs["recompute"]
+        ['encoder.0']
     """
 
     fingerprint: Fingerprint
@@ -517,7 +517,7 @@ def find_config(root: str | Path, fingerprint: Fingerprint | Mapping[str, Any]) 
     modification time. Used by ``dpro-launch --apply auto``.
 
     Example:
-        >>> find_config("runs", {"framework": "torch", "engine": "torch-ddp", "world_size": 2,
+        >>> find_config("runs", {"framework": "torch", "engine": engine, "world_size": 2,
         ...                      "model": "3f2a"})  # doctest: +SKIP
         PosixPath('runs/bert-bs32/analysis/config.json')
     """
