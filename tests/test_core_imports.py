@@ -52,3 +52,23 @@ def test_the_blocker_blocks() -> None:
     proc = subprocess.run([sys.executable, "-c", BLOCKER + "import torch"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and "blocked in this test" in proc.stderr
+
+
+def test_no_core_file_names_an_engine_outside_its_engine_module() -> None:
+    """The core asks the engine registry; an engine's name and knobs are said in its own module only."""
+    import dpro
+    from dpro.engines import REGISTRY, get_engine
+
+    core = Path(dpro.__file__).parent
+    words = set()
+    for name in REGISTRY:
+        words.add(name)
+        words.update(get_engine(name).knob_names())
+    words.update({"horovod", "ddp"})  # the engines' own words, in any case
+    offenders = []
+    for path in core.rglob("*.py"):
+        if "engines" in path.relative_to(core).parts:
+            continue
+        text = path.read_text().lower()
+        offenders += [f"{path.relative_to(core)}: {w}" for w in sorted(words) if w.lower() in text]
+    assert not offenders, offenders
