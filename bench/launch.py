@@ -11,8 +11,9 @@ namespaces joined by tbf-limited links, 1 Gbit/s by default), one rank per host:
             parameters; its step time is measured on the same job's steps after that;
 - dpro:     a short recorded run (``record_horovod`` + ``HOROVOD_TIMELINE`` in the run directory), then
             ``dpro optimize`` (Horovod fusion search by replay), then a job with the config's ``env``
-            knobs (and ``groups=`` when the config has ``tensor_groups``); its time to a setting is the
-            recorded job plus the search.
+            knobs (and ``groups=`` when the config has ``tensor_groups``); its time to a setting runs, like
+            autotune's, from the job's start until the recording is complete (the last rank file written at
+            the profiled window's end), plus the search.
 
 Each measured step time is the median over the steps after warm-up, from rank 0.
 
@@ -247,6 +248,7 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
     _, record_s, _ = run_job(cluster, ["--model", args.model, "--steps", str(args.record_steps), "--profile",
                                        args.profile, "--run-dir", str(run_dir)], record_env, args.timeout, args,
                              args.record_args.split())
+    recorded_at = _recording_complete(run_dir)
     config = work / "config.json"
     t0 = time.time()
     out = subprocess.run([sys.executable, "-m", "dpro", "optimize", str(run_dir), "--output", str(config)],
@@ -254,7 +256,9 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
     if out.returncode != 0:
         raise RuntimeError(f"dpro optimize failed:\n{out.stdout}\n{out.stderr}")
     optimize_s = time.time() - t0
-    found = time.time() - began
+    # as for autotune (job start to its "best params" line): job start until the recording is complete, plus
+    # the search; the job's steps after the profiled window and its exit are not waited for
+    found = (recorded_at - began) + optimize_s
     doc = json.loads(config.read_text())
     env = dict(doc["knobs"]["env"])
     extra: list[str] = []
@@ -271,10 +275,22 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
     if "HOROVOD_CACHE_CAPACITY" in env:
         groups += f", cache {env['HOROVOD_CACHE_CAPACITY']}"
     return {"setting": f"{int(env['HOROVOD_FUSION_THRESHOLD']) / 2**20:g} MiB / {env['HOROVOD_CYCLE_TIME']} ms{groups}",
-            "find_s": found, "record_s": record_s, "optimize_s": optimize_s, "step_ms": statistics.median(times),
+            "find_s": found, "record_s": record_s, "recorded_s": recorded_at - began, "optimize_s": optimize_s,
+            "step_ms": statistics.median(times),
             "runs_ms": times, "predicted_ms": doc["predicted"]["step_ms"],
             "recorded_measured_ms": doc["baseline"]["step_ms"], "recorded_replay_ms": replay.get("predicted_step_ms"),
             "analyze_error_pct": replay.get("error_pct"), "explain": [e["why"] for e in doc["explain"]]}
+
+
+def _recording_complete(run_dir: Path) -> float:
+    """When the recording was complete: the last rank file (or Horovod timeline) written, as a ``time.time()``."""
+    from dpro.launch.pipeline import find_recorded_run
+
+    recorded = find_recorded_run(run_dir)
+    files = [*recorded.glob("rank-*.json"), *recorded.glob(TIMELINE)] if recorded is not None else []
+    if not files:
+        raise RuntimeError(f"the recorded job left no rank files in {run_dir}")
+    return max(p.stat().st_mtime for p in files)
 
 
 def check_settings(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -> list[dict]:
@@ -404,7 +420,8 @@ def main() -> int:
               f"{r['relative_error_pct']:+.1f}%)")
     if "dpro" in rows:
         d = rows["dpro"]
-        print(f"\ndpro: recorded job {d['record_s']:.1f} s + optimize {d['optimize_s']:.1f} s; the recorded run "
+        print(f"\ndpro: recording complete {d['recorded_s']:.1f} s after the job's start (the job ran "
+              f"{d['record_s']:.1f} s) + optimize {d['optimize_s']:.1f} s; the recorded run "
               f"measured {d['recorded_measured_ms']:.1f} ms, replayed {d['recorded_replay_ms']:.1f} ms "
               f"(error {d['analyze_error_pct']:+.1f}%); its config predicts {d['predicted_ms']:.1f} ms")
         for why in d["explain"]:
