@@ -162,6 +162,9 @@ class StepModel:
     # collective -> its calibrated end in the median step (µs from step start; "in-step" transfers): what the
     # ops after it measure their gap from, on every rank
     transfer_end: dict[str, float] = field(default_factory=dict)
+    # each collective is launched only once the one before it has completed (TensorFlow chains its collectives
+    # with ordering tokens): an arrival waits for the previous transfer (``Engine.chained_launch``)
+    chained_launch: bool = False
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -287,6 +290,9 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         from dpro.engines import get_engine  # the registry imports engine modules, which import this one
 
         transfers = get_engine((run.meta or {}).get("engine")).transfer_calibration
+    from dpro.engines import get_engine
+
+    chained = get_engine((run.meta or {}).get("engine")).chained_launch
     steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
     if not steps:
         raise GraphError(f"{run.path}: the ranks have no profiled step in common "
@@ -370,7 +376,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         ops=dict(ops), transfer=transfer,
         measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
-        async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end,
+        async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end, chained_launch=chained,
     )
 
 
@@ -399,7 +405,8 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
     """Wire ``iterations`` consecutive copies of the median step into one DAG.
 
     Within a rank: program order on each queue; FW -> next FW; last FW -> first BW; a COMM group
-    waits for the BW ops that produced its gradients; UPDATE waits for every COMM and BW;
+    waits for the BW ops that produced its gradients (a collective carrying no gradients, e.g. a loss or
+    metric reduction, for the op before it in program order); UPDATE waits for every COMM and BW;
     the step ends after UPDATE; the next iteration's first op waits for the step end.
     Across ranks: COMM ops of the same name are one collective (arrivals, then one transfer).
     Each op's gap is its measured start minus the measured end of the last of its predecessors; ops
@@ -420,6 +427,8 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
             grad_node: dict[str, int] = {}
             bw_nodes: list[int] = []
             comm_done: list[int] = []
+            last_work: int | None = None  # the last compute/IO/update node in program order
+            last_transfer: int | None = None  # the transfer of this rank's previous collective
             for i, op in enumerate(model.ops[rank]):
                 deps: list[int] = []
                 if i == 0 and prev_end[rank] is not None:
@@ -430,10 +439,14 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     deps.append(last["IO"])
                 if op.category == "COMM":
                     deps += [grad_node[g] for g in op.args.get("tensors", []) if g in grad_node]
-                    if not deps and bw_nodes:
+                    if not op.args.get("tensors") and last_work is not None:
+                        deps.append(last_work)  # carries no gradient: the program launched it after that work
+                    elif not deps and bw_nodes:
                         deps.append(bw_nodes[-1])
                 if op.category == "UPDATE":
                     deps += bw_nodes[-1:] + comm_done
+                if op.category == "COMM" and model.chained_launch and last_transfer is not None:
+                    deps.append(last_transfer)
                 queue = f"r{rank}/{op.queue}"
                 if queue in queue_last:
                     deps.append(queue_last[queue])
@@ -451,6 +464,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                             b.preds[transfers[op.name]].append(previous_transfer)
                         previous_transfer = transfers[op.name]
                     node = transfers[op.name]
+                    last_transfer = node
                     b.preds[node].append(arrival)
                     if model.async_launch:
                         queue_last[queue] = arrival  # the next launch follows this one, not its transfer
@@ -477,6 +491,8 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     if op.category == "COMM" else op.order + op.duration
                 if op.category == "COMM":
                     comm_done.append(node)
+                elif op.category != "STEP":
+                    last_work = node
                 last[op.category] = node
                 if op.category == "BW":
                     bw_nodes.append(node)

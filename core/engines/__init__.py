@@ -20,6 +20,7 @@ __all__ = ["GENERIC", "REGISTRY", "Engine", "engine_knobs", "engine_names", "get
 REGISTRY: dict[str, str] = {
     "torch-ddp": "dpro.engines.torch_ddp",
     "horovod": "dpro.engines.horovod",
+    "tf-mwms": "dpro.engines.tf_mwms",
 }
 
 

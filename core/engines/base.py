@@ -51,6 +51,9 @@ class Engine:
             right for engines that fuse differently from step to step and for collectives that run concurrently,
             as gloo's do) or ``"per-step"`` (a collective's transfer is the median of each step's transfer,
             collectives one after another); see ``dpro.dag.graph.step_model``.
+        chained_launch: each collective is launched only once the one before it has completed (TensorFlow's
+            collectives are chained by ordering tokens); the DAG then makes each arrival wait for the previous
+            transfer.
     """
 
     name: str
@@ -64,6 +67,7 @@ class Engine:
     transfer_calibration: str = "in-step"  # how dag.graph.step_model calibrates collective transfers
     notes: Callable[[Any], list[str]] = _no_notes  # what `dpro analyze` should say about a run of this engine
     predict: Callable[[Any, dict[str, Any]], Any] = _no_prediction  # (ctx, knobs) -> Prediction or None
+    chained_launch: bool = False  # a collective launches only after the previous one completed (dag.graph)
 
     def knob_names(self) -> list[str]:
         return [k.name for k in self.knobs]

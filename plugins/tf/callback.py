@@ -1,0 +1,70 @@
+"""``DproCallback``: record a window of ``model.fit`` steps with one Keras callback.
+
+    model.fit(ds, epochs=3, callbacks=[DproCallback(run_dir="runs/x", steps=range(10, 20))])
+
+It serves tf_keras 2.x (``TF_USE_LEGACY_KERAS=1``, the Keras that works with MultiWorkerMirroredStrategy's
+``fit`` today) and Keras 3 (``_callback_base``). Steps are counted from 0 over every epoch of the fit. The
+recorder is made at ``on_train_begin`` (the workers agree on the run directory there) and writes when the
+window ends or the fit ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+from dpro.plugins.tf.recorder import TFRecorder
+
+__all__ = ["DproCallback"]
+
+
+def _callback_base() -> type:
+    """tf_keras's ``Callback`` when TensorFlow is told to use the legacy Keras (``TF_USE_LEGACY_KERAS``) or Keras 3
+    is missing, else Keras 3's. The two keep ``model`` differently (an attribute, a property), so one class cannot
+    subclass both; either one's ``fit`` calls the hooks of the other's callbacks alike."""
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
+    order = ("tf_keras", "keras") if legacy else ("keras", "tf_keras")
+    for name in order:
+        try:
+            return importlib.import_module(name).callbacks.Callback
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("dpro.plugins.tf.DproCallback needs Keras: install tf_keras or keras")
+
+
+class DproCallback(_callback_base()):  # type: ignore[misc]
+    """Records steps ``steps`` of ``model.fit`` into ``run_dir``.
+
+    Args:
+        run_dir: a new or empty directory, or None for ``dpro-runs/<timestamp>`` (worker 0 decides; every worker
+            writes its own files there).
+        steps: the batches to record, counted from 0 over all epochs (e.g. ``range(10, 20)``; skip the first
+            steps, which trace and warm up the function).
+    """
+
+    def __init__(self, run_dir: str | Path | None = None, steps: Any = range(10, 20)) -> None:
+        super().__init__()
+        self.run_dir = run_dir
+        self.steps = steps
+        self.recorder: TFRecorder | None = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self.recorder is None:
+            total = self.params.get("steps") if isinstance(getattr(self, "params", None), dict) else None
+            epochs = self.params.get("epochs") if isinstance(getattr(self, "params", None), dict) else None
+            self.recorder = TFRecorder(self.model, self.run_dir, self.steps, who="dpro.plugins.tf.DproCallback",
+                                       total_steps=total * epochs if total and epochs else None)
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if self.recorder is not None:
+            self.recorder.begin_step()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.recorder is not None:
+            self.recorder.end_step()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        if self.recorder is not None:
+            self.recorder.close()

@@ -1,0 +1,216 @@
+"""Turn one step's TensorFlow ops (from ``dpro.plugins.tf.xplane``) into dpro trace events.
+
+Pure functions over plain data: ``Layout`` says what the model is made of (its layers, its optimizer's name
+scope, how the strategy packs the gradients), ``step_rows`` maps the ops of one step to events:
+
+- an op whose name holds a layer's name scope is that layer's: ``FW.<layer>``, or ``BW.<layer>`` when it sits
+  under ``gradient_tape/`` (Keras's backward). The innermost layer named wins, so a nested model's layers are
+  attributed to themselves. Consecutive ops of one layer form one event (``args.ops`` counts them, ``args.kinds``
+  names their kernels); a layer whose ops are interleaved with another's gets several events, which the core
+  numbers ``BW.fc1``, ``BW.fc1#2``, ...;
+- ops under the optimizer's name scope (``SGD/...``, ``Adam/...``) are ``UPDATE.optimizer``;
+- ops of no layer: before the first forward op of a layer ``IO.input`` (casts and slices of the batch), then
+  ``FW.loss`` until the backward starts, under ``gradient_tape/`` ``BW.loss``; after the backward, the
+  packing of the gradients just before a gradient collective (``concat``, ``Reshape``) belongs to that
+  collective (its event starts there); anything else is ``UPDATE.step`` (unpacking, metrics);
+- variable reads and other bookkeeping kernels (``ReadVariableOp``, ``Identity``, ``NoOp``, ``Const``) are left
+  out: their time is part of the gaps;
+- the first ``len(layout.packs)`` collectives of the step are the gradient all-reduces, one per pack
+  (``COMM.pack<k>.allreduce`` with ``bytes`` and ``tensors``); later ones reduce the step's outputs (loss,
+  metrics: ``COMM.<op>.allreduce`` with the 4 bytes of a scalar).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpro.plugins.tf.xplane import Collective, HostOp
+from dpro.record.trace import QUEUE_ID, event_row
+
+__all__ = ["IGNORED_KERNELS", "Layout", "Pack", "classify", "pack_gradients", "step_rows"]
+
+IGNORED_KERNELS = frozenset({"ReadVariableOp", "Identity", "NoOp", "Const", "_Arg", "_Retval"})
+COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
+BACKWARD_SCOPE = "gradient_tape"
+MERGE_GAP_NS = 30_000  # ops of one name further apart than this (waiting, not executor overhead) stay apart
+OUTPUT_BYTES = 4  # a step output (loss, a metric's total or count) is one float32 scalar
+_SUFFIX = re.compile(r"_\d+$")
+
+
+@dataclass(frozen=True)
+class Pack:
+    """One gradient all-reduce: the gradients it carries (names), their bytes."""
+
+    tensors: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What ``step_rows`` needs to know about the model.
+
+    Attributes:
+        layers: every layer's name (``layer.name``), nested layers included.
+        grads_of: layer name -> the names of its trainable variables' gradients.
+        optimizer_scopes: name scopes of the optimizer's ops (e.g. ``{"SGD"}``).
+        packs: the gradient all-reduces in launch order (``pack_gradients``).
+    """
+
+    layers: frozenset[str]
+    grads_of: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    optimizer_scopes: frozenset[str] = frozenset()
+    packs: tuple[Pack, ...] = ()
+
+
+def pack_gradients(grads: list[tuple[str, int]], bytes_per_pack: int) -> list[Pack]:
+    """How MultiWorkerMirroredStrategy packs gradients into all-reduces (TF 2.21,
+    ``CollectiveAllReduce._batch_all_reduce`` then ``cross_device_utils.group_by_size``): the gradients in
+    reverse order (last layer first), a new pack started once the current one holds more than
+    ``bytes_per_pack`` bytes; ``bytes_per_pack`` 0 puts every gradient in one pack."""
+    ordered = list(reversed(grads))
+    if not ordered:
+        return []
+    if bytes_per_pack <= 0:
+        return [Pack(tuple(n for n, _ in ordered), sum(b for _, b in ordered))]
+    packs: list[list[tuple[str, int]]] = []
+    size = 0
+    for name, nbytes in ordered:
+        if not packs or size > bytes_per_pack:
+            packs.append([])
+            size = 0
+        packs[-1].append((name, nbytes))
+        size += nbytes
+    return [Pack(tuple(n for n, _ in p), sum(b for _, b in p)) for p in packs]
+
+
+def _layer_of(scopes: list[str], layers: frozenset[str]) -> str | None:
+    """The innermost layer named by ``scopes``; a scope may carry the ``_<n>`` suffix TensorFlow adds to a
+    name scope used twice."""
+    found = None
+    for scope in scopes:
+        if scope in layers:
+            found = scope
+        elif _SUFFIX.sub("", scope) in layers and scope not in layers:
+            found = _SUFFIX.sub("", scope)
+    return found
+
+
+def classify(op: HostOp, layout: Layout) -> tuple[str, str] | None:
+    """(category, name) of an op by its name scopes alone; None for ops of no layer (placed by ``step_rows``)."""
+    scopes = op.name.split("/")
+    backward = BACKWARD_SCOPE in scopes
+    layer = _layer_of(scopes[:-1], layout.layers)
+    if layer is not None:
+        return ("BW", f"BW.{layer}") if backward else ("FW", f"FW.{layer}")
+    if scopes[0] in layout.optimizer_scopes:
+        return "UPDATE", "UPDATE.optimizer"
+    if backward:
+        return "BW", "BW.loss"
+    return None
+
+
+def _us(ns: float, wall_minus_mono_ns: float) -> float:
+    return (ns - wall_minus_mono_ns) / 1000.0
+
+
+def step_rows(ops: Iterable[HostOp], collectives: Iterable[Collective], *, step: int, layout: Layout,
+              wall_minus_mono_ns: float) -> list[list[Any]]:
+    """The events of one step (``event_row`` rows, µs on the rank's monotonic clock) from the ops and collectives
+    that ran in it (wall-clock ns; ``wall_minus_mono_ns`` converts)."""
+    ops = [o for o in ops if o.type not in IGNORED_KERNELS]
+    colls = sorted(collectives, key=lambda c: c.launch_ns)
+    grad_colls = colls[:len(layout.packs)]
+    first_fw = next((o.start_ns for o in ops if (classify(o, layout) or ("",))[0] == "FW"), None)
+    first_bw = next((o.start_ns for o in ops if (classify(o, layout) or ("",))[0] == "BW"), None)
+    launch_after_bw = [c.launch_ns for c in grad_colls]
+    # each gradient collective starts with the packing ops that run just before its launch
+    comm_start = {i: c.launch_ns for i, c in enumerate(grad_colls)}
+    named: list[tuple[HostOp, str, str]] = []
+    pending_pack: list[HostOp] = []
+
+    def flush_pack_as(cat: str, name: str) -> None:
+        named.extend((p, cat, name) for p in pending_pack)
+        pending_pack.clear()
+
+    next_coll = 0
+    for op in ops:
+        while next_coll < len(launch_after_bw) and op.start_ns >= launch_after_bw[next_coll]:
+            if pending_pack:
+                comm_start[next_coll] = min(comm_start[next_coll], pending_pack[0].start_ns)
+                pending_pack.clear()
+            next_coll += 1
+        kind = classify(op, layout)
+        if kind is not None:
+            flush_pack_as("UPDATE", "UPDATE.step")
+            named.append((op, *kind))
+        elif first_fw is None or op.start_ns < first_fw:
+            named.append((op, "IO", "IO.input"))
+        elif first_bw is None or op.start_ns < first_bw:
+            named.append((op, "FW", "FW.loss"))
+        elif next_coll < len(launch_after_bw):
+            pending_pack.append(op)  # packing for the next gradient collective, or (if a layer op follows) not
+        else:
+            named.append((op, "UPDATE", "UPDATE.step"))
+    flush_pack_as("UPDATE", "UPDATE.step")
+    rows = _merged(named, step, wall_minus_mono_ns)
+    for i, coll in enumerate(colls):
+        args: dict[str, Any] = {"step": step, "op": "allreduce", "phase": "allreduce", "tf_op": coll.name}
+        if i < len(grad_colls):
+            pack = layout.packs[i]
+            name, start = f"COMM.pack{i}.allreduce", comm_start[i]
+            args.update(bytes=pack.nbytes, tensors=list(pack.tensors), pack=i)
+        else:
+            name, start = f"COMM.{coll.name.replace('/', '_')}.allreduce", coll.launch_ns
+            args.update(bytes=OUTPUT_BYTES, tensors=[], note="a reduction of the step's outputs (loss, metrics)")
+        if coll.transfer_start_ns is not None and coll.transfer_end_ns is not None:
+            args["transfer_us"] = (coll.transfer_end_ns - coll.transfer_start_ns) / 1000.0
+        if coll.instance_key is not None:
+            args["instance_key"] = coll.instance_key
+        ts = _us(start, wall_minus_mono_ns)
+        rows.append(event_row(name, "COMM", COMM, ts, _us(coll.done_ns, wall_minus_mono_ns) - ts, args))
+    _attach_grads(rows, layout)
+    rows.sort(key=lambda r: r[3])
+    return rows
+
+
+def _merged(named: list[tuple[HostOp, str, str]], step: int, wall_minus_mono_ns: float) -> list[list[Any]]:
+    """Consecutive ops of one name, each starting within ``MERGE_GAP_NS`` of the previous one's end, become one
+    event: a wait between them (for a collective, for the next batch) stays a gap."""
+    named.sort(key=lambda t: t[0].start_ns)
+    rows: list[list[Any]] = []
+    current: list[tuple[HostOp, str, str]] = []
+
+    def close() -> None:
+        if not current:
+            return
+        first, cat, name = current[0]
+        end = max(o.start_ns + o.dur_ns for o, _, _ in current)
+        kinds = sorted({o.type for o, _, _ in current})
+        ts = _us(first.start_ns, wall_minus_mono_ns)
+        tid = HOST if cat == "IO" else COMPUTE
+        rows.append(event_row(name, cat, tid, ts, _us(end, wall_minus_mono_ns) - ts,
+                              {"step": step, "ops": len(current), "kinds": kinds[:8]}))
+        current.clear()
+
+    for item in named:
+        if current and (current[0][2] != item[2] or
+                        item[0].start_ns - max(o.start_ns + o.dur_ns for o, _, _ in current) > MERGE_GAP_NS):
+            close()
+        current.append(item)
+    close()
+    return rows
+
+
+def _attach_grads(rows: list[list[Any]], layout: Layout) -> None:
+    """A layer's gradients are ready at the end of its last backward event of the step."""
+    last: dict[str, list[Any]] = {}
+    for row in sorted(rows, key=lambda r: r[3]):
+        if row[1] == "BW" and row[0][3:] in layout.grads_of:
+            last[row[0][3:]] = row
+    for layer, row in last.items():
+        grads = list(layout.grads_of[layer])
+        row[5]["grads"] = grads
+        row[5]["grads_ready_us"] = [(row[3] + row[4]) / 1000.0] * len(grads)  # rows hold integer ns

@@ -1,0 +1,290 @@
+"""``TFRecorder``: record a window of TensorFlow training steps into a dpro run directory.
+
+The step boundaries come from the caller (the Keras callback's batch hooks, or ``Profiler.step()`` in a
+custom loop), on the rank's monotonic clock. Per-op timing comes from TensorFlow's own profiler: it runs
+for the window only (``tf.profiler.experimental.start/stop``), its XPlane file is kept in the run directory
+(``xplane-rank<r>/``, TensorBoard opens it) and parsed when the window ends (``dpro.plugins.tf.xplane``), and
+its ops are mapped to layers (``dpro.plugins.tf.ops``). TensorFlow hands the profile over only when it stops,
+so a worker killed inside the window leaves its run.json and the XPlane directory, not its events.
+
+Workers agree on the run directory and exchange clock samples over a TCP side channel
+(``dpro.plugins.tf.transport``; addresses from ``TF_CONFIG``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf
+
+from dpro.errors import DproError
+from dpro.plugins.tf.ops import Layout, Pack, pack_gradients, step_rows
+from dpro.plugins.tf.transport import SocketTransport
+from dpro.plugins.tf.xplane import find_xplane, read_xplane
+from dpro.record.protocol import (
+    Clock,
+    Transport,
+    agree_run_dir,
+    check_window_fits,
+    claim_run_dir,
+    clock_samples,
+    parse_steps,
+)
+from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
+from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
+
+__all__ = ["TFRecorder", "model_layout"]
+
+ENGINE_MWMS = "tf-mwms"
+XPLANE_DIR = "xplane-rank{rank}"
+
+
+def _walk(layer: Any, parent: str | None = None) -> Iterable[tuple[Any, str | None]]:
+    yield layer, parent
+    for sub in getattr(layer, "layers", None) or []:
+        yield from _walk(sub, layer.name)
+
+
+def _var_short(var: Any) -> str:
+    name = getattr(var, "path", None) or var.name
+    return name.split(":")[0].rsplit("/", 1)[-1]
+
+
+def _shape(var: Any) -> list[int]:
+    return [int(d or 0) for d in var.shape]  # a TensorShape (tf_keras) or a tuple (Keras 3)
+
+
+def _nbytes(var: Any) -> int:
+    return math.prod(_shape(var)) * tf.as_dtype(var.dtype).size  # dtype: a DType (tf_keras) or a str (Keras 3)
+
+
+def model_layout(model: Any, optimizer: Any = None, bytes_per_pack: int = 0) -> tuple[Layout, list[dict[str, Any]]]:
+    """The ``Layout`` of a Keras model (tf_keras or Keras 3) and its gradients (name, bytes, shape, dtype, layer)
+    in ``model.trainable_variables`` order. A variable belongs to the innermost layer that holds it."""
+    owner: dict[int, str] = {}
+    layers: list[tuple[Any, str | None]] = list(_walk(model))
+    for layer, _ in layers:  # outer first, so inner layers override
+        for var in getattr(layer, "trainable_weights", []):
+            owner[id(var)] = layer.name
+    grads = []
+    for var in model.trainable_variables:
+        layer = owner.get(id(var), model.name)
+        grads.append({"name": f"{layer}.{_var_short(var)}", "bytes": _nbytes(var), "shape": _shape(var),
+                      "dtype": tf.as_dtype(var.dtype).name, "module": layer, "computed_by": layer})
+    grads_of: dict[str, list[str]] = {}
+    for g in grads:
+        grads_of.setdefault(g["module"], []).append(g["name"])
+    scopes = set()
+    if optimizer is not None:
+        scopes |= {str(getattr(optimizer, "name", "")), type(optimizer).__name__}
+    packs = pack_gradients([(g["name"], g["bytes"]) for g in grads], bytes_per_pack)
+    layout = Layout(layers=frozenset(layer.name for layer, _ in layers[1:]) or frozenset({model.name}),
+                    grads_of={k: tuple(v) for k, v in grads_of.items()},
+                    optimizer_scopes=frozenset(s for s in scopes if s), packs=tuple(packs))
+    return layout, grads
+
+
+def communication_options(strategy: Any) -> tuple[int, str]:
+    """(bytes_per_pack, implementation) in force for a strategy's collectives (MWMS keeps them in
+    ``extended._communication_options``); (0, "AUTO") otherwise."""
+    options = getattr(getattr(strategy, "extended", None), "_communication_options", None)
+    if options is None:
+        return 0, "AUTO"
+    impl = getattr(options, "implementation", None)
+    return int(getattr(options, "bytes_per_pack", 0) or 0), getattr(impl, "name", str(impl or "AUTO"))
+
+
+def is_mwms(strategy: Any) -> bool:
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or \
+        type(strategy).__name__.startswith("CollectiveAllReduceStrategy")
+
+
+class TFRecorder:
+    """Records steps ``steps`` of a TensorFlow/Keras job (see the module docstring).
+
+    Args:
+        model: the Keras model being trained (tf_keras or Keras 3).
+        run_dir: a new or empty directory, or None for ``dpro-runs/<timestamp>``; worker 0 decides.
+        steps: the training steps (batches, counted from 0 over all epochs) to record.
+        strategy: the ``tf.distribute`` strategy (default: the model's, else the current one).
+        optimizer: the optimizer (default: ``model.optimizer``); names its ops' scope.
+        total_steps: when known, a window beyond it is refused at once.
+        transport: how workers talk (default: the TCP side channel of ``TF_CONFIG``).
+    """
+
+    def __init__(self, model: Any, run_dir: str | Path | None, steps: Iterable[int], *,
+                 strategy: Any = None, optimizer: Any = None, total_steps: int | None = None,
+                 transport: Transport | None = None, who: str = "dpro.plugins.tf.Profiler") -> None:
+        self.who = who
+        self.steps = parse_steps(steps)
+        check_window_fits(self.steps, total_steps, who)
+        self.window = frozenset(self.steps)
+        self.model = model
+        self.strategy = strategy or getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self.transport = transport if transport is not None else SocketTransport.from_tf_config()
+        self.rank, self.world_size = self.transport.rank, self.transport.world_size
+        self.clock = Clock.from_env(self.rank)
+        self.host = socket.gethostname()
+        self.run_dir = agree_run_dir(self.transport, run_dir, who, claim_run_dir)
+        self.hosts = self.transport.gather_texts(self.host)
+        self.iteration = 0
+        self._marks: list[tuple[int, float, float]] = []   # (step, begin µs, end µs)
+        self._step_begin: float | None = None
+        self._last_end: float | None = None
+        self._profiling = False
+        self._wall_minus_mono_ns = 0.0
+        self._writer: RankTraceWriter | None = None
+        self._closed = False
+
+    @property
+    def started(self) -> bool:
+        return self._writer is not None
+
+    # ---- step boundaries ---------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """At the start of a training step (before its work is dispatched)."""
+        if self._closed:
+            return
+        if self.iteration == self.steps[0] and not self.started:
+            self._begin_window()
+        now = self.clock.now()
+        self._step_begin = self._last_end if (self._last_end is not None and self.iteration - 1 in self.window) \
+            else now
+
+    def end_step(self) -> None:
+        """At the end of a training step (its results are back)."""
+        if self._closed:
+            return
+        now = self.clock.now()
+        if self.iteration in self.window and self._profiling and self._step_begin is not None:
+            self._marks.append((self.iteration, self._step_begin, now))
+        self._last_end = now
+        self.iteration += 1
+        if self.iteration > self.steps[-1]:
+            self.close()
+
+    # ---- window --------------------------------------------------------------------------------------
+
+    def _begin_window(self) -> None:
+        pingpong = clock_samples(self.transport, self.clock)
+        header = {"host": self.host, "pid": os.getpid(),
+                  "clock": {"source": "CLOCK_MONOTONIC", "unit": "us", "device": "host (TensorFlow profiler)"}}
+        self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
+        self._layout, self._grads = self._model_layout()
+        if self.rank == 0:
+            self._write_run_json(pingpong)
+        self.transport.barrier()
+        logdir = self.run_dir / XPLANE_DIR.format(rank=self.rank)
+        tf.profiler.experimental.start(str(logdir))
+        self._logdir = logdir
+        self._profiling = True
+        self._wall_minus_mono_ns = time.time_ns() - self.clock.now() * 1000.0
+
+    def _model_layout(self) -> tuple[Layout, list[dict[str, Any]]]:
+        bytes_per_pack, _ = communication_options(self.strategy)
+        return model_layout(self.model, self.optimizer, bytes_per_pack)
+
+    def close(self, error: BaseException | None = None) -> Path | None:
+        """End recording: stop the profiler, map its ops to the recorded steps, write ``rank-<r>.json`` (and
+        ``model.json`` on worker 0). Safe to call twice."""
+        if self._closed:
+            return self.run_dir
+        self._closed = True
+        if not self.started:
+            self._close_transport()
+            return None
+        if self._profiling:
+            self._profiling = False
+            tf.profiler.experimental.stop()
+        note = f"stopped by {type(error).__name__}: {error}" if error is not None else ""
+        try:
+            profile = read_xplane(find_xplane(self._logdir))
+            rows_by_step = self._rows(profile)
+        except DproError as err:
+            rows_by_step, note = {}, f"{note}; the TensorFlow profile could not be read: {err}".lstrip("; ")
+        for step, rows in rows_by_step.items():
+            self._writer.end_step(step, rows)
+        missing = [s for s in self.steps if s not in rows_by_step]
+        if missing and not note:
+            note = f"the run ended before steps {missing[0]}..{missing[-1]}"
+        self._writer.finish(complete=not missing, note=note)
+        if self.rank == 0:
+            self._write_model_json(rows_by_step)
+        self._close_transport()
+        return self.run_dir
+
+    def _close_transport(self) -> None:
+        closer = getattr(self.transport, "close", None)
+        if callable(closer):
+            closer()
+
+    def _rows(self, profile: Any) -> dict[int, list[list[Any]]]:
+        out: dict[int, list[list[Any]]] = {}
+        offset = self._wall_minus_mono_ns
+        for step, begin, end in self._marks:
+            lo, hi = begin * 1000.0 + offset, end * 1000.0 + offset  # the step in wall-clock ns
+            ops = [o for o in profile.ops if lo <= o.start_ns < hi]
+            colls = [c for c in profile.collectives if lo <= c.launch_ns < hi]
+            rows = step_rows(ops, colls, step=step, layout=self._layout, wall_minus_mono_ns=offset)
+            rows.insert(0, event_row("STEP", "STEP", QUEUE_ID["host"], begin, end - begin, {"step": step}))
+            out[step] = rows
+        return out
+
+    # ---- run.json / model.json -------------------------------------------------------------------------
+
+    def knobs(self) -> dict[str, Any]:
+        knobs: dict[str, Any] = {"world_size": self.world_size, "device": "cpu" if not tf.config.list_logical_devices(
+            "GPU") else "gpu"}
+        if is_mwms(self.strategy):
+            bytes_per_pack, implementation = communication_options(self.strategy)
+            knobs.update({"tf.mwms.bytes_per_pack": bytes_per_pack, "tf.mwms.implementation": implementation})
+        if self.optimizer is not None:
+            knobs["optimizer"] = type(self.optimizer).__name__
+        return knobs
+
+    def fingerprint(self) -> str:
+        return model_fingerprint((g["name"], g["shape"], g["dtype"]) for g in self._grads)
+
+    def _engine(self) -> str:
+        return ENGINE_MWMS if is_mwms(self.strategy) and self.world_size > 1 else "tf"
+
+    def _write_run_json(self, pingpong: dict[int, list[list[float]]]) -> None:
+        keras_version = getattr(getattr(self.model, "__class__", None), "__module__", "").split(".")[0]
+        versions = {"python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras_version}
+        doc = run_document(framework="tf", engine=self._engine(), versions=versions, world_size=self.world_size,
+                           hosts=self.hosts, steps=list(self.steps), knobs=self.knobs(),
+                           fingerprint=self.fingerprint(), probe=[], pingpong=pingpong,
+                           extra={"tf": {"strategy": type(self.strategy).__name__,
+                                         "xplane": XPLANE_DIR.format(rank="<r>"),
+                                         "note": "per-op times from TensorFlow's profiler (XPlane), mapped to "
+                                                 "Keras layers by name scope"}})
+        write_run_json(self.run_dir, doc)
+
+    def _write_model_json(self, rows_by_step: dict[int, list[list[Any]]]) -> None:
+        ready: dict[str, float] = {}
+        if rows_by_step:
+            last = rows_by_step[max(rows_by_step)]
+            for row in last:
+                for g, t in zip(row[5].get("grads", []), row[5].get("grads_ready_us", []), strict=False):
+                    ready[g] = t
+        gradients = sorted((dict(g, ready_us=ready.get(g["name"])) for g in self._grads),
+                           key=lambda g: (g["ready_us"] is None, g["ready_us"] or 0.0))
+        packs: tuple[Pack, ...] = self._layout.packs
+        buckets = [{"index": i, "bytes": p.nbytes, "tensors": list(p.tensors)} for i, p in enumerate(packs)]
+        modules = []
+        for layer, parent in _walk(self.model):
+            own = sum(_nbytes(v) for v in getattr(layer, "trainable_weights", []))
+            modules.append({"name": layer.name, "type": type(layer).__name__, "parent": parent,
+                            "param_bytes": own if not getattr(layer, "layers", None) else 0,
+                            "activation_bytes": None, "recorded": layer.name in self._layout.layers})
+        write_model_json(self.run_dir, model_document(fingerprint=self.fingerprint(), gradients=gradients,
+                                                      buckets=buckets, modules=modules))

@@ -1,0 +1,185 @@
+"""The recording protocol's ``Transport`` for TensorFlow workers: a small TCP side channel.
+
+MultiWorkerMirroredStrategy has no point-to-point op to time a ping-pong with, and its collectives are keyed
+by the strategy's own counters (extra ones from a callback could shift them), so the workers talk over TCP:
+worker 0 listens, the others connect to it (a star). The address is worker 0's host from ``TF_CONFIG``; the
+port is ``$DPRO_TF_PORT`` or worker 0's TF_CONFIG port plus ``PORT_OFFSET``. Messages are length-prefixed
+UTF-8 JSON; nothing read is evaluated.
+
+``timed_allreduce`` measures nothing (see there): the communication model of a TensorFlow run comes from the
+collectives of its profiled steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpro.errors import UsageError
+from dpro.record.protocol import Clock
+
+__all__ = ["PORT_OFFSET", "SocketTransport", "tf_config"]
+
+PORT_OFFSET = 7919          # from worker 0's TF_CONFIG port to the side channel's, when DPRO_TF_PORT is unset
+CONNECT_TIMEOUT_S = 120.0   # workers start seconds apart; the recording window starts on every worker
+MAX_MESSAGE = 64 * 1024**2
+_HEADER = struct.Struct("!Q")
+
+
+def tf_config(environ: dict[str, str] | None = None) -> tuple[list[str], int]:
+    """(worker addresses, this worker's index) from ``TF_CONFIG``; ``([], 0)`` when it is unset."""
+    text = (os.environ if environ is None else environ).get("TF_CONFIG", "")
+    if not text.strip():
+        return [], 0
+    try:
+        doc = json.loads(text)
+        workers = list(doc["cluster"]["worker"])
+        task = doc.get("task", {})
+        index = int(task.get("index", 0))
+        kind = task.get("type", "worker")
+    except (ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"TF_CONFIG is not valid: {err}; expected "
+                         '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": i}}') from err
+    if kind not in ("worker", "chief") or not all(isinstance(w, str) and ":" in w for w in workers):
+        raise UsageError(f"TF_CONFIG: dpro records worker tasks given as host:port; got task {kind!r}, "
+                         f"workers {workers!r}")
+    if not 0 <= index < len(workers):
+        raise UsageError(f"TF_CONFIG: task index {index} is outside the {len(workers)} workers")
+    return workers, index
+
+
+def _send(sock: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the other worker closed the side channel")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> Any:
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if size > MAX_MESSAGE:
+        raise ConnectionError(f"side-channel message of {size} bytes: larger than {MAX_MESSAGE}")
+    return json.loads(_recv_exact(sock, size))
+
+
+@dataclass
+class SocketTransport:
+    """``Transport`` over TCP between the workers of ``TF_CONFIG`` (see the module docstring)."""
+
+    rank: int
+    world_size: int
+    backend: str = "tcp-side-channel"
+    peers: dict[int, socket.socket] = field(default_factory=dict)   # on worker 0: rank -> socket
+    hub: socket.socket | None = None                                # elsewhere: the socket to worker 0
+
+    @classmethod
+    def from_tf_config(cls, environ: dict[str, str] | None = None) -> SocketTransport:
+        workers, index = tf_config(environ)
+        if len(workers) <= 1:
+            return cls(rank=0, world_size=1)
+        env = os.environ if environ is None else environ
+        host, _, port = workers[0].rpartition(":")
+        try:
+            side_port = int(env.get("DPRO_TF_PORT") or int(port) + PORT_OFFSET)
+        except ValueError as err:
+            raise UsageError(f"DPRO_TF_PORT / TF_CONFIG port is not a number: {err}") from err
+        transport = cls(rank=index, world_size=len(workers))
+        transport._connect(host.strip("[]"), side_port)
+        return transport
+
+    def _connect(self, host: str, port: int) -> None:
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        if self.rank == 0:
+            server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                server.bind(("", port))
+            except OSError as err:
+                raise UsageError(f"dpro's TensorFlow side channel cannot listen on port {port}: {err.strerror}; "
+                                 "set DPRO_TF_PORT to a free port (the same on every worker)") from err
+            server.listen(self.world_size)
+            server.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                while len(self.peers) < self.world_size - 1:
+                    conn, _ = server.accept()
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self.peers[int(_recv(conn))] = conn
+            except TimeoutError as err:
+                raise UsageError(f"dpro's TensorFlow side channel: {len(self.peers) + 1} of {self.world_size} "
+                                 f"workers connected to port {port} within {CONNECT_TIMEOUT_S:.0f} s") from err
+            finally:
+                server.close()
+            return
+        while True:
+            try:
+                self.hub = socket.create_connection((host, port), timeout=5.0)
+                break
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    raise UsageError(f"dpro's TensorFlow side channel: worker {self.rank} cannot reach worker 0 at "
+                                     f"{host}:{port}: {err}") from err
+                time.sleep(0.1)
+        self.hub.settimeout(None)
+        self.hub.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _send(self.hub, self.rank)
+
+    def close(self) -> None:
+        for sock in [*self.peers.values(), *([self.hub] if self.hub else [])]:
+            sock.close()
+        self.peers.clear()
+        self.hub = None
+
+    # ---- Transport -----------------------------------------------------------------------------------
+
+    def broadcast_text(self, text: str, root: int = 0) -> str:
+        if self.world_size == 1:
+            return text
+        return self.gather_texts(text)[root]
+
+    def gather_texts(self, text: str) -> list[str]:
+        if self.world_size == 1:
+            return [text]
+        if self.rank == 0:
+            texts = [text] + [str(_recv(self.peers[r])) for r in range(1, self.world_size)]
+            for r in range(1, self.world_size):
+                _send(self.peers[r], texts)
+            return texts
+        _send(self.hub, text)
+        return [str(t) for t in _recv(self.hub)]
+
+    def barrier(self) -> None:
+        self.gather_texts("")
+
+    def ping(self, peer: int, clock: Clock) -> list[float] | None:
+        if self.world_size == 1:
+            return None
+        if self.rank == 0:
+            t0 = clock.now()
+            _send(self.peers[peer], "ping")
+            t1, t2 = _recv(self.peers[peer])
+            return [t0, float(t1), float(t2), clock.now()]
+        if self.rank == peer:
+            _recv(self.hub)
+            t1 = clock.now()
+            _send(self.hub, [t1, clock.now()])
+        return None
+
+    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
+        """Not measured here: a TCP exchange is not the strategy's all-reduce, and an extra collective from a
+        callback would shift MWMS's collective keys. The recorder leaves the probe out; the cost model is fitted
+        from the collectives of the profiled steps."""
+        return 0.0

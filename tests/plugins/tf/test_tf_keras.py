@@ -1,0 +1,201 @@
+"""The TensorFlow plugin: XPlane reading, op mapping, and real MultiWorkerMirroredStrategy jobs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobrunner import JOBS, job_env
+
+pytest.importorskip("tensorflow")
+
+from dpro.errors import TraceError, UsageError  # noqa: E402
+from dpro.plugins.tf.ops import Layout, Pack, classify, pack_gradients, step_rows  # noqa: E402
+from dpro.plugins.tf.transport import tf_config  # noqa: E402
+from dpro.plugins.tf.xplane import Collective, HostOp, read_xplane  # noqa: E402
+
+WEIGHTED = ("conv1", "bn1", "fc1", "fc2")
+
+
+# ---- pure functions ------------------------------------------------------------------------------
+
+def test_packs_follow_mwms_rule() -> None:
+    grads = [("a", 100), ("b", 10), ("c", 50), ("d", 50)]
+    assert pack_gradients(grads, 0) == [Pack(("d", "c", "b", "a"), 210)]
+    # reversed, a new pack once the current holds more than 60 bytes
+    assert pack_gradients(grads, 60) == [Pack(("d", "c"), 100), Pack(("b", "a"), 110)]
+
+
+def _op(name: str, start_us: float, dur_us: float, kind: str = "K") -> HostOp:
+    return HostOp(name=name, type=kind, start_ns=int(start_us * 1000), dur_ns=int(dur_us * 1000), thread="tf_Compute/1")
+
+
+def test_ops_map_to_layers_and_packing_joins_the_collective() -> None:
+    layout = Layout(layers=frozenset({"conv1", "fc1"}), grads_of={"conv1": ("conv1.kernel",), "fc1": ("fc1.kernel",)},
+                    optimizer_scopes=frozenset({"SGD"}), packs=(Pack(("fc1.kernel", "conv1.kernel"), 400),))
+    assert classify(_op("model/conv1/Conv2D", 0, 1), layout) == ("FW", "FW.conv1")
+    assert classify(_op("gradient_tape/model/fc1/MatMul", 0, 1), layout) == ("BW", "BW.fc1")
+    assert classify(_op("SGD/update/mul", 0, 1), layout) == ("UPDATE", "UPDATE.optimizer")
+    ops = [_op("Cast", 0, 2), _op("model/conv1/Conv2D", 3, 10), _op("model/conv1/Relu", 13.5, 1),
+           _op("model/fc1/MatMul", 15, 5), _op("loss/Sum", 21, 1), _op("gradient_tape/loss/Mul", 23, 1),
+           _op("gradient_tape/model/fc1/MatMul", 25, 4), _op("gradient_tape/model/conv1/Conv2DBackprop", 30, 6),
+           _op("concat", 37, 3, "ConcatV2"), _op("model/fc1/MatMul/ReadVariableOp", 38, 1, "ReadVariableOp"),
+           _op("split", 90, 2, "SplitV"), _op("SGD/update/sub", 93, 1)]
+    colls = [Collective("CollectiveReduceV2", 41_000, 88_000, 45_000, 87_000, 7),
+             Collective("div_no_nan/CollectiveReduceV2", 95_000, 99_000, None, None, None)]
+    rows = step_rows(ops, colls, step=3, layout=layout, wall_minus_mono_ns=0)
+    names = [r[0] for r in rows]
+    assert names == ["IO.input", "FW.conv1", "FW.fc1", "FW.loss", "BW.loss", "BW.fc1", "BW.conv1",
+                     "COMM.pack0.allreduce", "UPDATE.step", "UPDATE.optimizer",
+                     "COMM.div_no_nan_CollectiveReduceV2.allreduce"]
+    by_name = {r[0]: r for r in rows}
+    assert by_name["FW.conv1"][5]["ops"] == 2                       # Conv2D and Relu, 0.5 µs apart: one event
+    pack = by_name["COMM.pack0.allreduce"]
+    assert pack[3] == 37_000 and pack[4] == 51_000                 # ns: starts with the concat, ends when done
+    assert pack[5]["bytes"] == 400 and pack[5]["tensors"] == ["fc1.kernel", "conv1.kernel"]
+    assert by_name["BW.conv1"][5]["grads"] == ["conv1.kernel"]
+    assert by_name["BW.conv1"][5]["grads_ready_us"] == [36.0]
+    assert by_name["COMM.div_no_nan_CollectiveReduceV2.allreduce"][5]["tensors"] == []
+    assert all(r[5]["step"] == 3 for r in rows)
+
+
+def test_bad_xplane_files_name_the_file(tmp_path: Path) -> None:
+    junk = tmp_path / "vm.xplane.pb"
+    junk.write_bytes(b"\x0a\xff\xff\xff\xff\x0f garbage")
+    with pytest.raises(TraceError, match="vm.xplane.pb"):
+        read_xplane(junk)
+    empty = tmp_path / "empty.xplane.pb"
+    empty.write_bytes(b"")
+    with pytest.raises(TraceError, match="profile_start_time"):
+        read_xplane(empty)
+    with pytest.raises(TraceError, match="cannot read"):
+        read_xplane(tmp_path / "missing.xplane.pb")
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{not json", "TF_CONFIG is not valid"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}', "outside the 1 workers"),
+    ('{"cluster": {"worker": ["nohostport"]}, "task": {"type": "worker", "index": 0}}', "host:port"),
+    ('{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}}', "TF_CONFIG is not valid"),
+])
+def test_bad_tf_config_is_a_usage_error(text: str, problem: str) -> None:
+    with pytest.raises(UsageError, match=problem):
+        tf_config({"TF_CONFIG": text})
+
+
+# ---- real jobs -------------------------------------------------------------------------------------
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _mwms(run_dir: Path, *args: str, workers: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    ports = _free_ports(workers + 1)
+    cluster = [f"127.0.0.1:{p}" for p in ports[:workers]]
+    procs = []
+    for i in range(workers):
+        tf_conf = json.dumps({"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}})
+        procs.append(subprocess.Popen([sys.executable, str(JOBS / "tf_keras_job.py"), "--run-dir", str(run_dir), *args],
+                                      env=job_env(TF_CONFIG=tf_conf, DPRO_TF_PORT=str(ports[-1])),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r in results:
+        assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-6000:]}"
+    return results
+
+
+def _events(run_dir: Path, rank: int) -> list[dict]:
+    doc = json.loads((run_dir / f"rank-{rank}.json").read_text())
+    return [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+
+
+@pytest.mark.slow
+def test_mwms_fit_records_every_layer_and_the_gradient_bytes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _mwms(run, "--steps", "14", "--profile", "6:10")
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["engine"] == "tf-mwms" and meta["world_size"] == 2 and meta["profiled_steps"] == [6, 7, 8, 9]
+    model = json.loads((run / "model.json").read_text())
+    grad_bytes = sum(g["bytes"] for g in model["gradients"])
+    assert {g["computed_by"] for g in model["gradients"]} == set(WEIGHTED)
+    assert (run / "xplane-rank0").is_dir() and (run / "xplane-rank1").is_dir()  # the raw profile is kept
+    for rank in (0, 1):
+        events = _events(run, rank)
+        for step in (6, 7, 8, 9):
+            names = {e["name"] for e in events if e["args"]["step"] == step}
+            for layer in WEIGHTED:
+                assert f"FW.{layer}" in names and f"BW.{layer}" in names, (rank, step, layer)
+            packs = [e for e in events if e["args"]["step"] == step and e["name"].startswith("COMM.pack")]
+            assert sum(e["args"]["bytes"] for e in packs) == grad_bytes
+            step_event = next(e for e in events if e["name"] == "STEP" and e["args"]["step"] == step)
+            inside = [e for e in events if e["args"]["step"] == step and e["name"] != "STEP"]
+            assert all(step_event["ts"] <= e["ts"] <= step_event["ts"] + step_event["dur"] for e in inside)
+    out = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(run), "--json"], capture_output=True,
+                         text=True, timeout=120, env=job_env())
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["predicted_step_ms"] > 0
+
+
+@pytest.mark.slow
+def test_bytes_per_pack_shows_in_the_recorded_collectives(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _mwms(run, "--steps", "10", "--profile", "5:7", "--bytes-per-pack", "4096")
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["knobs"]["tf.mwms.bytes_per_pack"] == 4096
+    packs = {e["name"] for e in _events(run, 0) if e["name"].startswith("COMM.pack")}
+    assert len(packs) > 1
+
+
+@pytest.mark.slow
+def test_keras3_single_worker_fit(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(JOBS / "tf_keras_job.py"), "--run-dir", str(run), "--keras3",
+                           "--steps", "10", "--profile", "4:7"], capture_output=True, text=True, timeout=240,
+                          env=job_env(TF_USE_LEGACY_KERAS="0"))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["engine"] == "tf" and meta["world_size"] == 1
+    names = {e["name"] for e in _events(run, 0)}
+    for layer in WEIGHTED:
+        assert f"FW.{layer}" in names and f"BW.{layer}" in names, layer
+
+
+@pytest.mark.slow
+def test_existing_run_is_refused_on_every_worker(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    ports = _free_ports(3)
+    cluster = [f"127.0.0.1:{p}" for p in ports[:2]]
+    procs = [subprocess.Popen([sys.executable, str(JOBS / "tf_keras_job.py"), "--run-dir", str(run)],
+                              env=job_env(TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
+                                                                "task": {"type": "worker", "index": i}}),
+                                          DPRO_TF_PORT=str(ports[2])),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode != 0 for p in procs)
+    assert all("never overwrites" in e for e in errs)
