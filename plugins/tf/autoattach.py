@@ -1,0 +1,91 @@
+"""Record an unmodified Keras script started by ``dpro-launch`` (``DPRO_AUTO_RECORD=1``).
+
+``dpro-launch``'s ``sitecustomize`` calls ``install(when_imported)`` at interpreter start when TensorFlow is
+installed. ``install`` imports nothing: it registers ``PATCHES``, which wrap ``Model.fit`` of tf_keras
+(``tf_keras.src.engine.training``) and of Keras 3's TensorFlow trainer (``keras.src.backend.tensorflow.trainer``)
+when the script imports them. The first ``fit`` of the process gets a ``DproCallback`` writing ``$DPRO_RUN_DIR``
+for the steps ``$DPRO_PROFILE`` ("10:20"), unless its callbacks already hold one (a script that records itself
+is recorded once). Nothing here raises into the user's program: a failure to patch is printed and ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+__all__ = ["PATCHES", "install"]
+
+AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
+_STATE = {"installed": False, "attached": False}
+
+
+def _say(text: str) -> None:
+    print(f"[dpro] {text}", file=sys.stderr, flush=True)
+
+
+def _window(text: str | None) -> range:
+    start, _, stop = (text or "10:20").partition(":")
+    try:
+        return range(int(start), int(stop))
+    except ValueError:
+        _say(f"{PROFILE}={text!r} is not START:STOP; using 10:20")
+        return range(10, 20)
+
+
+def _with_recorder(callbacks: Any) -> Any:
+    """``callbacks`` plus a ``DproCallback`` for the first fit of the process (none if it already has one)."""
+    from dpro.plugins.tf.callback import DproCallback
+
+    listed = list(callbacks or [])
+    if _STATE["attached"] or any(isinstance(cb, DproCallback) for cb in listed):
+        return callbacks
+    _STATE["attached"] = True
+    return [*listed, DproCallback(run_dir=os.environ.get(RUN_DIR) or None, steps=_window(os.environ.get(PROFILE)))]
+
+
+def _wrap_fit(owner: type) -> None:
+    original = owner.fit
+    if getattr(original, "_dpro_patched", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind_partial(self, *args, **kwargs)
+            bound.arguments["callbacks"] = _with_recorder(bound.arguments.get("callbacks"))
+            args, kwargs = bound.args[1:], bound.kwargs
+        except Exception as err:  # noqa: BLE001 - recording must never stop the user's fit
+            _say(f"not recording this fit: {type(err).__name__}: {err}")
+        return original(self, *args, **kwargs)
+
+    fit._dpro_patched = True  # type: ignore[attr-defined]
+    owner.fit = fit
+
+
+def _patch_tf_keras(module: ModuleType) -> None:
+    _wrap_fit(module.Model)
+
+
+def _patch_keras3(module: ModuleType) -> None:
+    _wrap_fit(module.TensorFlowTrainer)
+
+
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "tf_keras.src.engine.training": _patch_tf_keras,
+    "keras.src.backend.tensorflow.trainer": _patch_keras3,
+}
+
+
+def install(when_imported: Callable[[str, Callable[[ModuleType], None]], None]) -> None:
+    """Register the patches (once per process) with dpro-launch's post-import hook; only when recording."""
+    if _STATE["installed"] or os.environ.get(AUTO_RECORD) != "1":
+        return
+    _STATE["installed"] = True
+    for module_name, patch in PATCHES.items():
+        when_imported(module_name, patch)
