@@ -2,16 +2,16 @@
 
 For each bundled model x DDP bucket size x network, a 2-rank gloo DDP job is recorded for real,
 then ``dpro analyze`` predicts its step time. Lightning (automatic and manual optimization, gradient
-accumulation) and Horovod jobs, unmodified scripts (bench/scripts/, tests/jobs/plain_hvd.py) recorded by
-``dpro-launch --profile 10:30``, are recorded ``--repeat`` times each on loopback (cases alternate), each
-recording a row, and every case is summarised by its median and worst |error|. Networks: loopback (both ranks
-on this machine) and the emulated cluster network of ``dpro.testbed`` (one rank per network namespace,
-1 Gbit/s links with 0.1 ms delay where the kernel has netem; skipped with the reason where namespaces are refused).
+accumulation), Horovod and Keras (MultiWorkerMirroredStrategy) jobs, unmodified scripts (bench/scripts/,
+tests/jobs/plain_hvd.py) recorded by ``dpro-launch --profile 10:30``, are recorded ``--repeat`` times each on
+loopback (cases alternate), each recording a row, and every case is summarised by its median and worst
+|error|. Networks: loopback (both ranks on this machine) and the emulated cluster network of ``dpro.testbed``
+(one rank per network namespace, 1 Gbit/s links with 0.1 ms delay where the kernel has netem; skipped with the reason where namespaces are refused).
 The PyTorch profiler traces in tests/data/kineto (real A100 / V100 runs) are reported in the same
 table when present.
 
     python bench/accuracy.py [--models mlp,transformer,wide_mlp] [--buckets 1,25] [--networks loopback,1gbit]
-                             [--frameworks ddp,lightning,horovod] [--repeat 3]
+                             [--frameworks ddp,lightning,horovod,keras] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ LIGHTNING_CASES = {
     "lightning manual mlp": (SCRIPTS / "lit_train.py", ["--model", "mlp", "--optimization", "manual"]),
     "lightning accumulate 2": (SCRIPTS / "lit_train.py", ["--model", "conv", "--accumulate", "2"]),
 }
+KERAS_CASES = {
+    "keras cnn (keras_train)": (SCRIPTS / "keras_train.py", []),
+    "keras cnn wide": (SCRIPTS / "keras_train.py", ["--width", "32"]),
+}
 HOROVOD_CASES = {
     "horovod mlp (plain_hvd)": (JOBS / "plain_hvd.py", ["--width", "512"]),
     "horovod gru (hvd_train)": (SCRIPTS / "hvd_train.py", []),
@@ -44,10 +48,11 @@ HOROVOD_CASES = {
 
 
 def record_with_launcher(script: Path, script_args: list[str], run_dir: Path, steps: int, window: str,
-                         horovod: bool) -> None:
-    """``dpro-launch -np 2 -H localhost:2 [--gloo] --profile A:B --run-dir RUN python SCRIPT ...``."""
+                         kind: str) -> None:
+    """``dpro-launch -np 2 -H localhost:2 [--gloo | --engine tf] --profile A:B --run-dir RUN python SCRIPT ...``."""
     launcher = Path(sys.executable).with_name("dpro-launch")
-    cmd = [str(launcher), "-np", "2", "-H", "localhost:2", *(["--gloo"] if horovod else []), "--profile", window,
+    engine = {"horovod": ["--gloo"], "keras": ["--engine", "tf"]}.get(kind, [])
+    cmd = [str(launcher), "-np", "2", "-H", "localhost:2", *engine, "--profile", window,
            "--run-dir", str(run_dir), sys.executable, str(script), "--steps", str(steps), *script_args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -99,7 +104,7 @@ def main() -> int:
     parser.add_argument("--networks", default="loopback,1gbit", help="loopback and/or tc rates such as 1gbit")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--profile", default="8:20")
-    parser.add_argument("--frameworks", default="ddp,lightning,horovod")
+    parser.add_argument("--frameworks", default="ddp,lightning,horovod,keras")
     parser.add_argument("--repeat", type=int, default=3, help="recordings of each Lightning and Horovod case")
     parser.add_argument("--lightning-steps", type=int, default=40, help="steps of each Lightning / Horovod job")
     parser.add_argument("--lightning-profile", default="10:30", help="the window dpro-launch records (A:B)")
@@ -120,11 +125,13 @@ def main() -> int:
         for _ in range(args.repeat):  # cases alternate, so a slow spell of the machine hits them alike
             cases = [(c, "lightning") for c in LIGHTNING_CASES if "lightning" in frameworks]
             cases += [(c, "horovod") for c in HOROVOD_CASES if "horovod" in frameworks]
+            cases += [(c, "keras") for c in KERAS_CASES if "keras" in frameworks]
             for case, kind in cases:
                 run_dir = Path(tmp) / f"{kind}-{len(by_case.get(case, []))}-{abs(hash(case))}"
-                script, script_args = (LIGHTNING_CASES if kind == "lightning" else HOROVOD_CASES)[case]
+                script, script_args = {"lightning": LIGHTNING_CASES, "horovod": HOROVOD_CASES,
+                                       "keras": KERAS_CASES}[kind][case]
                 record_with_launcher(script, script_args, run_dir, args.lightning_steps, args.lightning_profile,
-                                     horovod=kind == "horovod")
+                                     kind)
                 a = analyze_path(run_dir)
                 by_case.setdefault(case, []).append(a.error_pct)
                 show(("loopback", case, "-", a.measured_step_ms, a.predicted_step_ms, a.error_pct))
