@@ -6,7 +6,8 @@ accumulation), Horovod and Keras (MultiWorkerMirroredStrategy) jobs, unmodified 
 tests/jobs/plain_hvd.py) recorded by ``dpro-launch --profile 10:30``, are recorded ``--repeat`` times each on
 loopback (cases alternate), each recording a row, and every case is summarised by its median and worst
 |error|. Networks: loopback (both ranks on this machine) and the emulated cluster network of ``dpro.testbed``
-(one rank per network namespace, 1 Gbit/s links with 0.1 ms delay where the kernel has netem; skipped with the reason where namespaces are refused).
+(one rank per network namespace, 1 Gbit/s links with 0.1 ms delay where the kernel has netem; skipped with the
+reason where namespaces are refused).
 The PyTorch profiler traces in tests/data/kineto (real A100 / V100 runs) are reported in the same
 table when present.
 
