@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from jobrunner import JOBS, job_env
 
 pytest.importorskip("tensorflow")
