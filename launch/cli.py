@@ -9,6 +9,7 @@ Usage::
     dpro-launch -np 2 --optimize python train.py             # ... then write RUN/analysis/config.json
     dpro-launch -np 2 --apply dpro-runs/X/analysis/config.json python train.py
     dpro-launch -np 2 --auto python train.py                 # profile, optimize, re-run, compare
+    dpro-launch --engine tf -np 2 -H localhost:2 python train.py   # Keras MultiWorkerMirroredStrategy
 
 The script needs no change. dpro-launch puts a ``sitecustomize`` on the job's ``PYTHONPATH`` that, once
 the script builds its ``DistributedDataParallel`` model, attaches dpro's recorder to it and to the
@@ -34,6 +35,17 @@ Engines (``--engine``)
                environment (horovodrun hands its whole environment to every rank, over ssh too). A
                fractional --fusion-threshold-mb, which horovodrun's option refuses, is passed by
                HOROVOD_FUSION_THRESHOLD alone.
+    tf         TensorFlow (``tf.distribute.MultiWorkerMirroredStrategy``): dpro starts one process per slot
+               with ``TF_CONFIG={"cluster": {"worker": ["HOST:PORT", ...]}, "task": {"type": "worker",
+               "index": I}}`` (worker I is rank I: each host's slots filled in order, as for torch; the ports
+               are free ports picked on this machine) and the environment the torch engine gives (DPRO_*
+               for --profile/--apply/--auto, PYTHONPATH with the auto-attach directory, OMP_NUM_THREADS=1
+               unless set). Only local hosts (localhost, 127.0.0.1, ::1, this machine's hostname) for now;
+               another host is refused.
+               A TF_CONFIG already in the environment is replaced, with a note. --verbose prints each
+               worker's ``env TF_CONFIG=... COMMAND``. TF workers take SIGTERM as a preemption notice
+               (a script with PreemptionCheckpointHandler checkpoints and exits); one that keeps running is
+               killed after the grace period. Not chosen by auto: give --engine tf.
     auto       (default) horovod if the script (the first ``*.py`` argument) contains ``import horovod``,
                ``from horovod`` or ``horovod.torch``; torch otherwise.
 
@@ -52,7 +64,7 @@ horovodrun options (same names and meaning; Horovod's knobs reach the job as env
     -i, --ssh-identity-file KEY    ssh private key
     --gloo | --mpi                 Horovod controller (--mpi needs --engine horovod)
     --start-timeout S              seconds for the hosts to start (default 30, or $HOROVOD_START_TIMEOUT)
-    --network-interfaces NICS      torch: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; horovod: passed on
+    --network-interfaces NICS      torch, tf: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; horovod: passed on
     --output-filename DIR          each rank's stdout/stderr go to DIR/rank.<r>/stdout, stderr
     --verbose                      print the commands started on each host
     --disable-cache                passed to horovodrun (the torch engine has no cache)
@@ -73,7 +85,7 @@ horovodrun options (same names and meaning; Horovod's knobs reach the job as env
 The table is ``dpro.launch.env.HOROVOD_KNOBS``. Any other option is an error (exit status 2).
 
 dpro options:
-    --engine {auto,torch,horovod}  see above (default auto)
+    --engine {auto,torch,horovod,tf}  see above (default auto)
     --profile START:STOP           iterations to record (default 10:20, i.e. 10..19; START >= 1)
     --no-profile                   record nothing (e.g. to run with --apply only)
     --run-dir DIR                  the run directory (default a new ./dpro-runs/<timestamp>, or under
@@ -119,6 +131,7 @@ from pathlib import Path
 from dpro import __version__
 from dpro.errors import DproError, UsageError
 from dpro.launch.settings import (
+    ENGINE_NAMES,
     LOG_LEVELS,
     HorovodSettings,
     LaunchConfig,
@@ -200,9 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--log-level", type=_upper, choices=LOG_LEVELS, help="HOROVOD_LOG_LEVEL")
 
     dpro = parser.add_argument_group("dpro")
-    dpro.add_argument("--engine", choices=("auto", "torch", "horovod"), default="auto",
-                      help="torch: dpro starts the processes; horovod: horovodrun; auto (default): horovod if "
-                           "the script imports horovod")
+    dpro.add_argument("--engine", choices=("auto", *ENGINE_NAMES), default="auto",
+                      help="torch: dpro starts the processes; horovod: horovodrun; tf: dpro starts the processes "
+                           "with TF_CONFIG for MultiWorkerMirroredStrategy (local hosts only; a TF_CONFIG in the "
+                           "environment is replaced, with a note); auto (default): horovod if the script imports "
+                           "horovod, else torch")
     dpro.add_argument("--profile", default="10:20", metavar="START:STOP",
                       help="iterations to record (default 10:20; START >= 1)")
     dpro.add_argument("--no-profile", action="store_true", help="record nothing")

@@ -4,15 +4,19 @@
   ssh; the agents give each process the torch.distributed environment (as torchrun does), host the
   rendezvous store on a port they bind themselves, and stop every rank when one fails.
 - ``horovod``: the job goes to the real ``horovodrun`` with the same flags and dpro's environment.
+- ``tf``: dpro starts one process per slot (this machine only) with ``TF_CONFIG`` naming every worker, as
+  tf.distribute's ``MultiWorkerMirroredStrategy`` expects, and dpro's environment; it stops every worker
+  when one fails.
 
 An engine is a small class: ``command(config)`` returns the argv lists it will run (one per host for
-torch; ``--verbose`` prints them), ``launch(config)`` runs the job and returns its exit status. A new
-engine registers itself in ``ENGINES``.
+torch, one per worker for tf; ``--verbose`` prints them), ``launch(config)`` runs the job and returns its
+exit status. A new engine registers itself in ``ENGINES``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import queue
 import shlex
@@ -30,11 +34,12 @@ from typing import IO
 
 from dpro.errors import UsageError
 from dpro.launch.env import applied_env, horovodrun_flags, job_env
-from dpro.launch.node import DEFAULT_GRACE_S, PORT_LINE, exit_status
+from dpro.launch.node import DEFAULT_GRACE_S, PORT_LINE, exit_status, rank_output_dir, start_worker
 from dpro.launch.settings import Host, LaunchConfig
 from dpro.logs import get_logger
 
-__all__ = ["ENGINES", "HorovodEngine", "TorchEngine", "ssh_argv", "remote_env"]
+__all__ = ["ENGINES", "HorovodEngine", "TFEngine", "TorchEngine", "free_ports", "ssh_argv", "remote_env", "tf_cluster",
+           "tf_config"]
 
 PORT_PLACEHOLDER = "{master_port}"
 _FORWARDED_PREFIXES = ("DPRO_", "HOROVOD_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "MKL_", "CUDA_", "PYTHON")
@@ -202,7 +207,7 @@ class _Supervisor:
             if code != 0 and status is None:
                 status = code
                 if len(exited) < len(self.agents):
-                    _say(f"{self.agents[who].label} exited with status {code}; stopping the other hosts")
+                    _say(f"{self.agents[who].label} exited with status {code}; stopping the others")
                     self.stop_all(signal.SIGTERM, but=who)
                     deadline = time.monotonic() + self.grace_s + 5
         for agent in self.agents:
@@ -391,4 +396,102 @@ class HorovodEngine:
             return supervisor.wait()
 
 
-ENGINES: dict[str, type] = {TorchEngine.name: TorchEngine, HorovodEngine.name: HorovodEngine}
+# ---- the tf engine -----------------------------------------------------------------------------------
+
+
+TF_CONFIG = "TF_CONFIG"
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports that are free on this machine now: all bound at once, then released.
+
+    Another process may still take one before its worker binds it; that worker then fails to start.
+    """
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _address(host: Host, port: int) -> str:
+    name = f"[{host.name}]" if ":" in host.name else host.name  # an IPv6 address such as ::1
+    return f"{name}:{port}"
+
+
+def tf_cluster(config: LaunchConfig, ports: list[int]) -> list[str]:
+    """The workers' ``host:port`` in rank order: each host's slots are filled before the next (as for torch)."""
+    hosts = [host for host, n in config.placement() for _ in range(n)]
+    if len(ports) != len(hosts):
+        raise UsageError(f"--engine tf: {len(hosts)} workers need {len(hosts)} ports, got {len(ports)}")
+    return [_address(host, port) for host, port in zip(hosts, ports, strict=True)]
+
+
+def tf_config(cluster: list[str], index: int) -> str:
+    """The ``TF_CONFIG`` of worker ``index``: the whole cluster and this worker's task."""
+    return json.dumps({"cluster": {"worker": cluster}, "task": {"type": "worker", "index": index}})
+
+
+class TFEngine:
+    """TensorFlow jobs (``tf.distribute.MultiWorkerMirroredStrategy``): one process per slot, each with its
+    ``TF_CONFIG``; local hosts only (``LaunchConfig`` refuses others)."""
+
+    name = "tf"
+
+    def __init__(self, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.grace_s = grace_s
+
+    def command(self, config: LaunchConfig, ports: list[int] | None = None) -> list[list[str]]:
+        """One argv per worker, in rank order: ``env TF_CONFIG=<json> COMMAND...``, which ``launch`` runs as is.
+
+        ``ports`` (one per worker) default to free ports of this machine.
+        """
+        cluster = tf_cluster(config, free_ports(config.np) if ports is None else list(ports))
+        return [["env", f"{TF_CONFIG}={tf_config(cluster, i)}", *config.command] for i in range(config.np)]
+
+    def launch(self, config: LaunchConfig) -> int:
+        """Start every worker, stop them all when one fails (or on Ctrl-C), return the first failure's status."""
+        env = self._env(config)
+        supervisor = _Supervisor(self.grace_s)
+        files: list[IO[bytes]] = []
+        try:
+            with _Signals(supervisor):
+                try:
+                    for index, argv in enumerate(self.command(config)):
+                        files += self._start(config, index, argv, env, supervisor)
+                except BaseException:
+                    supervisor.kill_all()
+                    raise
+                return supervisor.wait()
+        finally:
+            for f in files:
+                f.close()
+
+    @staticmethod
+    def _env(config: LaunchConfig) -> dict[str, str]:
+        env = {**os.environ, **job_env(config)}
+        if env.pop(TF_CONFIG, None) is not None:
+            _say("TF_CONFIG is set in this environment; --engine tf replaces it with this job's cluster")
+        return env
+
+    def _start(self, config: LaunchConfig, index: int, argv: list[str], env: dict[str, str],
+               supervisor: _Supervisor) -> list[IO[bytes]]:
+        if config.verbose:
+            _say(f"worker {index}: {shlex.join(argv)}")
+        out = config.output_filename
+        if out and not Path(out).is_absolute():
+            out = str(config.cwd / out)
+        try:
+            proc, files = start_worker(argv, env, rank_output_dir(out, index, config.np), cwd=config.cwd)
+        except FileNotFoundError as err:
+            raise UsageError(f"cannot start {argv[0]!r}: {err.strerror}") from err
+        supervisor.add(_Agent(f"worker {index}", proc, remote=False))
+        return files
+
+
+ENGINES: dict[str, type] = {TorchEngine.name: TorchEngine, HorovodEngine.name: HorovodEngine, TFEngine.name: TFEngine}

@@ -163,7 +163,7 @@ def job_env(config: LaunchConfig, *, base: Mapping[str, str] | None = None) -> d
     base = os.environ if base is None else base
     env: dict[str, str] = {DPRO_LAUNCH: "1"}
     env.update(horovod_env(config.horovod))
-    if config.engine == "torch" and config.network_interfaces:
+    if config.engine in ("torch", "tf") and config.network_interfaces:
         env["GLOO_SOCKET_IFNAME"] = config.network_interfaces
         env["NCCL_SOCKET_IFNAME"] = config.network_interfaces
     env.update(applied_env(config))

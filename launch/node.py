@@ -35,8 +35,10 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
-__all__ = ["DEFAULT_GRACE_S", "EXIT_PORT_TAKEN", "PORT_LINE", "Workers", "build_parser", "exit_status", "worker_env"]
+__all__ = ["DEFAULT_GRACE_S", "EXIT_PORT_TAKEN", "PORT_LINE", "Workers", "build_parser", "exit_status",
+           "rank_output_dir", "start_worker", "worker_env"]
 
 PORT_LINE = "DPRO_MASTER_PORT="
 EXIT_PORT_TAKEN = 98
@@ -50,6 +52,35 @@ def _parent_death_signal() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def start_worker(command: list[str], env: dict[str, str], output_dir: Path | None = None,
+                 cwd: Path | None = None) -> tuple[subprocess.Popen, list[IO[bytes]]]:
+    """Start one worker in its own session (process group), killed when its parent dies (Linux); its
+    stdout/stderr appended to ``output_dir``/stdout, stderr when given. Returns the process and the files
+    opened for it (the caller closes them once it has exited)."""
+    files: list[IO[bytes]] = []
+    if output_dir is not None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        files = [open(output_dir / "stdout", "ab"), open(output_dir / "stderr", "ab")]  # noqa: SIM115
+    out, err = files if files else (None, None)
+    try:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd,
+                                start_new_session=True,
+                                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return proc, files
+
+
+def rank_output_dir(base: str | Path | None, rank: int, world_size: int) -> Path | None:
+    """``--output-filename DIR``: rank r's output goes to DIR/rank.<r>/ (r zero-padded to the widest rank)."""
+    if not base:
+        return None
+    width = len(str(world_size - 1))
+    return Path(base) / f"rank.{rank:0{width}d}"
 
 
 def exit_status(returncode: int) -> int:
@@ -82,14 +113,8 @@ class Workers:
         self._files: list = []
 
     def start(self, rank: int, command: list[str], env: dict[str, str], output_dir: Path | None) -> None:
-        out = err = None
-        if output_dir is not None:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            out, err = open(output_dir / "stdout", "ab"), open(output_dir / "stderr", "ab")  # noqa: SIM115
-            self._files += [out, err]
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                start_new_session=True,
-                                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None)
+        proc, files = start_worker(command, env, output_dir)
+        self._files += files
         self.procs[rank] = proc
         threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
 
@@ -202,10 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PORT_LINE}{port}", flush=True)
     if args.watch_stdin:
         threading.Thread(target=_watch_stdin, args=(workers.events,), daemon=True).start()
-    width = len(str(args.world_size - 1))
     for local_rank in range(args.nproc):
         rank = args.rank_offset + local_rank
-        out = Path(args.output_filename) / f"rank.{rank:0{width}d}" if args.output_filename else None
+        out = rank_output_dir(args.output_filename, rank, args.world_size)
         workers.start(rank, command, worker_env(args, local_rank, port), out)
     status = workers.wait()
     del store  # the store outlives every worker

@@ -32,6 +32,9 @@ __all__ = ["collect_remote", "find_recorded_run", "measured_step_ms", "optimize_
 LAUNCH_FILE = "launch.json"
 ELSEWHERE_FILE = "recorded-elsewhere.json"  # written by dpro.plugins.torch.autoattach
 APPLIED_SUFFIX = "-applied"
+_TORCH_NOTHING = "the job built no DistributedDataParallel model or hvd.DistributedOptimizer"
+_NOTHING_RECORDED = {"torch": _TORCH_NOTHING, "horovod": _TORCH_NOTHING,  # why, by engine
+                     "tf": "the TensorFlow job got no dpro recorder"}
 
 
 logger = get_logger("dpro.launch")
@@ -161,8 +164,8 @@ def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
     _write_launch_file(config, status)
     recorded = find_recorded_run(config.run_dir)
     if recorded is None:
-        _say(f"nothing was recorded in {config.run_dir}: the job built no DistributedDataParallel model or "
-             f"hvd.DistributedOptimizer, or ended before iteration {config.profile[0]} "
+        what = _NOTHING_RECORDED.get(config.engine, _NOTHING_RECORDED["torch"])
+        _say(f"nothing was recorded in {config.run_dir}: {what}, or ended before iteration {config.profile[0]} "
              f"(--profile {config.profile[0]}:{config.profile[1]})")
     elif recorded != config.run_dir:
         _say(f"the script recorded itself into {recorded}")

@@ -29,7 +29,7 @@ __all__ = [
     "read_horovod_config_file",
 ]
 
-ENGINE_NAMES = ("torch", "horovod")
+ENGINE_NAMES = ("torch", "horovod", "tf")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # horovod's config_parser.LOG_LEVELS
 DEFAULT_WINDOW = (10, 20)
 DEFAULT_START_TIMEOUT_S = 30.0  # horovodrun's default; HOROVOD_START_TIMEOUT overrides it, --start-timeout wins
@@ -303,7 +303,9 @@ class LaunchConfig:
         np: total number of processes (``-np``).
         hosts: hosts and slots in order; processes fill each host's slots before the next (horovodrun's rule).
             Empty means ``localhost:np``.
-        engine: "torch" (dpro starts the processes, torch.distributed environment) or "horovod" (horovodrun).
+        engine: "torch" (dpro starts the processes, torch.distributed environment), "horovod" (horovodrun) or
+            "tf" (dpro starts the processes, TF_CONFIG for tf.distribute's MultiWorkerMirroredStrategy; local
+            hosts only).
         profile: the iterations to record, (START, STOP); None records nothing (``--no-profile``).
         run_dir: the run directory; None makes ``./dpro-runs/<timestamp>`` (under ``$DPRO_RUN_DIR`` if set).
         optimize: analyze the recorded run and write ``RUN/analysis/config.json`` afterwards.
@@ -359,9 +361,11 @@ class LaunchConfig:
             raise UsageError(f"--engine {self.engine!r}: expected auto, {' or '.join(ENGINE_NAMES)}")
         if self.controller not in (None, "gloo", "mpi"):
             raise UsageError(f"controller {self.controller!r}: expected gloo or mpi")
-        if self.controller == "mpi" and self.engine == "torch":
-            raise UsageError("--mpi selects Horovod's MPI controller; the torch engine starts its processes itself. "
-                             "Use --engine horovod, or drop --mpi")
+        if self.controller == "mpi" and self.engine in ("torch", "tf"):
+            raise UsageError(f"--mpi selects Horovod's MPI controller; the {self.engine} engine starts its processes "
+                             "itself. Use --engine horovod, or drop --mpi")
+        if self.engine == "tf":
+            self._check_local_hosts()
         if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
             raise UsageError(f"--ssh-port {self.ssh_port}: expected a port number between 1 and 65535")
         if self.ssh_identity_file is not None:
@@ -407,6 +411,14 @@ class LaunchConfig:
             self.apply = path
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise UsageError(f"--memory-budget {self.memory_budget_bytes}: expected a positive size, e.g. 2GiB")
+
+    def _check_local_hosts(self) -> None:
+        """--engine tf starts every worker on this machine: a host that is not this machine is refused."""
+        for host, _ in self.placement():
+            if not host.local:
+                raise UsageError(f"--engine tf: host {host.name!r} is not this machine; only local hosts "
+                                 f"({', '.join(sorted(_local_names()))}) are supported for --engine tf yet. "
+                                 "Start the job on that host, or use --engine torch or horovod for several hosts")
 
     @property
     def world_size(self) -> int:
