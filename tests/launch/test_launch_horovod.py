@@ -322,7 +322,8 @@ def test_horovod_tensors_end_with_their_buffer_not_at_the_late_poll(conv1d_runs)
     for rank in (0, 1):
         for e in run.ranks[rank].events:
             if e["cat"] == "COMM":
-                assert e["dur"] <= e["args"]["seen_done_us"] + 1e-6  # never after the poll that saw it
+                # never after the poll that saw it (seen_done_us is rounded to the ns, dur is not)
+                assert e["dur"] <= e["args"]["seen_done_us"] + 1e-3
                 late += e["args"]["seen_done_us"] - e["dur"] > 1000.0
         by_buffer: dict[tuple[int, int], list[float]] = {}
         for e in run.ranks[rank].events:
