@@ -5,7 +5,10 @@ installed. ``install`` imports nothing: it registers ``PATCHES``, which wrap ``M
 (``tf_keras.src.engine.training``) and of Keras 3's TensorFlow trainer (``keras.src.backend.tensorflow.trainer``)
 when the script imports them. The first ``fit`` of the process gets a ``DproCallback`` writing ``$DPRO_RUN_DIR``
 for the steps ``$DPRO_PROFILE`` ("10:20"), unless its callbacks already hold one (a script that records itself
-is recorded once). Nothing here raises into the user's program: a failure to patch is printed and ignored.
+is recorded once). With ``$DPRO_CONFIG`` (``dpro-launch --apply FILE``) or ``$DPRO_APPLY_SEARCH`` (``--apply auto``:
+the newest config made for this model, engine and number of workers under it) the first fit gets the config's
+communication options first (``dpro.plugins.tf.apply``). Nothing here raises into the user's program: a failure
+to patch is printed and ignored; a config that does not fit the job stops it, as the torch plugin does.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 __all__ = ["PATCHES", "install"]
 
 AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
-_STATE = {"installed": False, "attached": False}
+CONFIG, APPLY_SEARCH, FORCE = "DPRO_CONFIG", "DPRO_APPLY_SEARCH", "DPRO_FORCE"
+_STATE = {"installed": False, "attached": False, "configured": False}
 
 
 def _say(text: str) -> None:
@@ -37,12 +41,49 @@ def _window(text: str | None) -> range:
         return range(10, 20)
 
 
+def _config_path(model: Any) -> str | None:
+    """The config to apply to the first fit: ``$DPRO_CONFIG``, or the one ``--apply auto`` finds for ``model``."""
+    path = os.environ.get(CONFIG) or None
+    search = os.environ.get(APPLY_SEARCH) or None
+    if path is not None or search is None:
+        return path
+    from dpro.config import find_config
+    from dpro.plugins.tf.apply import ENGINE, FRAMEWORK, fingerprint, world_size
+
+    wanted = {"framework": FRAMEWORK, "engine": ENGINE, "world_size": world_size(), "model": fingerprint(model)}
+    found = find_config(search, wanted)
+    if found is None:
+        _say(f"--apply auto: no config made for this job ({wanted['world_size']} workers, model "
+             f"{wanted['model'][:12]}) under {search}; running without one")
+        return None
+    return str(found)
+
+
+def _apply_config(model: Any) -> None:
+    """Apply the job's config (if any) to ``model``'s strategy, once per process."""
+    if _STATE["configured"]:
+        return
+    _STATE["configured"] = True
+    path = _config_path(model)
+    if path is None:
+        return
+    from dpro.plugins.tf.apply import apply_to_strategy, load_config
+
+    config = load_config(path, model=model, force=os.environ.get(FORCE) == "1")
+    applied = apply_to_strategy(model.distribute_strategy, config) if config is not None else {}
+    from dpro.plugins.tf.transport import tf_config
+
+    if tf_config()[1] == 0:  # users hear it from worker 0
+        _say(f"applying {path}: " + (", ".join(f"{k}={v}" for k, v in applied.items()) or "nothing for TensorFlow"))
+
+
 def _with_recorder(callbacks: Any) -> Any:
     """``callbacks`` plus a ``DproCallback`` for the first fit of the process (none if it already has one)."""
     from dpro.plugins.tf.callback import DproCallback
 
     listed = list(callbacks or [])
-    if _STATE["attached"] or any(isinstance(cb, DproCallback) for cb in listed):
+    if os.environ.get(AUTO_RECORD) != "1" or _STATE["attached"] or any(isinstance(cb, DproCallback)
+                                                                        for cb in listed):
         return callbacks
     _STATE["attached"] = True
     return [*listed, DproCallback(run_dir=os.environ.get(RUN_DIR) or None, steps=_window(os.environ.get(PROFILE)))]
@@ -56,6 +97,7 @@ def _wrap_fit(owner: type) -> None:
 
     @functools.wraps(original)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _apply_config(self)  # a config made for another job stops the job (ConfigError), as in torch
         try:
             bound = signature.bind_partial(self, *args, **kwargs)
             bound.arguments["callbacks"] = _with_recorder(bound.arguments.get("callbacks"))
@@ -83,8 +125,10 @@ PATCHES: dict[str, Callable[[ModuleType], None]] = {
 
 
 def install(when_imported: Callable[[str, Callable[[ModuleType], None]], None]) -> None:
-    """Register the patches (once per process) with dpro-launch's post-import hook; only when recording."""
-    if _STATE["installed"] or os.environ.get(AUTO_RECORD) != "1":
+    """Register the patches (once per process) with dpro-launch's post-import hook; only when recording or
+    applying a config."""
+    wanted = os.environ.get(AUTO_RECORD) == "1" or os.environ.get(CONFIG) or os.environ.get(APPLY_SEARCH)
+    if _STATE["installed"] or not wanted:
         return
     _STATE["installed"] = True
     for module_name, patch in PATCHES.items():

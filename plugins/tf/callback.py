@@ -6,6 +6,10 @@ It serves tf_keras 2.x (``TF_USE_LEGACY_KERAS=1``, the Keras that works with Mul
 ``fit`` today) and Keras 3 (``_callback_base``). Steps are counted from 0 over every epoch of the fit. The
 recorder is made at ``on_train_begin`` (the workers agree on the run directory there) and writes when the
 window ends or the fit ends.
+
+With ``config`` (a path, a ``dpro.config.Config``, or ``"env"`` for ``$DPRO_CONFIG``) the callback applies a
+config made by ``dpro optimize`` for this model at the start of the fit, before the first step is traced
+(``dpro.plugins.tf.apply``); ``steps=None`` then applies it without recording.
 """
 
 from __future__ import annotations
@@ -41,17 +45,33 @@ class DproCallback(_callback_base()):  # type: ignore[misc]
         run_dir: a new or empty directory, or None for ``dpro-runs/<timestamp>`` (worker 0 decides; every worker
             writes its own files there).
         steps: the batches to record, counted from 0 over all epochs (e.g. ``range(10, 20)``; skip the first
-            steps, which trace and warm up the function).
+            steps, which trace and warm up the function); None records nothing (apply ``config`` only).
+        config: a config to apply (path, ``Config``, or ``"env"`` for ``$DPRO_CONFIG``); refused when it was
+            made for another model, engine or number of workers, unless ``force``.
+        force: apply a config made for another job anyway (with a warning).
     """
 
-    def __init__(self, run_dir: str | Path | None = None, steps: Any = range(10, 20)) -> None:
+    def __init__(self, run_dir: str | Path | None = None, steps: Any = range(10, 20), *, config: Any = None,
+                 force: bool = False) -> None:
         super().__init__()
         self.run_dir = run_dir
         self.steps = steps
+        self.config = config
+        self.force = force
+        self.applied: dict[str, Any] = {}
         self.recorder: TFRecorder | None = None
 
+    def _apply_config(self) -> None:
+        from dpro.plugins.tf.apply import apply_to_strategy, load_config
+
+        config = load_config(None if self.config == "env" else self.config, model=self.model, force=self.force)
+        if config is not None:
+            self.applied = apply_to_strategy(self.model.distribute_strategy, config)
+
     def on_train_begin(self, logs: Any = None) -> None:
-        if self.recorder is None:
+        if self.config is not None and not self.applied:
+            self._apply_config()
+        if self.recorder is None and self.steps is not None:
             total = self.params.get("steps") if isinstance(getattr(self, "params", None), dict) else None
             epochs = self.params.get("epochs") if isinstance(getattr(self, "params", None), dict) else None
             self.recorder = TFRecorder(self.model, self.run_dir, self.steps, who="dpro.plugins.tf.DproCallback",

@@ -40,7 +40,7 @@ from dpro.record.protocol import (
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
 
-__all__ = ["TFRecorder", "model_layout"]
+__all__ = ["TFRecorder", "gradient_fingerprint", "model_layout"]
 
 ENGINE_MWMS = "tf-mwms"
 XPLANE_DIR = "xplane-rank{rank}"
@@ -89,6 +89,11 @@ def model_layout(model: Any, optimizer: Any = None, bytes_per_pack: int = 0) -> 
                     grads_of={k: tuple(v) for k, v in grads_of.items()},
                     optimizer_scopes=frozenset(s for s in scopes if s), packs=tuple(packs))
     return layout, grads
+
+
+def gradient_fingerprint(grads: list[dict[str, Any]]) -> str:
+    """The model hash of run.json and configs: (name, shape, dtype) of the gradients of ``model_layout``."""
+    return model_fingerprint((g["name"], g["shape"], g["dtype"]) for g in grads)
 
 
 def communication_options(strategy: Any) -> tuple[int, str]:
@@ -252,7 +257,7 @@ class TFRecorder:
         return knobs
 
     def fingerprint(self) -> str:
-        return model_fingerprint((g["name"], g["shape"], g["dtype"]) for g in self._grads)
+        return gradient_fingerprint(self._grads)
 
     def _engine(self) -> str:
         return ENGINE_MWMS if is_mwms(self.strategy) and self.world_size > 1 else "tf"
