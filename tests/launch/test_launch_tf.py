@@ -232,3 +232,40 @@ def test_ctrl_c_stops_every_worker(tmp_path):
     assert not _left(tag), "a worker outlived the launcher"
     for rank in (0, 1):  # --output-filename: each worker's output in logs/rank.<r>/
         assert f'"index": {rank}' in (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text()
+
+
+def _comm_packs(run_dir: Path, rank: int = 0) -> set[str]:
+    doc = json.loads((run_dir / f"rank-{rank}.json").read_text())
+    return {e["name"] for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("COMM.pack")}
+
+
+def _config_for(run_dir: Path, path: Path, **fingerprint: object) -> Path:
+    """A config made for the job recorded in ``run_dir`` (its fingerprint, changed by ``fingerprint``) that sets
+    64-byte packs."""
+    made = json.loads((run_dir / "run.json").read_text())
+    fp = {"framework": made["framework"], "engine": made["engine"], "world_size": made["world_size"],
+          "model": made["model_fingerprint"], **fingerprint}
+    path.write_text(json.dumps({"schema": "dpro.config/1", "fingerprint": fp,
+                                "knobs": {"tf.mwms.bytes_per_pack": 64}}))
+    return path
+
+
+@pytest.mark.slow
+@needs_tf
+def test_a_config_is_applied_to_an_unmodified_script_and_refused_for_another_model(tmp_path):
+    env = env_for_jobs()
+    job = ("python", str(SCRIPT), "--steps", "10")
+    run_job(launcher("-np", "2", "--profile", "4:7", "--run-dir", "rec", *job), env=env, cwd=tmp_path, timeout=240)
+    assert len(_comm_packs(tmp_path / "rec")) == 1  # MWMS's default: one pack
+    config = _config_for(tmp_path / "rec", tmp_path / "small-packs.json")
+    proc = run_job(launcher("-np", "2", "--profile", "4:7", "--run-dir", "applied", "--apply", str(config), *job),
+                   env=env, cwd=tmp_path, timeout=240)
+    assert proc.stderr.count("tf.mwms.bytes_per_pack=64") == 1  # said once, by worker 0
+    meta = json.loads((tmp_path / "applied" / "run.json").read_text())
+    assert meta["knobs"]["tf.mwms.bytes_per_pack"] == 64
+    assert len(_comm_packs(tmp_path / "applied")) > 1 and _comm_packs(tmp_path / "applied", 1) == _comm_packs(
+        tmp_path / "applied")
+    other = _config_for(tmp_path / "rec", tmp_path / "other.json", model="0123456789abcdef")
+    refused = run_job(launcher("-np", "2", "--no-profile", "--apply", str(other), *job), env=env, cwd=tmp_path,
+                      timeout=240, check=False)
+    assert refused.returncode != 0 and "config was made for model 0123456789abcdef" in refused.stderr

@@ -99,14 +99,15 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _mwms(run_dir: Path, *args: str, workers: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+def _mwms(run_dir: Path, *args: str, workers: int = 2, timeout: float = 240, script: str = "tf_keras_job.py",
+          **env: str) -> list[subprocess.CompletedProcess]:
     ports = _free_ports(workers + 1)
     cluster = [f"127.0.0.1:{p}" for p in ports[:workers]]
     procs = []
     for i in range(workers):
         tf_conf = json.dumps({"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}})
-        procs.append(subprocess.Popen([sys.executable, str(JOBS / "tf_keras_job.py"), "--run-dir", str(run_dir), *args],
-                                      env=job_env(TF_CONFIG=tf_conf, DPRO_TF_PORT=str(ports[-1])),
+        procs.append(subprocess.Popen([sys.executable, str(JOBS / script), "--run-dir", str(run_dir), *args],
+                                      env=job_env(TF_CONFIG=tf_conf, DPRO_TF_PORT=str(ports[-1]), **env),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     try:
@@ -148,6 +149,31 @@ def test_mwms_fit_records_every_layer_and_the_gradient_bytes(tmp_path: Path) -> 
             step_event = next(e for e in events if e["name"] == "STEP" and e["args"]["step"] == step)
             inside = [e for e in events if e["args"]["step"] == step and e["name"] != "STEP"]
             assert all(step_event["ts"] <= e["ts"] <= step_event["ts"] + step_event["dur"] for e in inside)
+    out = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(run), "--json"], capture_output=True,
+                         text=True, timeout=120, env=job_env())
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["predicted_step_ms"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keras", ["tf_keras", "keras3"])
+def test_custom_mwms_loop_records_every_layer(tmp_path: Path, keras: str) -> None:
+    run = tmp_path / "run"
+    _mwms(run, "--steps", "12", "--profile", "5:9", *(["--keras3"] if keras == "keras3" else []),
+          script="tf_custom_loop.py")
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["engine"] == "tf-mwms" and meta["profiled_steps"] == [5, 6, 7, 8]
+    grad_bytes = sum(g["bytes"] for g in json.loads((run / "model.json").read_text())["gradients"])
+    assert grad_bytes == 4 * (12 * 48 + 48 + 48 * 48 + 48 + 48 * 4 + 4)
+    for rank in (0, 1):
+        events = _events(run, rank)
+        for step in (5, 6, 7, 8):
+            mine = [e for e in events if e["args"]["step"] == step]
+            names = {e["name"] for e in mine}
+            for layer in ("hidden1", "hidden2", "head"):
+                assert f"FW.{layer}" in names and f"BW.{layer}" in names, (keras, rank, step, layer)
+            assert any(n.startswith("UPDATE") for n in names)
+            assert sum(e["args"]["bytes"] for e in mine if e["name"].startswith("COMM.pack")) == grad_bytes
     out = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(run), "--json"], capture_output=True,
                          text=True, timeout=120, env=job_env())
     assert out.returncode == 0, out.stderr
