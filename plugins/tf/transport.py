@@ -31,6 +31,14 @@ MAX_MESSAGE = 64 * 1024**2
 _HEADER = struct.Struct("!Q")
 
 
+def horovod_size(environ: dict[str, str] | os._Environ) -> int:
+    """The number of Horovod ranks horovodrun announced to this process (0 when it did not start it)."""
+    try:
+        return int(environ.get("HOROVOD_SIZE") or 0)
+    except ValueError:
+        return 0
+
+
 def tf_config(environ: dict[str, str] | None = None) -> tuple[list[str], int]:
     """(worker addresses, this worker's index) from ``TF_CONFIG``; ``([], 0)`` when it is unset."""
     text = (os.environ if environ is None else environ).get("TF_CONFIG", "")
@@ -89,9 +97,13 @@ class SocketTransport:
     @classmethod
     def from_tf_config(cls, environ: dict[str, str] | None = None) -> SocketTransport:
         workers, index = tf_config(environ)
-        if len(workers) <= 1:
-            return cls(rank=0, world_size=1)
         env = os.environ if environ is None else environ
+        if len(workers) <= 1:
+            if horovod_size(env) > 1:  # each rank would take itself for a lone worker and share one run directory
+                raise UsageError("dpro's TensorFlow recorder does not record Horovod jobs yet (hvd.keras, "
+                                 "hvd.DistributedGradientTape): it knows its workers from TF_CONFIG; run the "
+                                 "job unrecorded, or record a MultiWorkerMirroredStrategy version of it")
+            return cls(rank=0, world_size=1)
         host, _, port = workers[0].rpartition(":")
         try:
             side_port = int(env.get("DPRO_TF_PORT") or int(port) + PORT_OFFSET)

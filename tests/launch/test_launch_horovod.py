@@ -349,3 +349,17 @@ def test_horovod_straggler_waiting_fits_in_the_step(conv1d_runs):
             assert row["wait_caused_ms_per_step"] <= max(mean_step.values(), default=float("inf")) + 1e-6
         assert sum(r["wait_caused_ms_per_step"] for r in rows) == pytest.approx(
             sum(r["waits_ms_per_step"] for r in rows))  # two ranks: what one causes, the other waits
+
+
+HAVE_HVD_KERAS = HAVE_HOROVOD and importlib.util.find_spec("tf_keras") is not None and \
+    importlib.util.find_spec("horovod.tensorflow") is not None
+
+
+@pytest.mark.skipif(not HAVE_HVD_KERAS, reason="this Horovod wheel was built without TensorFlow")
+def test_an_hvd_keras_job_runs_and_is_left_unrecorded_with_a_reason(tmp_path):
+    proc = run_job(launcher("--profile", "2:5", "--run-dir", "run", "python", str(JOBS / "hvd_keras_job.py")),
+                   env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=180, check=False)
+    assert "hvd.keras rank 0 of 2 done" in proc.stdout and "hvd.keras rank 1 of 2 done" in proc.stdout, \
+        proc.stderr[-3000:]
+    assert "does not record yet; running it unrecorded" in proc.stderr
+    assert not list(tmp_path.rglob("rank-*.json"))  # no two ranks claiming to be worker 0 of 1
