@@ -199,13 +199,39 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_import_xplane(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "import-xplane", help="turn a TensorBoard profile (*.xplane.pb) into a run directory",
+        description="Read the TensorFlow profile(s) of a job (DIR/plugins/profile/<session>/<host>.xplane.pb, one "
+                    "file per worker; DIR may also be a session folder or one file) and write a dpro run directory "
+                    "that info, analyze and whatif read. Steps, layers and collectives are inferred from the "
+                    "profile; gradient sizes are unknown. Needs the TensorFlow plugin (tensorflow installed).",
+    )
+    parser.add_argument("src", metavar="DIR", help="a TensorBoard log dir, a profile session folder or a .xplane.pb")
+    parser.add_argument("-o", "--output", metavar="RUN_DIR", help="the new run directory (default: <DIR>-dpro)")
+    parser.set_defaults(func=_cmd_import_xplane)
+
+
+def _cmd_import_xplane(args: argparse.Namespace) -> int:
+    from dpro.errors import UsageError
+
+    try:  # the plugin imports TensorFlow; core stays framework-free until this command runs
+        from dpro.plugins.tf.importer import import_xplane
+    except ImportError as err:
+        raise UsageError(f"dpro import-xplane needs TensorFlow ({err}); install dpro[tf]") from err
+    out = import_xplane(args.src, args.output)
+    print(f"run written to {out}")
+    return 0
+
+
 def _write_config(path: Any, doc: dict[str, Any]) -> None:
     from dpro.config import Config, write_config
 
     write_config(path, Config.from_json(doc))
 
 
-SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info, _add_analyze, _add_whatif, _add_optimize)
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info, _add_analyze, _add_whatif, _add_optimize,
+                                                   _add_import_xplane)
 
 
 def build_parser() -> argparse.ArgumentParser:
