@@ -400,6 +400,7 @@ class HorovodEngine:
 
 
 TF_CONFIG = "TF_CONFIG"
+TF_SIDE_PORT = "DPRO_TF_PORT"  # the TF plugin's side channel (run directory, clocks) between the workers
 
 
 def free_ports(count: int) -> list[int]:
@@ -451,8 +452,10 @@ class TFEngine:
 
         ``ports`` (one per worker) default to free ports of this machine.
         """
-        cluster = tf_cluster(config, free_ports(config.np) if ports is None else list(ports))
-        return [["env", f"{TF_CONFIG}={tf_config(cluster, i)}", *config.command] for i in range(config.np)]
+        ports = free_ports(config.np + 1) if ports is None else list(ports)
+        cluster = tf_cluster(config, ports[:config.np])
+        side = [f"{TF_SIDE_PORT}={ports[config.np]}"] if len(ports) > config.np else []  # dpro's side channel
+        return [["env", f"{TF_CONFIG}={tf_config(cluster, i)}", *side, *config.command] for i in range(config.np)]
 
     def launch(self, config: LaunchConfig) -> int:
         """Start every worker, stop them all when one fails (or on Ctrl-C), return the first failure's status."""

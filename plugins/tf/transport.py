@@ -31,6 +31,12 @@ MAX_MESSAGE = 64 * 1024**2
 _HEADER = struct.Struct("!Q")
 
 
+def side_port_of(port: int) -> int:
+    """The side channel's port from worker 0's TF_CONFIG port: ``PORT_OFFSET`` above it, wrapped into the
+    unprivileged range (ports handed out by the kernel go up to 60999, and 60999 + 7919 is no port)."""
+    return 1024 + (port - 1024 + PORT_OFFSET) % (65536 - 1024)
+
+
 def horovod_size(environ: dict[str, str] | os._Environ) -> int:
     """The number of Horovod ranks horovodrun announced to this process (0 when it did not start it)."""
     try:
@@ -106,9 +112,11 @@ class SocketTransport:
             return cls(rank=0, world_size=1)
         host, _, port = workers[0].rpartition(":")
         try:
-            side_port = int(env.get("DPRO_TF_PORT") or int(port) + PORT_OFFSET)
+            side_port = int(env.get("DPRO_TF_PORT") or side_port_of(int(port)))
         except ValueError as err:
             raise UsageError(f"DPRO_TF_PORT / TF_CONFIG port is not a number: {err}") from err
+        if not 0 < side_port < 65536:
+            raise UsageError(f"DPRO_TF_PORT={side_port} is not a TCP port (1..65535)")
         transport = cls(rank=index, world_size=len(workers))
         transport._connect(host.strip("[]"), side_port)
         return transport

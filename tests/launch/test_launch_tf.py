@@ -74,9 +74,13 @@ def test_command_gives_each_worker_its_tf_config_in_rank_order(tmp_path):
     cluster = ["localhost:1111", "127.0.0.1:2222", "127.0.0.1:3333"]  # host 1's slots after host 0's
     assert tf_configs(argvs) == [{"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}}
                                  for i in range(3)]
-    picked = tf_configs(TFEngine().command(config))  # free ports of this machine, one per worker
+    argvs = TFEngine().command(config)  # free ports of this machine, one per worker and one for dpro's channel
+    picked = tf_configs(argvs)
     ports = [int(a.rsplit(":", 1)[1]) for a in picked[0]["cluster"]["worker"]]
     assert len(set(ports)) == 3 and all(p["cluster"] == picked[0]["cluster"] for p in picked)
+    sides = {argv[2] for argv in argvs}
+    assert len(sides) == 1 and sides.pop().startswith("DPRO_TF_PORT=")
+    assert int(argvs[0][2].split("=")[1]) not in ports
     with pytest.raises(UsageError, match="3 workers need 3 ports"):
         TFEngine().command(config, ports=[1, 2])
 

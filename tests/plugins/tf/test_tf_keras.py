@@ -87,6 +87,14 @@ def test_bad_tf_config_is_a_usage_error(text: str, problem: str) -> None:
         tf_config({"TF_CONFIG": text})
 
 
+def test_the_side_channel_port_is_a_port_whatever_worker_0s() -> None:
+    from dpro.plugins.tf.transport import side_port_of
+
+    assert side_port_of(12345) == 12345 + 7919
+    assert all(1024 <= side_port_of(p) <= 65535 for p in (1024, 57617, 60999, 65535))  # 60999 + 7919 was refused
+    assert len({side_port_of(p) for p in range(1024, 65536)}) == 65536 - 1024
+
+
 # ---- real jobs -------------------------------------------------------------------------------------
 
 def _free_ports(n: int) -> list[int]:
