@@ -91,6 +91,13 @@ def model_layout(model: Any, optimizer: Any = None, bytes_per_pack: int = 0) -> 
     return layout, grads
 
 
+def _drain() -> None:
+    """Wait for the ops TensorFlow still runs asynchronously (eager async mode, collectives in flight)."""
+    from tensorflow.python.eager import context
+
+    context.async_wait()
+
+
 def gradient_fingerprint(grads: list[dict[str, Any]]) -> str:
     """The model hash of run.json and configs: (name, shape, dtype) of the gradients of ``model_layout``."""
     return model_fingerprint((g["name"], g["shape"], g["dtype"]) for g in grads)
@@ -189,6 +196,7 @@ class TFRecorder:
             self._write_run_json(pingpong)
         self.transport.barrier()
         logdir = self.run_dir / XPLANE_DIR.format(rank=self.rank)
+        _drain()  # the profiler starts with no op of the previous step in flight
         tf.profiler.experimental.start(str(logdir))
         self._logdir = logdir
         self._profiling = True
@@ -209,6 +217,7 @@ class TFRecorder:
             return None
         if self._profiling:
             self._profiling = False
+            _drain()
             tf.profiler.experimental.stop()
         note = f"stopped by {type(error).__name__}: {error}" if error is not None else ""
         try:
