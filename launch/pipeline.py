@@ -20,6 +20,7 @@ from typing import Any
 
 from dpro.config import CONFIG_FILE, Config, read_config, write_config
 from dpro.errors import DproError, UsageError
+from dpro.io.load import interrupted_calls
 from dpro.launch.engines import ENGINES, ssh_options
 from dpro.launch.env import applied_env, horovod_env
 from dpro.launch.settings import LaunchConfig
@@ -162,6 +163,8 @@ def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
     if any(not h.local for h, _ in config.placement()):
         collect_remote(config, config.run_dir)
     _write_launch_file(config, status)
+    for rank, what in interrupted_calls(config.run_dir).items():
+        _say(f"rank {rank} died while {what}")
     recorded = find_recorded_run(config.run_dir)
     if recorded is None:
         what = _NOTHING_RECORDED.get(config.engine, _NOTHING_RECORDED["torch"])

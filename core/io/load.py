@@ -45,6 +45,7 @@ __all__ = [
     "RankTrace",
     "Run",
     "format_steps",
+    "interrupted_calls",
     "load_journal",
     "load_model_json",
     "load_rank_file",
@@ -492,6 +493,8 @@ def load_run(path: str | Path) -> Run:
     run = Run(path=root, meta=meta, model=model, ranks=ranks, problems=problems)
     for rank in sorted(set(range(run.world_size)) | set(ranks)):
         run.problems.extend(_rank_problems(run, rank, cut_lines.get(rank, [])))
+    for rank, what in interrupted_calls(root).items():
+        run.problems.append(f"rank {rank} never returned from {what}")
     run.problems.extend(_step_set_problems(run))
     _prepare_for_engine(run)
     return run
@@ -506,6 +509,28 @@ def _prepare_for_engine(run: Run) -> None:
         get_engine((run.meta or {}).get("engine")).prepare_run(run)
     except TraceError as err:
         run.problems.append(f"{err}; the engine's own trace was not merged (the recorded events are kept)")
+
+
+_BUSY_FILE = re.compile(r"rank-(\d+)\.busy\.txt")
+_BUSY_NOTE_BYTES = 4096
+
+
+def interrupted_calls(root: str | Path) -> dict[int, str]:
+    """rank -> what it was doing when it died, from the ``rank-<r>.busy.txt`` notes a recorder leaves while it
+    is inside a framework call that may kill the process (``RankTraceWriter.inside``)."""
+    out: dict[int, str] = {}
+    root = Path(root)
+    if not root.is_dir():
+        return out
+    for entry in sorted(root.iterdir()):
+        if (m := _BUSY_FILE.fullmatch(entry.name)) and entry.is_file() and int(m.group(1)) < 1 << 20:
+            try:
+                with open(entry, "rb") as f:
+                    text = f.read(_BUSY_NOTE_BYTES).decode("utf-8", "replace").strip()
+            except OSError:
+                continue
+            out[int(m.group(1))] = text or "a framework call"
+    return out
 
 
 def _rank_files(root: Path) -> tuple[dict[int, Path], dict[int, Path]]:

@@ -25,6 +25,7 @@ __all__ = [
     "RUN_SCHEMA",
     "TRACE_SCHEMA",
     "event_row",
+    "busy_file",
     "journal_file",
     "model_fingerprint",
     "queue_metadata",
@@ -54,6 +55,12 @@ def rank_file(rank: int) -> str:
 def journal_file(rank: int) -> str:
     """Name of the per-step journal a rank appends to while it records (removed when it finishes)."""
     return f"rank-{rank}.partial.jsonl"
+
+
+def busy_file(rank: int) -> str:
+    """Name of the note a rank leaves while it is inside a framework call that may kill it (e.g. a profiler's
+    stop): it says what the rank was doing if it never comes back; removed when the call returns."""
+    return f"rank-{rank}.busy.txt"
 
 
 def queue_metadata(rank: int, host: str) -> list[dict[str, Any]]:

@@ -9,8 +9,10 @@ copy of the run directory; the file names never collide, so copying them into on
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from dpro.record.trace import (
     RUN_FILE,
     RUN_SCHEMA,
     TRACE_SCHEMA,
+    busy_file,
     journal_file,
     queue_metadata,
     rank_file,
@@ -125,6 +128,17 @@ class RankTraceWriter:
         self._write_line({"step": step, "rows": rows})
         self.steps_done.append(step)
         self.rows.extend(rows)
+
+    @contextlib.contextmanager
+    def inside(self, what: str) -> Iterator[None]:
+        """While the block runs, ``rank-<r>.busy.txt`` says ``what`` the rank is doing: if the process dies
+        there (a framework call that aborts), the file tells the reader and the launcher where."""
+        path = self.run_dir / busy_file(self.rank)
+        path.write_text(what + "\n")
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
 
     def finish(self, *, complete: bool, note: str = "") -> Path:
         """Write ``rank-<r>.json`` atomically with every finished step and remove the journal."""

@@ -9,7 +9,7 @@ import pytest
 from run_builder import make_run, rank_doc, run_doc, step_events, write_journal, write_json
 
 from dpro.errors import DproError, TraceError
-from dpro.io.load import format_steps, load_journal, load_rank_file, load_run, step_times_ms
+from dpro.io.load import format_steps, interrupted_calls, load_journal, load_rank_file, load_run, step_times_ms
 from dpro.record.trace import event_row
 from dpro.record.writer import RankTraceWriter
 
@@ -50,6 +50,19 @@ def test_loads_what_the_record_writer_writes(tmp_path: Path) -> None:
     final = load_rank_file(tmp_path / "rank-0.json", 0)
     assert final.complete and final.steps == [1, 2] and final.events == partial.events
     assert final.queues == {0: "compute", 1: "comm", 2: "host"} and final.host == "node-b"
+
+
+def test_a_rank_that_died_inside_a_framework_call_is_named_with_what_it_was_doing(tmp_path: Path) -> None:
+    writer = RankTraceWriter(tmp_path, rank=1, world_size=2, header={"host": "h"})
+    with writer.inside("stopping the profiler"):
+        assert interrupted_calls(tmp_path) == {1: "stopping the profiler"}
+    assert interrupted_calls(tmp_path) == {}  # returned: the note is gone
+    with pytest.raises(RuntimeError), writer.inside("stopping the profiler"):
+        raise RuntimeError("the call failed, the process lives on")
+    assert interrupted_calls(tmp_path) == {}
+    (tmp_path / "rank-1.busy.txt").write_text("stopping the profiler\n")  # what a killed process leaves
+    problems = load_run(tmp_path).problems
+    assert "rank 1 never returned from stopping the profiler" in problems
 
 
 # ---- unreadable files ----------------------------------------------------------------------------

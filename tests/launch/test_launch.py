@@ -382,6 +382,17 @@ def test_a_failing_rank_stops_the_job_with_its_status(tmp_path):
     assert run.ranks[1].steps == [1, 2, 3, 4, 5]
 
 
+def test_a_rank_killed_inside_a_framework_call_is_reported_with_what_it_was_doing(tmp_path):
+    script = tmp_path / "aborts.py"  # what a recorder leaves when the framework kills it (RankTraceWriter.inside)
+    script.write_text("import os, pathlib\n"
+                      "pathlib.Path(os.environ['DPRO_RUN_DIR'], 'rank-0.busy.txt').write_text('stopping a profiler')\n"
+                      "os.abort()\n")
+    proc = run_job(launcher("-np", "1", "--profile", "1:2", "--run-dir", "run", "python", str(script)),
+                   env=env_for_jobs(), cwd=tmp_path, timeout=60, check=False)
+    assert proc.returncode == 134, proc.stderr[-3000:]
+    assert "rank 0 died while stopping a profiler" in proc.stderr
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_every_rank_and_keeps_their_steps(tmp_path):
     tag = uuid.uuid4().hex

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from jobrunner import JOBS, job_env, run_job
+from jobrunner import JOBS, job_env, run_job, run_recorded
 
 from dpro.errors import UsageError
 from dpro.launch import engines
@@ -165,8 +165,9 @@ def test_launch_runs_the_command_with_dpros_environment(tmp_path, monkeypatch, c
 @needs_tf
 def test_two_mwms_workers_fit_with_one_cluster(tmp_path):
     env = env_for_jobs(TF_CONFIG='{"cluster": {"worker": ["stale:1"]}, "task": {"type": "worker", "index": 5}}')
-    proc = run_job(launcher("-np", "2", "-H", "localhost:2", "--profile", "2:6", "--run-dir", "run", "python",
-                            str(SCRIPT), "--out", "workers"), env=env, cwd=tmp_path, timeout=240)
+    proc = run_recorded(launcher("-np", "2", "-H", "localhost:2", "--profile", "2:6", "--run-dir", "run", "python",
+                                 str(SCRIPT), "--out", "workers"), tmp_path / "run", env=env, cwd=tmp_path,
+                        timeout=240)
     docs = [json.loads((tmp_path / "workers" / f"worker-{i}.json").read_text()) for i in (0, 1)]
     cluster = docs[0]["cluster"]["worker"]
     assert len(cluster) == 2 and len(set(cluster)) == 2 and all(a.startswith("localhost:") for a in cluster)
@@ -254,32 +255,17 @@ def _config_for(run_dir: Path, path: Path, **fingerprint: object) -> Path:
     return path
 
 
-CRASHED = (134, 139)  # a worker killed by SIGABRT / SIGSEGV (dpro-launch passes its status on)
-
-
-def _recorded(argv: list[str], run_dir: Path, **kw: object) -> subprocess.CompletedProcess:
-    """Record once more when a worker crashed inside TensorFlow while its profiler ran (a worker's heap was
-    corrupted in 2 of 4 recorded bench/scripts/keras_train.py jobs before the recorder drained async ops around
-    the profiler, 0 of 5 after; 0 of 5 unrecorded). Any other failure fails the test."""
-    proc = run_job(argv, check=False, **kw)
-    if proc.returncode in CRASHED:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        proc = run_job(argv, check=False, **kw)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 @pytest.mark.slow
 @needs_tf
 def test_a_config_is_applied_to_an_unmodified_script_and_refused_for_another_model(tmp_path):
     env = env_for_jobs()
     job = ("python", str(SCRIPT), "--steps", "10")
-    _recorded(launcher("-np", "2", "--profile", "4:7", "--run-dir", "rec", *job), tmp_path / "rec", env=env,
-              cwd=tmp_path, timeout=240)
+    run_recorded(launcher("-np", "2", "--profile", "4:7", "--run-dir", "rec", *job), tmp_path / "rec", env=env,
+                 cwd=tmp_path, timeout=240)
     assert len(_comm_packs(tmp_path / "rec")) == 1  # MWMS's default: one pack
     config = _config_for(tmp_path / "rec", tmp_path / "small-packs.json")
-    proc = _recorded(launcher("-np", "2", "--profile", "4:7", "--run-dir", "applied", "--apply", str(config), *job),
-                     tmp_path / "applied", env=env, cwd=tmp_path, timeout=240)
+    proc = run_recorded(launcher("-np", "2", "--profile", "4:7", "--run-dir", "applied", "--apply", str(config),
+                                 *job), tmp_path / "applied", env=env, cwd=tmp_path, timeout=240)
     assert proc.stderr.count("tf.mwms.bytes_per_pack=64") == 1  # said once, by worker 0
     meta = json.loads((tmp_path / "applied" / "run.json").read_text())
     assert meta["knobs"]["tf.mwms.bytes_per_pack"] == 64

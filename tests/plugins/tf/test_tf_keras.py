@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobrunner import JOBS, job_env
+from jobrunner import JOBS, job_env, rerun_if_killed_in_framework
 
 pytest.importorskip("tensorflow")
 
@@ -109,6 +109,16 @@ def _free_ports(n: int) -> list[int]:
 
 def _mwms(run_dir: Path, *args: str, workers: int = 2, timeout: float = 240, script: str = "tf_keras_job.py",
           **env: str) -> list[subprocess.CompletedProcess]:
+    """A real MWMS job, one process per worker on loopback; asserts every worker succeeded."""
+    results = rerun_if_killed_in_framework(lambda: _mwms_once(run_dir, args, workers, timeout, script, env),
+                                           run_dir, lambda rs: any(r.returncode != 0 for r in rs))
+    for r in results:
+        assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-6000:]}"
+    return results
+
+
+def _mwms_once(run_dir: Path, args: tuple[str, ...], workers: int, timeout: float, script: str,
+               env: dict[str, str]) -> list[subprocess.CompletedProcess]:
     ports = _free_ports(workers + 1)
     cluster = [f"127.0.0.1:{p}" for p in ports[:workers]]
     procs = []
@@ -126,8 +136,6 @@ def _mwms(run_dir: Path, *args: str, workers: int = 2, timeout: float = 240, scr
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for r in results:
-        assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-6000:]}"
     return results
 
 
