@@ -23,13 +23,17 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _fail(argv: list[str], proc: subprocess.CompletedProcess) -> None:
+    pytest.fail(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                f"--- stderr\n{proc.stderr[-8000:]}")
+
+
 def run_job(argv: list[str], *, timeout: float = 180, check: bool = True, env: dict | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run a real job; on failure show its output."""
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env or job_env(), cwd=cwd)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                    f"--- stderr\n{proc.stderr[-8000:]}")
+        _fail(argv, proc)
     return proc
 
 
@@ -53,8 +57,7 @@ def run_recorded(argv: list[str], run_dir: Path, **kw) -> subprocess.CompletedPr
     proc = rerun_if_killed_in_framework(lambda: run_job(argv, check=False, **kw), run_dir,
                                         lambda p: p.returncode != 0)
     if kw.get("check", True) and proc.returncode != 0:
-        pytest.fail(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                    f"--- stderr\n{proc.stderr[-8000:]}")
+        _fail(argv, proc)
     return proc
 
 
