@@ -345,6 +345,10 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
             tail_us[rank].append(max(0.0, boundary["dur"] - max(last_end.values(), default=0.0)))
     ops: dict[int, list[OpStats]] = defaultdict(list)
     for (rank, name), samples in per_op.items():
+        if 2 * len(samples) < len(steps) and cat_of[name] != "COMM":
+            # an op in fewer than half of the steps (a source whose ops split or merge differently from step to
+            # step) is no part of the median step: its time stays in the gap before the op after it
+            continue
         order = statistics.median(s[0] for s in samples)
         duration = statistics.median(s[1] for s in samples)
         if transfers == "in-step" and cat_of[name] == "COMM":

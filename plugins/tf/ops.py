@@ -22,6 +22,7 @@ scope, how the strategy packs the gradients), ``step_rows`` maps the ops of one 
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,7 +36,6 @@ __all__ = ["IGNORED_KERNELS", "Layout", "Pack", "classify", "pack_gradients", "s
 IGNORED_KERNELS = frozenset({"ReadVariableOp", "Identity", "NoOp", "Const", "_Arg", "_Retval"})
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
 BACKWARD_SCOPE = "gradient_tape"
-MERGE_GAP_NS = 30_000  # ops of one name further apart than this (waiting, not executor overhead) stay apart
 OUTPUT_BYTES = 4  # a step output (loss, a metric's total or count) is one float32 scalar
 _SUFFIX = re.compile(r"_\d+$")
 
@@ -116,46 +116,59 @@ def _us(ns: float, wall_minus_mono_ns: float) -> float:
     return (ns - wall_minus_mono_ns) / 1000.0
 
 
+def _is_input_op(op: HostOp) -> bool:
+    """The input pipeline's ops (``IteratorGetNext``, ``MultiDeviceIteratorFromStringHandle``, ...): they run on
+    any executor thread at any time in the step, so their kernel names them, not their position."""
+    return "Iterator" in op.type
+
+
 def step_rows(ops: Iterable[HostOp], collectives: Iterable[Collective], *, step: int, layout: Layout,
               wall_minus_mono_ns: float) -> list[list[Any]]:
     """The events of one step (``event_row`` rows, µs on the rank's monotonic clock) from the ops and collectives
     that ran in it (wall-clock ns; ``wall_minus_mono_ns`` converts)."""
-    ops = [o for o in ops if o.type not in IGNORED_KERNELS]
+    ops = sorted((o for o in ops if o.type not in IGNORED_KERNELS), key=lambda o: o.start_ns)
     colls = sorted(collectives, key=lambda c: c.launch_ns)
     grad_colls = colls[:len(layout.packs)]
-    first_fw = next((o.start_ns for o in ops if (classify(o, layout) or ("",))[0] == "FW"), None)
-    first_bw = next((o.start_ns for o in ops if (classify(o, layout) or ("",))[0] == "BW"), None)
-    launch_after_bw = [c.launch_ns for c in grad_colls]
-    # each gradient collective starts with the packing ops that run just before its launch
+    kinds = [classify(o, layout) for o in ops]
+    first_fw = next((o.start_ns for o, k in zip(ops, kinds, strict=True) if k and k[0] == "FW"), None)
+    last_fw = max((o.start_ns for o, k in zip(ops, kinds, strict=True) if k and k[0] == "FW"), default=None)
+    # the backward begins with the first gradient op after the forward's last op: gradient_tape's shape ops run
+    # early, interleaved with the forward, and do not end it
+    first_bw = next((o.start_ns for o, k in zip(ops, kinds, strict=True)
+                     if k and k[0] == "BW" and (last_fw is None or o.start_ns >= last_fw)), None)
+    first_comm = grad_colls[0].launch_ns if grad_colls else None
+    launches = [c.launch_ns for c in grad_colls]
     comm_start = {i: c.launch_ns for i, c in enumerate(grad_colls)}
+
+    def update_name(name: str, op: HostOp) -> str:
+        return f"{name}.early" if first_comm is not None and op.start_ns < first_comm else name
+
     named: list[tuple[HostOp, str, str]] = []
     pending_pack: list[HostOp] = []
-
-    def flush_pack_as(cat: str, name: str) -> None:
-        named.extend((p, cat, name) for p in pending_pack)
-        pending_pack.clear()
-
     next_coll = 0
-    for op in ops:
-        while next_coll < len(launch_after_bw) and op.start_ns >= launch_after_bw[next_coll]:
+    for op, kind in zip(ops, kinds, strict=True):
+        while next_coll < len(launches) and op.start_ns >= launches[next_coll]:
             if pending_pack:
                 comm_start[next_coll] = min(comm_start[next_coll], pending_pack[0].start_ns)
                 pending_pack.clear()
             next_coll += 1
-        kind = classify(op, layout)
-        if kind is not None:
-            flush_pack_as("UPDATE", "UPDATE.step")
+        if kind is None and _is_input_op(op):
+            kind = ("IO", "IO.input")
+        if kind is not None and kind[0] != "IO":
+            named.extend((p, "UPDATE", update_name("UPDATE.step", p)) for p in pending_pack)
+            pending_pack.clear()
+        if kind is not None and kind[0] != "UPDATE":
             named.append((op, *kind))
-        elif first_fw is None or op.start_ns < first_fw:
+        elif kind is None and (first_fw is None or op.start_ns < first_fw):
             named.append((op, "IO", "IO.input"))
-        elif first_bw is None or op.start_ns < first_bw:
+        elif kind is None and (first_bw is None or op.start_ns < first_bw):
             named.append((op, "FW", "FW.loss"))
-        elif next_coll < len(launch_after_bw):
+        elif kind is None and next_coll < len(launches):
             pending_pack.append(op)  # packing for the next gradient collective, or (if a layer op follows) not
         else:
-            named.append((op, "UPDATE", "UPDATE.step"))
-    flush_pack_as("UPDATE", "UPDATE.step")
-    rows = _merged(named, step, wall_minus_mono_ns)
+            named.append((op, "UPDATE", update_name(kind[1] if kind is not None else "UPDATE.step", op)))
+    named.extend((p, "UPDATE", update_name("UPDATE.step", p)) for p in pending_pack)
+    rows = _laid_out(named, step, wall_minus_mono_ns)
     for i, coll in enumerate(colls):
         args: dict[str, Any] = {"step": step, "op": "allreduce", "phase": "allreduce", "tf_op": coll.name}
         if i < len(grad_colls):
@@ -176,31 +189,66 @@ def step_rows(ops: Iterable[HostOp], collectives: Iterable[Collective], *, step:
     return rows
 
 
-def _merged(named: list[tuple[HostOp, str, str]], step: int, wall_minus_mono_ns: float) -> list[list[Any]]:
-    """Consecutive ops of one name, each starting within ``MERGE_GAP_NS`` of the previous one's end, become one
-    event: a wait between them (for a collective, for the next batch) stays a gap."""
-    named.sort(key=lambda t: t[0].start_ns)
+def _busy_shares(ops: list[HostOp]) -> tuple[list[float], list[tuple[int, int]]]:
+    """Each op's share of the wall time (ns): an interval in which k ops run on the executor's threads counts
+    1/k for each, so the shares add up to the time some op ran. Also the idle intervals (no op running) between
+    the first op's start and the last op's end, as (start, end)."""
+    points = sorted([(o.start_ns + o.dur_ns, 0, i) for i, o in enumerate(ops)] +
+                    [(o.start_ns, 1, i) for i, o in enumerate(ops)])
+    share = [0.0] * len(ops)
+    idle: list[tuple[int, int]] = []
+    active: set[int] = set()
+    previous = points[0][0] if points else 0
+    for t, starts, i in points:
+        if t > previous:
+            if active:
+                for j in active:
+                    share[j] += (t - previous) / len(active)
+            else:
+                idle.append((previous, t))
+            previous = t
+        if starts:
+            active.add(i)
+        else:
+            active.discard(i)
+    return share, idle
+
+
+def _laid_out(named: list[tuple[HostOp, str, str]], step: int, wall_minus_mono_ns: float) -> list[list[Any]]:
+    """One event per name: the same events in every step, however the executor ordered, interleaved or
+    parallelised the ops (it does so differently from step to step, and an event per run of consecutive ops
+    would give each step a different graph).
+
+    An event lasts its ops' share of the wall time (``_busy_shares``: ops running side by side on several
+    inter-op threads are not counted twice) and is placed by its first op: the events follow one another in
+    that order, each after the idle time (waiting for a collective, executor overhead) that ended before
+    its first op and after the previous event's, so the step's busy and idle time add up as measured."""
+    if not named:
+        return []
+    ops = [op for op, _, _ in named]
+    share, idle = _busy_shares(ops)
+    groups: dict[str, dict[str, Any]] = {}
+    for (op, cat, name), busy in zip(named, share, strict=True):
+        g = groups.setdefault(name, {"cat": cat, "first": op.start_ns, "busy": 0.0, "ops": 0, "kinds": set()})
+        g["first"] = min(g["first"], op.start_ns)
+        g["busy"] += busy
+        g["ops"] += 1
+        g["kinds"].add(op.type)
+    order = sorted(groups, key=lambda n: (groups[n]["first"], n))
+    firsts = [groups[n]["first"] for n in order]
+    waited = [0.0] * len(order)
+    for begin, end in idle:
+        k = bisect.bisect_left(firsts, end)  # the first event that begins once this idle time is over
+        if k < len(order):
+            waited[k] += end - begin
     rows: list[list[Any]] = []
-    current: list[tuple[HostOp, str, str]] = []
-
-    def close() -> None:
-        if not current:
-            return
-        first, cat, name = current[0]
-        end = max(o.start_ns + o.dur_ns for o, _, _ in current)
-        kinds = sorted({o.type for o, _, _ in current})
-        ts = _us(first.start_ns, wall_minus_mono_ns)
-        tid = HOST if cat == "IO" else COMPUTE
-        rows.append(event_row(name, cat, tid, ts, _us(end, wall_minus_mono_ns) - ts,
-                              {"step": step, "ops": len(current), "kinds": kinds[:8]}))
-        current.clear()
-
-    for item in named:
-        if current and (current[0][2] != item[2] or
-                        item[0].start_ns - max(o.start_ns + o.dur_ns for o, _, _ in current) > MERGE_GAP_NS):
-            close()
-        current.append(item)
-    close()
+    cursor = float(firsts[0])
+    for k, name in enumerate(order):
+        g = groups[name]
+        ts = _us(cursor + waited[k], wall_minus_mono_ns)
+        cursor += waited[k] + g["busy"]
+        rows.append(event_row(name, g["cat"], HOST if g["cat"] == "IO" else COMPUTE, ts, g["busy"] / 1000.0,
+                              {"step": step, "ops": g["ops"], "kinds": sorted(g["kinds"])[:8]}))
     return rows
 
 
