@@ -425,6 +425,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
         for rank in ranks:
             last: dict[str, int] = {}
             queue_last: dict[str, int] = {}
+            busy_until: dict[str, float] = {}  # queue -> the latest measured end of its ops so far (µs)
             measured_end: dict[int, float] = {}   # node -> its measured end in this rank's step (µs)
             if prev_end[rank] is not None:
                 measured_end[prev_end[rank]] = 0.0
@@ -491,8 +492,13 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                 else:
                     node = b.add(op.name, op.category, rank, it, queue, op.duration, gap, deps)
                     queue_last[queue] = node
-                measured_end[node] = model.transfer_end.get(op.name, op.order + op.duration) \
-                    if op.category == "COMM" else op.order + op.duration
+                if op.category == "COMM":
+                    measured_end[node] = model.transfer_end.get(op.name, op.order + op.duration)
+                else:
+                    # medians of starts and durations can overlap on a queue: an op's queue is busy until the
+                    # latest end so far, so the op after it measures its gap from there, not from an earlier end
+                    measured_end[node] = max(op.order + op.duration, busy_until.get(queue, float("-inf")))
+                    busy_until[queue] = measured_end[node]
                 if op.category == "COMM":
                     comm_done.append(node)
                 elif op.category != "STEP":
