@@ -410,7 +410,8 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
 
     Within a rank: program order on each queue; FW -> next FW; last FW -> first BW; a COMM group
     waits for the BW ops that produced its gradients (a collective carrying no gradients, e.g. a loss or
-    metric reduction, for the op before it in program order); UPDATE waits for every COMM and BW;
+    metric reduction, for the op before it in program order, or on an engine that chains its collectives for
+    the collective before it); UPDATE waits for the last BW and the COMMs that carry gradients;
     the step ends after UPDATE; the next iteration's first op waits for the step end.
     Across ranks: COMM ops of the same name are one collective (arrivals, then one transfer).
     Each op's gap is its measured start minus the measured end of the last of its predecessors; ops
@@ -432,6 +433,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
             grad_node: dict[str, int] = {}
             bw_nodes: list[int] = []
             comm_done: list[int] = []
+            grad_comm_done: list[int] = []  # the collectives that carry gradients (the optimizer needs those)
             last_work: int | None = None  # the last compute/IO/update node in program order
             last_transfer: int | None = None  # the transfer of this rank's previous collective
             for i, op in enumerate(model.ops[rank]):
@@ -444,12 +446,17 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     deps.append(last["IO"])
                 if op.category == "COMM":
                     deps += [grad_node[g] for g in op.args.get("tensors", []) if g in grad_node]
-                    if not op.args.get("tensors") and last_work is not None:
-                        deps.append(last_work)  # carries no gradient: the program launched it after that work
+                    if not op.args.get("tensors") and last_work is not None and not (
+                            model.chained_launch and last_transfer is not None):
+                        # carries no gradient: the program launched it after that work (on an engine that chains
+                        # its collectives, after the collective before it, whatever the compute queue does)
+                        deps.append(last_work)
                     elif not deps and bw_nodes:
                         deps.append(bw_nodes[-1])
                 if op.category == "UPDATE":
-                    deps += bw_nodes[-1:] + comm_done
+                    # the gradients' collectives; a reduction of the step's outputs (loss, metrics) is no input of
+                    # the update (a source that names no collective's tensors: every collective)
+                    deps += bw_nodes[-1:] + (grad_comm_done or comm_done)
                 if op.category == "COMM" and model.chained_launch and last_transfer is not None:
                     deps.append(last_transfer)
                 queue = f"r{rank}/{op.queue}"
@@ -501,6 +508,8 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     busy_until[queue] = measured_end[node]
                 if op.category == "COMM":
                     comm_done.append(node)
+                    if op.args.get("tensors"):
+                        grad_comm_done.append(node)
                 elif op.category != "STEP":
                     last_work = node
                 last[op.category] = node
