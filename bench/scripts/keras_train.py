@@ -15,10 +15,12 @@ import tf_keras as keras  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--width", type=int, default=16)
+parser.add_argument("--threads", type=int, default=1, help="TensorFlow's inter- and intra-op threads (0: its default)")
 args = parser.parse_args()
 
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
+if args.threads:
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 with strategy.scope():
     model = keras.Sequential([
