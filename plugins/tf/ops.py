@@ -5,14 +5,16 @@ scope, how the strategy packs the gradients), ``step_rows`` maps the ops of one 
 
 - an op whose name holds a layer's name scope is that layer's: ``FW.<layer>``, or ``BW.<layer>`` when it sits
   under ``gradient_tape/`` (Keras's backward). The innermost layer named wins, so a nested model's layers are
-  attributed to themselves. Consecutive ops of one layer form one event (``args.ops`` counts them, ``args.kinds``
-  names their kernels); a layer whose ops are interleaved with another's gets several events, which the core
-  numbers ``BW.fc1``, ``BW.fc1#2``, ...;
+  attributed to themselves. All ops of one name in a step form one event (``args.ops`` counts them, ``args.kinds``
+  names their kernels), laid out by ``_laid_out``: TensorFlow's executor orders and interleaves a step's ops
+  differently from step to step, and the core needs the same events in every step;
 - ops under the optimizer's name scope (``SGD/...``, ``Adam/...``) are ``UPDATE.optimizer``;
 - ops of no layer: before the first forward op of a layer ``IO.input`` (casts and slices of the batch), then
   ``FW.loss`` until the backward starts, under ``gradient_tape/`` ``BW.loss``; after the backward, the
   packing of the gradients just before a gradient collective (``concat``, ``Reshape``) belongs to that
-  collective (its event starts there); anything else is ``UPDATE.step`` (unpacking, metrics);
+  collective (its event starts there); anything else is ``UPDATE.step`` (unpacking, metrics); update ops that
+  run before the first gradient collective (the optimizer's iteration counter, metrics) are
+  ``UPDATE.<what>.early``; the input pipeline's iterator ops are ``IO.input`` wherever they run;
 - variable reads and other bookkeeping kernels (``ReadVariableOp``, ``Identity``, ``NoOp``, ``Const``) are left
   out: their time is part of the gaps;
 - the first ``len(layout.packs)`` collectives of the step are the gradient all-reduces, one per pack

@@ -63,6 +63,42 @@ def test_ops_map_to_layers_and_packing_joins_the_collective() -> None:
     assert all(r[5]["step"] == 3 for r in rows)
 
 
+def _op_on(name: str, start_us: float, dur_us: float, thread: str, kind: str = "K") -> HostOp:
+    return HostOp(name=name, type=kind, start_ns=int(start_us * 1000), dur_ns=int(dur_us * 1000), thread=thread)
+
+
+def test_every_step_has_the_same_events_however_the_executor_ordered_its_ops() -> None:
+    """fc1's backward is interleaved with conv1's in one step and not in the other; a metric op runs on a second
+    inter-op thread beside conv1's backward. Both steps give one event per name, the concurrent time counted once,
+    and the events' busy and idle time add up to the step's span."""
+    layout = Layout(layers=frozenset({"conv1", "fc1"}), grads_of={"conv1": ("conv1.kernel",), "fc1": ("fc1.kernel",)},
+                    optimizer_scopes=frozenset({"SGD"}), packs=(Pack(("fc1.kernel", "conv1.kernel"), 400),))
+    colls = [Collective("CollectiveReduceV2", 60_000, 80_000, 61_000, 79_000, 7)]
+    t1, t2 = "tf_Compute/1", "tf_Compute/2"
+    plain = [_op_on("model/conv1/Conv2D", 0, 10, t1), _op_on("model/fc1/MatMul", 10, 5, t1),
+             _op_on("gradient_tape/model/fc1/MatMul", 20, 4, t1),
+             _op_on("gradient_tape/model/fc1/BiasAddGrad", 24, 1, t1),
+             _op_on("gradient_tape/model/conv1/Conv2DBackprop", 25, 20, t1), _op_on("SGD/update/sub", 81, 2, t1)]
+    shuffled = [_op_on("model/conv1/Conv2D", 0, 10, t1), _op_on("model/fc1/MatMul", 10, 5, t1),
+                _op_on("gradient_tape/model/fc1/MatMul", 20, 4, t1),
+                _op_on("gradient_tape/model/conv1/Conv2DBackprop", 24, 20, t1),
+                _op_on("gradient_tape/model/fc1/BiasAddGrad", 44, 1, t1),
+                _op_on("AssignAddVariableOp", 30, 10, t2, "AssignAddVariableOp"), _op_on("SGD/update/sub", 81, 2, t1)]
+    first = step_rows(plain, colls, step=1, layout=layout, wall_minus_mono_ns=0)
+    second = step_rows(shuffled, colls, step=2, layout=layout, wall_minus_mono_ns=0)
+    compute = [r for r in second if r[1] in ("FW", "BW")]
+    assert [r[0] for r in first if r[1] in ("FW", "BW")] == [r[0] for r in compute]
+    by_name = {r[0]: r for r in second}
+    assert by_name["BW.fc1"][5]["ops"] == 2 and by_name["BW.fc1"][4] == 5_000             # ns: 4 + 1 µs
+    # conv1's backward shares [30, 40) with the metric op: 20 µs of its own time less half of those 10 µs
+    assert by_name["BW.conv1"][4] == 15_000 and by_name["UPDATE.step.early"][4] == 5_000
+    ends = max(r[3] + r[4] for r in second if r[1] not in ("COMM", "UPDATE") or r[0] == "UPDATE.step.early")
+    assert ends == 45_000                                    # laid end to end, they end when the last op ended
+    for rows in (first, second):
+        starts = sorted((r[3], r[3] + r[4]) for r in rows if r[2] == 0)
+        assert all(b[0] >= a[1] for a, b in zip(starts, starts[1:], strict=False))    # no two events overlap
+
+
 def test_bad_xplane_files_name_the_file(tmp_path: Path) -> None:
     junk = tmp_path / "vm.xplane.pb"
     junk.write_bytes(b"\x0a\xff\xff\xff\xff\x0f garbage")
