@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from dpro import testbed
-from dpro.io.load import load_run
+from dpro.io.load import interrupted_calls, load_run
 from dpro.launch.env import AUTOATTACH_DIR
 from dpro.sim.whatif import context, predict
 
@@ -45,13 +45,23 @@ def worker_env(cluster: testbed.Cluster, index: int, run_dir: Path, window: str,
 
 
 def record(cluster: testbed.Cluster, script: list[str], run_dir: Path, window: str, ports: tuple[int, int],
-           config: Path | None = None) -> Path:
-    results = testbed.run_ranks(cluster, lambda rank: [sys.executable, *script], timeout=600,
-                                env_for_rank=lambda rank: worker_env(cluster, rank, run_dir, window, ports, config))
-    for rank, res in enumerate(results):
-        if res.returncode != 0:
+           config: Path | None = None, attempts: int = 3) -> Path:
+    """Run the job recorded into ``run_dir``; the run directory. A job that TensorFlow's profiler killed while it
+    stopped (``rank-<r>.busy.txt`` says so) is recorded again into a new directory, up to ``attempts`` times."""
+    for attempt in range(attempts):
+        target = run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-again{attempt}")
+        results = testbed.run_ranks(
+            cluster, lambda rank: [sys.executable, *script], timeout=600,
+            env_for_rank=lambda rank, d=target: worker_env(cluster, rank, d, window, ports, config))
+        failed = [(rank, res) for rank, res in enumerate(results) if res.returncode != 0]
+        if not failed:
+            return target
+        if attempt + 1 == attempts or not interrupted_calls(target):
+            rank, res = failed[0]
             raise RuntimeError(f"worker {rank} failed:\n{res.stderr[-3000:]}")
-    return run_dir
+        print(f"  ({target.name}: a worker died in {next(iter(interrupted_calls(target).values()))}; "
+              "recording again)", flush=True)
+    raise AssertionError("unreachable")
 
 
 def config_for(run_dir: Path, size: int, path: Path) -> Path:
