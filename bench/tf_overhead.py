@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
 
 def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -33,20 +35,12 @@ def worker(args: argparse.Namespace) -> None:
 
     tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    sys.path.insert(0, str(SCRIPTS))
+    from keras_cnn import build_cnn, random_images
+
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input(shape=(24, 24, 3)),
-            keras.layers.Conv2D(args.width, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(2 * args.width, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(10),
-        ])
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = build_cnn(keras, args.width)
     block = args.block
     window = range(2 * block, 3 * block)
     total = 4 * block
@@ -63,10 +57,7 @@ def worker(args: argparse.Namespace) -> None:
             self.rows.append((batch, self._t[0], time.perf_counter(), self._t[1], time.process_time()))
 
     timer = Timer()
-    images = tf.random.uniform((512, 24, 24, 3), seed=3)
-    labels = tf.random.uniform((512,), maxval=10, dtype=tf.int32, seed=4)
-    data = tf.data.Dataset.from_tensor_slices((images, labels)).batch(32).repeat()
-    model.fit(data, steps_per_epoch=total, epochs=1, verbose=0,
+    model.fit(random_images(tf), steps_per_epoch=total, epochs=1, verbose=0,
               callbacks=[timer, DproCallback(run_dir=args.run_dir, steps=window)])
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     Path(args.out, f"worker-{index}.json").write_text(json.dumps({"rows": timer.rows, "block": block}))

@@ -93,6 +93,8 @@ def main() -> int:
     header = f"{'round':>5} {'bytes_per_pack':>14} {'packs':>5} {'predicted ms':>12} {'measured ms':>11} {'error %':>8}"
     print(header + "\n" + "-" * len(header), flush=True)
     errors: dict[int, list[float]] = {t: [] for t in targets}
+    predicted_ms: dict[int, list[float]] = {t: [] for t in targets}
+    measured_ms: dict[int, list[float]] = {t: [] for t in targets}
     with tempfile.TemporaryDirectory() as tmp, \
             testbed.emulated_cluster(2, testbed.NetworkSpec(rate=args.network)) as cluster:
         for rnd in range(args.rounds):
@@ -113,12 +115,20 @@ def main() -> int:
                 packs = len({e["name"] for e in got.ranks[0].events if e["name"].startswith("COMM.pack")})
                 err = 100.0 * (predicted.predicted_step_ms - measured) / measured
                 errors[size].append(err)
+                predicted_ms[size].append(predicted.predicted_step_ms)
+                measured_ms[size].append(measured)
                 print(f"{rnd:>5} {size:>14} {packs:>5} {predicted.predicted_step_ms:>12.2f} {measured:>11.2f} "
                       f"{err:>+8.2f}", flush=True)
     every = [abs(e) for errs in errors.values() for e in errs]
     if every:
-        print(f"\n|error| median {statistics.median(every):.2f} %, worst {max(every):.2f} % over {len(every)} "
-              f"predictions ({args.network}, {args.rounds} rounds)")
+        print(f"\nper round: |error| median {statistics.median(every):.2f} %, worst {max(every):.2f} % over "
+              f"{len(every)} predictions ({args.network}, {args.rounds} rounds)")
+        # one job's step time swings by several % between jobs on these machines: the medians over the rounds (the
+        # configurations alternate) tell the prediction from a slow spell of one job
+        print(f"\n{'bytes_per_pack':>14} {'median predicted ms':>19} {'median measured ms':>18} {'error %':>8}")
+        for size in targets:
+            p, m = statistics.median(predicted_ms[size]), statistics.median(measured_ms[size])
+            print(f"{size:>14} {p:>19.2f} {m:>18.2f} {100.0 * (p - m) / m:>+8.2f}")
     return 0
 
 

@@ -11,6 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
+from keras_cnn import build_cnn, random_images  # noqa: E402  (next to this script)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
@@ -23,20 +24,5 @@ if args.threads:
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 with strategy.scope():
-    model = keras.Sequential([
-        keras.Input(shape=(24, 24, 3)),
-        keras.layers.Conv2D(args.width, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(2 * args.width, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dropout(0.2),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-images = tf.random.uniform((512, 24, 24, 3), seed=3)
-labels = tf.random.uniform((512,), maxval=10, dtype=tf.int32, seed=4)
-data = tf.data.Dataset.from_tensor_slices((images, labels)).batch(32).repeat()
-model.fit(data, steps_per_epoch=args.steps, epochs=1, verbose=0)
+    model = build_cnn(keras, args.width)
+model.fit(random_images(tf), steps_per_epoch=args.steps, epochs=1, verbose=0)
