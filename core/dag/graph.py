@@ -165,6 +165,8 @@ class StepModel:
     # each collective is launched only once the one before it has completed (TensorFlow chains its collectives
     # with ordering tokens): an arrival waits for the previous transfer (``Engine.chained_launch``)
     chained_launch: bool = False
+    # the gradients' collectives start only once the whole backward is done (``Engine.comm_after_backward``)
+    comm_after_backward: bool = False
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -292,7 +294,8 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         transfers = get_engine((run.meta or {}).get("engine")).transfer_calibration
     from dpro.engines import get_engine
 
-    chained = get_engine((run.meta or {}).get("engine")).chained_launch
+    engine = get_engine((run.meta or {}).get("engine"))
+    chained = engine.chained_launch
     steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
     if not steps:
         raise GraphError(f"{run.path}: the ranks have no profiled step in common "
@@ -381,6 +384,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
         async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end, chained_launch=chained,
+        comm_after_backward=engine.comm_after_backward,
     )
 
 
@@ -451,8 +455,8 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                         # carries no gradient: the program launched it after that work (on an engine that chains
                         # its collectives, after the collective before it, whatever the compute queue does)
                         deps.append(last_work)
-                    elif not deps and bw_nodes:
-                        deps.append(bw_nodes[-1])
+                    elif (not deps or model.comm_after_backward) and bw_nodes:
+                        deps.append(bw_nodes[-1])  # (an engine that reduces only after the whole backward)
                 if op.category == "UPDATE":
                     # the gradients' collectives; a reduction of the step's outputs (loss, metrics) is no input of
                     # the update (a source that names no collective's tensors: every collective)

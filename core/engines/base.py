@@ -54,6 +54,9 @@ class Engine:
         chained_launch: each collective is launched only once the one before it has completed (TensorFlow's
             collectives are chained by ordering tokens); the DAG then makes each arrival wait for the previous
             transfer.
+        comm_after_backward: the gradients' collectives are launched only once the whole backward is done
+            (Keras under MultiWorkerMirroredStrategy reduces the gradients after computing all of them), not as
+            each one's gradients are ready; the DAG and what-if's regrouping then start them after the last BW.
     """
 
     name: str
@@ -68,6 +71,7 @@ class Engine:
     notes: Callable[[Any], list[str]] = _no_notes  # what `dpro analyze` should say about a run of this engine
     predict: Callable[[Any, dict[str, Any]], Any] = _no_prediction  # (ctx, knobs) -> Prediction or None
     chained_launch: bool = False  # a collective launches only after the previous one completed (dag.graph)
+    comm_after_backward: bool = False  # gradient collectives start after the whole backward (dag.graph, whatif)
 
     def knob_names(self) -> list[str]:
         return [k.name for k in self.knobs]

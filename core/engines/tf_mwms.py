@@ -129,4 +129,5 @@ ENGINE = Engine(
     apply="the strategy's CommunicationOptions, set by the TF plugin at the start of fit (DproCallback(config=), "
           "dpro-launch's auto-attach, dpro.plugins.tf.apply)",
     chained_launch=True,
+    comm_after_backward=True,
 )

@@ -188,17 +188,22 @@ def regroup(ctx: Context, model: StepModel, groups: list[list[str]], bytes_scale
             if name not in known:
                 raise UsageError(f"tensor group names unknown gradient {name!r}")
     out = copy.deepcopy(model)
-    out.transfer = {}
+    # collectives that carry no gradient (reductions of the step's outputs: loss, metrics) stay as measured
+    others = {op.name for ops in model.ops.values() for op in ops
+              if op.category == "COMM" and not op.args.get("tensors")}
+    out.transfer = {name: t for name, t in model.transfer.items() if name in others}
+    out.transfer_end = {name: t for name, t in model.transfer_end.items() if name in others}
     for rank, ops in out.ops.items():
-        comm_gaps = [op.gap for op in ops if op.category == "COMM" and op.gap is not None]
+        comm_gaps = [op.gap for op in ops if op.category == "COMM" and op.gap is not None and op.name not in others]
         launch_gap = statistics.median(comm_gaps) if comm_gaps else 0.0
-        kept = [op for op in ops if op.category != "COMM"]
+        kept = [op for op in ops if op.category != "COMM" or op.name in others]
         producer = _producer_index(kept)
         last_bw = max((i for i, op in enumerate(kept) if op.category == "BW"), default=len(kept) - 1)
         inserts: list[tuple[int, OpStats]] = []
         position = -1
         for k, group in enumerate(groups):
-            position = max([position] + [producer.get(g, last_bw) for g in group])
+            position = last_bw if model.comm_after_backward else \
+                max([position] + [producer.get(g, last_bw) for g in group])
             anchor = kept[position]
             nbytes = sum(sizes[g] for g in group)
             name = f"COMM.group{k}.allreduce"
