@@ -43,14 +43,16 @@ from dpro.record.writer import RankTraceWriter, model_document, run_document, wr
 __all__ = ["TFRecorder", "gradient_fingerprint", "model_layout"]
 
 ENGINE_MWMS = "tf-mwms"
-# Why a worker can die in tf.profiler.experimental.stop() (seen in ~1 recorded 2-worker MWMS job in 8 here):
+# Why a worker can die in tf.profiler.experimental.stop() (seen in ~1 recorded 2-worker MWMS job in 8 here with one
+# inter-op thread, 7 in 18 with TensorFlow's default threads, whatever the window's length):
 # TraceMeRecorder::Consume (tsl) keeps pointers to a thread's end-of-activity events while it still appends to
 # that thread's event vector; activities that start on one thread and end on another (collectives) are then
 # merged into freed memory.
 STOPPING_PROFILER = ("stopping TensorFlow's profiler (tf.profiler.experimental.stop). A worker that died here "
                      "was killed by TensorFlow 2.21 itself: its profiler writes into freed memory when it merges "
                      "activities that began on one thread and ended on another (tsl TraceMeRecorder::Consume); "
-                     "it happened in about 1 recorded 2-worker job in 8 on CPU. The job is fine: run it again")
+                     "it happened in 1 recorded 2-worker job in 8 to 1 in 3 on CPU (more with TensorFlow's default "
+                     "threads). The job is fine: run it again")
 XPLANE_DIR = "xplane-rank{rank}"
 
 
