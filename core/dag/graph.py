@@ -288,13 +288,11 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     the step, ``_transfer_times_in_step``); default: what the run's engine says
     (``Engine.transfer_calibration``, ``"in-step"`` unless an engine says otherwise).
     """
-    if transfers is None:
-        from dpro.engines import get_engine  # the registry imports engine modules, which import this one
-
-        transfers = get_engine((run.meta or {}).get("engine")).transfer_calibration
-    from dpro.engines import get_engine
+    from dpro.engines import get_engine  # the registry imports engine modules, which import this one
 
     engine = get_engine((run.meta or {}).get("engine"))
+    if transfers is None:
+        transfers = engine.transfer_calibration
     chained = engine.chained_launch
     steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
     if not steps:

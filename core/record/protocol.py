@@ -48,6 +48,7 @@ __all__ = [
     "clock_samples",
     "parse_skew",
     "parse_steps",
+    "wall_minus_clock_ns",
 ]
 
 
@@ -140,6 +141,20 @@ class Clock:
 
     def now(self) -> float:
         return time.monotonic_ns() / 1000.0 + self.skew_us
+
+
+def wall_minus_clock_ns(clock: Clock, samples: int = 32) -> float:
+    """The wall clock (``time.time_ns``, what framework profilers stamp) minus the rank's ``clock``, in ns: the
+    wall reading bracketed most tightly by two clock readings, at their midpoint. A thread preempted between two
+    reads (a framework's own threads keep the cores busy) would shift every event converted with the pair."""
+    best_bracket, best = float("inf"), 0.0
+    for _ in range(samples):
+        before = clock.now()
+        wall = time.time_ns()
+        after = clock.now()
+        if after - before < best_bracket:
+            best_bracket, best = after - before, wall - (before + after) * 500.0  # µs -> ns, at the midpoint
+    return best
 
 
 def parse_skew(text: str, rank: int) -> float:

@@ -17,7 +17,6 @@ import math
 import os
 import platform
 import socket
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from dpro.record.protocol import (
     claim_run_dir,
     clock_samples,
     parse_steps,
+    wall_minus_clock_ns,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
@@ -99,20 +99,6 @@ def model_layout(model: Any, optimizer: Any = None, bytes_per_pack: int = 0) -> 
                     grads_of={k: tuple(v) for k, v in grads_of.items()},
                     optimizer_scopes=frozenset(s for s in scopes if s), packs=tuple(packs))
     return layout, grads
-
-
-def wall_minus_mono_ns(clock: Clock, samples: int = 32) -> float:
-    """The wall clock (TensorFlow's profiler times) minus the rank's monotonic clock, in ns: the wall reading
-    bracketed most tightly by two monotonic ones, since a thread preempted between two reads (TensorFlow's own
-    threads keep these cores busy) would shift every op of the rank against its step boundaries."""
-    best_bracket, best = float("inf"), 0.0
-    for _ in range(samples):
-        before = clock.now()
-        wall = time.time_ns()
-        after = clock.now()
-        if after - before < best_bracket:
-            best_bracket, best = after - before, wall - (before + after) * 500.0  # µs -> ns, at the midpoint
-    return best
 
 
 def _drain() -> None:
@@ -224,7 +210,7 @@ class TFRecorder:
         tf.profiler.experimental.start(str(logdir))
         self._logdir = logdir
         self._profiling = True
-        self._wall_minus_mono_ns = wall_minus_mono_ns(self.clock)
+        self._wall_minus_mono_ns = wall_minus_clock_ns(self.clock)
 
     def _model_layout(self) -> tuple[Layout, list[dict[str, Any]]]:
         bytes_per_pack, _ = communication_options(self.strategy)
