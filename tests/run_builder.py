@@ -6,7 +6,7 @@ The JSON is spelled out here rather than produced by dpro's own writers, so the 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -114,4 +114,18 @@ def make_run(root: Path, *, world_size: int = 2, steps: Iterable[int] = range(3,
         write_json(root / "model.json", model_doc())
     for rank in range(world_size) if ranks is None else ranks:
         write_json(root / f"rank-{rank}.json", rank_doc(rank, world_size, steps))
+    return root
+
+
+def make_run_of(root: Path, events_of: Callable[[int, int], list[dict[str, Any]]], *,
+                steps: Iterable[int] = range(3, 8)) -> Path:
+    """A 2-rank run directory whose ranks hold ``events_of(rank, step)`` for each step (run.json and model.json
+    as ``make_run`` writes them)."""
+    steps = list(steps)
+    make_run(root, steps=steps)
+    for rank in (0, 1):
+        doc = rank_doc(rank, 2, steps)
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+        doc["traceEvents"] += [e for s in steps for e in events_of(rank, s)]
+        write_json(root / f"rank-{rank}.json", doc)
     return root

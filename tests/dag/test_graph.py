@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from run_builder import make_run, rank_doc, write_json, x_event
+from run_builder import make_run_of, x_event
 
 from dpro.analyze import analyze_run
 from dpro.io.load import load_run
@@ -35,13 +35,7 @@ def _early_ready_events(rank: int, step: int) -> list[dict]:
 
 
 def _run_with(events_of, root: Path) -> Path:
-    make_run(root)
-    for rank in (0, 1):
-        doc = rank_doc(rank, 2, range(3, 8))
-        doc["traceEvents"] = [e for e in doc["traceEvents"] if e["ph"] == "M"]
-        doc["traceEvents"] += [e for s in range(3, 8) for e in events_of(rank, s)]
-        write_json(root / f"rank-{rank}.json", doc)
-    return root
+    return make_run_of(root, events_of)
 
 
 def test_a_collective_starts_when_its_gradients_are_ready_not_when_their_op_ends(tmp_path: Path) -> None:

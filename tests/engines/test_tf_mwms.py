@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from run_builder import make_run, rank_doc, write_json, x_event
+from run_builder import make_run_of, write_json, x_event
 
 from dpro.dag.graph import graph_from_steps
 from dpro.io.load import load_run
@@ -36,7 +36,7 @@ def _mwms_step(rank: int, step: int) -> list[dict]:
 
 
 def _mwms_run(root: Path) -> Path:
-    make_run(root)
+    make_run_of(root, _mwms_step)
     meta = json.loads((root / "run.json").read_text())
     meta.update(framework="tf", engine="tf-mwms", knobs={"tf.mwms.bytes_per_pack": 0})
     write_json(root / "run.json", meta)
@@ -45,11 +45,6 @@ def _mwms_run(root: Path) -> Path:
                            "shape": [b // 4], "dtype": "float32"} for n, b in GRADS]
     model["buckets"] = [{"index": 0, "bytes": 800_000, "tensors": ["fc2.kernel", "fc1.kernel"]}]
     write_json(root / "model.json", model)
-    for rank in (0, 1):
-        doc = rank_doc(rank, 2, range(3, 8))
-        doc["traceEvents"] = [e for e in doc["traceEvents"] if e["ph"] == "M"]
-        doc["traceEvents"] += [e for s in range(3, 8) for e in _mwms_step(rank, s)]
-        write_json(root / f"rank-{rank}.json", doc)
     return root
 
 
