@@ -5,6 +5,10 @@
   built with into every collective it launches, so they can be set on a strategy built without them, as long
   as it is before the first step is traced (``apply_to_strategy``; ``DproCallback(config=...)`` and
   ``dpro-launch --apply`` do it at the start of ``fit``).
+- ``recompute``: the listed layers (dotted paths, ``block1`` or ``encoder.block2``) run their forward again in
+  the backward instead of keeping their inner activations: their ``call`` is wrapped in ``tf.recompute_grad``
+  (tf_keras) or ``keras.remat`` (Keras 3) before the first step is traced (``apply_recompute``). A layer's
+  output is kept either way, so checkpointing a layer without sublayers saves little: the search picks blocks.
 
 A custom loop::
 
@@ -13,7 +17,7 @@ A custom loop::
         model = build_model()
     config = load_config(model=model)          # $DPRO_CONFIG, or None; refuses a config made for another job
     if config is not None:
-        apply_to_strategy(strategy, config)    # before the first strategy.run of the training function
+        apply_config(model, config, strategy)  # before the first strategy.run of the training function
 
 or, building the strategy yourself: ``MultiWorkerMirroredStrategy(communication_options=
 communication_options(config))``.
@@ -30,20 +34,28 @@ import tensorflow as tf
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
 from dpro.errors import ConfigError, UsageError
-from dpro.plugins.tf.recorder import gradient_fingerprint, is_mwms, model_layout
+from dpro.plugins.tf.recorder import gradient_fingerprint, is_mwms, layer_paths, model_layout
 from dpro.plugins.tf.transport import tf_config
 
-__all__ = ["ENGINE", "FRAMEWORK", "apply_to_strategy", "communication_options", "fingerprint", "load_config"]
+__all__ = ["ENGINE", "FRAMEWORK", "apply_config", "apply_recompute", "apply_to_strategy", "communication_options",
+           "fingerprint", "job_engine", "load_config"]
 
 FRAMEWORK = "tf"
 ENGINE = "tf-mwms"
+SINGLE_WORKER_ENGINE = "tf"  # what the recorder writes for one worker (no collective to tune)
 BYTES_PER_PACK, IMPLEMENTATION = "tf.mwms.bytes_per_pack", "tf.mwms.implementation"
+RECOMPUTE = "recompute"
 APPLIED_ELSEWHERE = ("env",)  # set by dpro-launch before the workers start
 
 
 def fingerprint(model: Any) -> str:
     """The model hash dpro records in run.json for a Keras model (``TFRecorder.fingerprint``)."""
     return gradient_fingerprint(model_layout(model)[1])
+
+
+def job_engine(workers: int) -> str:
+    """The engine a run of this job records, which its configs name: MWMS with several workers, else ``tf``."""
+    return ENGINE if workers > 1 else SINGLE_WORKER_ENGINE
 
 
 def world_size() -> int:
@@ -67,7 +79,7 @@ def load_config(path: str | Path | Config | None = None, *, model: Any, workers:
         The config, or None when no path is given and ``$DPRO_CONFIG`` is unset or empty.
 
     Raises:
-        ConfigError: the file is not a valid config, or its fingerprint (framework "tf", engine "tf-mwms", world
+        ConfigError: the file is not a valid config, or its fingerprint (framework "tf", engine ``job_engine``, world
             size, model hash) does not match the job and ``force`` is False.
     """
     if path is None:
@@ -75,8 +87,8 @@ def load_config(path: str | Path | Config | None = None, *, model: Any, workers:
         if path is None:
             return None
     config = path if isinstance(path, Config) else read_config(path)
-    mismatches = check_fingerprint(config, framework=FRAMEWORK, engine=ENGINE,
-                                   world_size=world_size() if workers is None else workers,
+    workers = world_size() if workers is None else workers
+    mismatches = check_fingerprint(config, framework=FRAMEWORK, engine=job_engine(workers), world_size=workers,
                                    model=fingerprint(model), force=force)
     if mismatches:
         warnings.warn(f"dpro: applying {config.source} although it was made for another job (force=True): "
@@ -109,10 +121,6 @@ def apply_to_strategy(strategy: Any, config: Config) -> dict[str, Any]:
         UsageError: the config sets MWMS knobs and ``strategy`` is not a MultiWorkerMirroredStrategy.
     """
     wanted = {k: v for k, v in config.knobs.items() if k in (BYTES_PER_PACK, IMPLEMENTATION)}
-    unapplied = sorted(k for k, v in config.knobs.items() if k not in wanted and k not in APPLIED_ELSEWHERE and v)
-    if unapplied:
-        warnings.warn(f"dpro: {config.source}: the TensorFlow plugin does not apply {', '.join(unapplied)} yet; "
-                      "they are ignored", stacklevel=2)
     if not wanted:
         return {}
     if not is_mwms(strategy):
@@ -126,3 +134,67 @@ def apply_to_strategy(strategy: Any, config: Config) -> dict[str, Any]:
                           "to its constructor")
     extended._communication_options = current.merge(communication_options(config))
     return wanted
+
+
+def apply_recompute(model: Any, modules: list[str], source: str = "config") -> list[str]:
+    """Make the layers at ``modules`` (dotted paths from ``model``) recompute their forward in the backward.
+
+    Call it before the training function is first traced (a traced function keeps the layers as they were).
+
+    Returns:
+        The paths wrapped (those already wrapped are not wrapped twice).
+
+    Raises:
+        ConfigError: a path names no layer of ``model``.
+    """
+    by_path = {path: layer for layer, path, _ in layer_paths(model)}
+    unknown = [m for m in modules if m not in by_path]
+    if unknown:
+        raise ConfigError(source, f"recompute names no layer of model {model.name!r}: {', '.join(unknown)} "
+                          f"(its layers: {', '.join(sorted(by_path)[:12])})", RECOMPUTE)
+    done = []
+    for path in modules:
+        layer = by_path[path]
+        if not getattr(layer.call, "_dpro_recompute", False):
+            layer.call = _recomputed(layer)
+        done.append(path)
+    return done
+
+
+def _recomputed(layer: Any) -> Any:
+    """``layer.call`` recomputed in the backward: ``keras.remat`` for a Keras 3 layer, ``tf.recompute_grad``
+    for tf_keras. Both take tensors only, so the call's other arguments (``training``, ``mask``) are closed over."""
+    original = layer.call
+    keras3 = type(layer).__module__.startswith("keras.")
+    if keras3:
+        import keras
+
+        checkpoint = keras.remat
+    else:
+        checkpoint = tf.recompute_grad
+
+    def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(lambda x: original(x, *args, **kwargs))(inputs)
+
+    call._dpro_recompute = True  # type: ignore[attr-defined]
+    return call
+
+
+def apply_config(model: Any, config: Config, strategy: Any = None) -> dict[str, Any]:
+    """Everything of a config the TensorFlow plugin applies: the strategy's communication options
+    (``apply_to_strategy``, on ``strategy`` or the model's) and ``recompute`` (``apply_recompute``). Knobs it
+    does not apply are named in a warning. Call it before the first step is traced.
+
+    Returns:
+        The knobs applied, e.g. ``{"tf.mwms.bytes_per_pack": 4194304, "recompute": ["block1"]}``.
+    """
+    unapplied = sorted(k for k, v in config.knobs.items()
+                       if k not in (BYTES_PER_PACK, IMPLEMENTATION, RECOMPUTE) and k not in APPLIED_ELSEWHERE and v)
+    if unapplied:
+        warnings.warn(f"dpro: {config.source}: the TensorFlow plugin does not apply {', '.join(unapplied)} yet; "
+                      "they are ignored", stacklevel=2)
+    applied = apply_to_strategy(strategy if strategy is not None else model.distribute_strategy, config)
+    modules = config.knobs.get(RECOMPUTE) or []
+    if modules:
+        applied[RECOMPUTE] = apply_recompute(model, list(modules), config.source)
+    return applied

@@ -7,8 +7,10 @@ when the script imports them. The first ``fit`` of the process gets a ``DproCall
 for the steps ``$DPRO_PROFILE`` ("10:20"), unless its callbacks already hold one (a script that records itself
 is recorded once). With ``$DPRO_CONFIG`` (``dpro-launch --apply FILE``) or ``$DPRO_APPLY_SEARCH`` (``--apply auto``:
 the newest config made for this model, engine and number of workers under it) the first fit gets the config's
-communication options first (``dpro.plugins.tf.apply``). Nothing here raises into the user's program: a failure
-to patch is printed and ignored; a config that does not fit the job stops it, as the torch plugin does.
+communication options and recomputed layers first (``dpro.plugins.tf.apply``). The fit's batch size
+(``fit_batch_size``) gives the recorder each layer's activation bytes. Nothing here raises into the user's
+program: a failure to patch is printed and ignored; a config that does not fit the job stops it, as the torch
+plugin does.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ def _config_path(model: Any) -> str | None:
     if path is not None or search is None:
         return path
     from dpro.config import find_config
-    from dpro.plugins.tf.apply import ENGINE, FRAMEWORK, fingerprint, world_size
+    from dpro.plugins.tf.apply import FRAMEWORK, fingerprint, job_engine, world_size
 
-    wanted = {"framework": FRAMEWORK, "engine": ENGINE, "world_size": world_size(), "model": fingerprint(model)}
+    workers = world_size()
+    wanted = {"framework": FRAMEWORK, "engine": job_engine(workers), "world_size": workers,
+              "model": fingerprint(model)}
     found = find_config(search, wanted)
     if found is None:
         _say(f"--apply auto: no config made for this job ({wanted['world_size']} workers, model "
@@ -67,17 +71,44 @@ def _apply_config(model: Any) -> None:
     path = _config_path(model)
     if path is None:
         return
-    from dpro.plugins.tf.apply import apply_to_strategy, load_config
+    from dpro.plugins.tf.apply import apply_config, load_config
 
     config = load_config(path, model=model, force=os.environ.get(FORCE) == "1")
-    applied = apply_to_strategy(model.distribute_strategy, config) if config is not None else {}
+    applied = apply_config(model, config) if config is not None else {}
     from dpro.plugins.tf.transport import tf_config
 
     if tf_config()[1] == 0:  # users hear it from worker 0
         _say(f"applying {path}: " + (", ".join(f"{k}={v}" for k, v in applied.items()) or "nothing for TensorFlow"))
 
 
-def _with_recorder(callbacks: Any) -> Any:
+def fit_batch_size(arguments: dict[str, Any]) -> int | None:
+    """The global batch size of a ``fit`` call from its arguments: ``batch_size``, else a ``tf.data`` dataset's
+    batch (its static shape, or the first batch of a fresh iterator over it: the fit's own iterator is not
+    touched), else Keras's default of 32 for arrays; None when it cannot be told (a generator, a Sequence)."""
+    if isinstance(arguments.get("batch_size"), int):
+        return arguments["batch_size"]
+    x = arguments.get("x")
+    if x is None:
+        return None
+    import tensorflow as tf
+
+    if isinstance(x, tf.data.Dataset):
+        specs = tf.nest.flatten(x.element_spec)
+        static = specs[0].shape[0] if specs and getattr(specs[0], "shape", None) is not None and \
+            len(specs[0].shape) else None
+        if static is not None:
+            return int(static)
+        try:
+            first = tf.nest.flatten(next(iter(x.take(1))))
+        except (StopIteration, TypeError, ValueError, tf.errors.OpError):
+            return None
+        return int(first[0].shape[0]) if first and len(first[0].shape) else None
+    if hasattr(x, "shape") and hasattr(x, "dtype"):  # an array (numpy, a tensor)
+        return 32
+    return None
+
+
+def _with_recorder(callbacks: Any, batch_size: int | None = None) -> Any:
     """``callbacks`` plus a ``DproCallback`` for the first fit of the process (none if it already has one)."""
     from dpro.plugins.tf.callback import DproCallback
 
@@ -93,7 +124,8 @@ def _with_recorder(callbacks: Any) -> Any:
             _say("this Keras fit runs under Horovod, which dpro's TensorFlow recorder does not record yet; "
                  "running it unrecorded")
         return callbacks
-    return [*listed, DproCallback(run_dir=os.environ.get(RUN_DIR) or None, steps=_window(os.environ.get(PROFILE)))]
+    return [*listed, DproCallback(run_dir=os.environ.get(RUN_DIR) or None, steps=_window(os.environ.get(PROFILE)),
+                                  batch_size=batch_size)]
 
 
 def _wrap_fit(owner: type) -> None:
@@ -107,7 +139,8 @@ def _wrap_fit(owner: type) -> None:
         _apply_config(self)  # a config made for another job stops the job (ConfigError), as in torch
         try:
             bound = signature.bind_partial(self, *args, **kwargs)
-            bound.arguments["callbacks"] = _with_recorder(bound.arguments.get("callbacks"))
+            batch = fit_batch_size(bound.arguments) if os.environ.get(AUTO_RECORD) == "1" else None
+            bound.arguments["callbacks"] = _with_recorder(bound.arguments.get("callbacks"), batch)
             args, kwargs = bound.args[1:], bound.kwargs
         except Exception as err:  # noqa: BLE001 - recording must never stop the user's fit
             _say(f"not recording this fit: {type(err).__name__}: {err}")

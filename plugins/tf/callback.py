@@ -49,11 +49,15 @@ class DproCallback(_callback_base()):  # type: ignore[misc]
         config: a config to apply (path, ``Config``, or ``"env"`` for ``$DPRO_CONFIG``); refused when it was
             made for another model, engine or number of workers, unless ``force``.
         force: apply a config made for another job anyway (with a warning).
+        batch_size: the fit's global batch size (what ``fit(batch_size=)`` or the dataset's ``batch()`` gives);
+            with it model.json holds each layer's activation bytes and ``dpro optimize --memory-budget`` can
+            choose layers to recompute. ``dpro-launch`` finds it from the fit's arguments.
     """
 
     def __init__(self, run_dir: str | Path | None = None, steps: Any = range(10, 20), *, config: Any = None,
-                 force: bool = False) -> None:
+                 force: bool = False, batch_size: int | None = None) -> None:
         super().__init__()
+        self.batch_size = batch_size
         self.run_dir = run_dir
         self.steps = steps
         self.config = config
@@ -62,20 +66,23 @@ class DproCallback(_callback_base()):  # type: ignore[misc]
         self.recorder: TFRecorder | None = None
 
     def _apply_config(self) -> None:
-        from dpro.plugins.tf.apply import apply_to_strategy, load_config
+        from dpro.plugins.tf.apply import apply_config, load_config
 
         config = load_config(None if self.config == "env" else self.config, model=self.model, force=self.force)
         if config is not None:
-            self.applied = apply_to_strategy(self.model.distribute_strategy, config)
+            self.applied = apply_config(self.model, config)
 
     def on_train_begin(self, logs: Any = None) -> None:
         if self.config is not None and not self.applied:
-            self._apply_config()
+            self._apply_config()  # before the first step is traced: packing and recompute take effect
         if self.recorder is None and self.steps is not None:
             total = self.params.get("steps") if isinstance(getattr(self, "params", None), dict) else None
             epochs = self.params.get("epochs") if isinstance(getattr(self, "params", None), dict) else None
+            replicas = int(getattr(self.model.distribute_strategy, "num_replicas_in_sync", 1) or 1)
+            per_worker = -(-self.batch_size // replicas) if self.batch_size else None
             self.recorder = TFRecorder(self.model, self.run_dir, self.steps, who="dpro.plugins.tf.DproCallback",
-                                       total_steps=total * epochs if total and epochs else None)
+                                       total_steps=total * epochs if total and epochs else None,
+                                       batch_size=per_worker)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if self.recorder is not None:

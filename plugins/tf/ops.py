@@ -3,11 +3,13 @@
 Pure functions over plain data: ``Layout`` says what the model is made of (its layers, its optimizer's name
 scope, how the strategy packs the gradients), ``step_rows`` maps the ops of one step to events:
 
-- an op whose name holds a layer's name scope is that layer's: ``FW.<layer>``, or ``BW.<layer>`` when it sits
-  under ``gradient_tape/`` (Keras's backward). The innermost layer named wins, so a nested model's layers are
-  attributed to themselves. All ops of one name in a step form one event (``args.ops`` counts them, ``args.kinds``
-  names their kernels), laid out by ``_laid_out``: TensorFlow's executor orders and interleaves a step's ops
-  differently from step to step, and the core needs the same events in every step;
+- an op whose name holds a layer's name scope is that layer's: ``FW.<layer path>``, or ``BW.<layer path>`` when
+  it sits under ``gradient_tape/`` (Keras's backward), or ``RECOMPUTE.<layer path>`` when it is a forward op
+  outside the model's name scope (a checkpointed block runs its forward again inside the backward). The innermost
+  layer named wins, so a nested model's layers are attributed to themselves. All ops of one name in a step form
+  one event (``args.ops`` counts them, ``args.kinds`` names their kernels), laid out by ``_laid_out``:
+  TensorFlow's executor orders and interleaves a step's ops differently from step to step, and the core needs
+  the same events in every step;
 - ops under the optimizer's name scope (``SGD/...``, ``Adam/...``) are ``UPDATE.optimizer``;
 - ops of no layer: before the first forward op of a layer ``IO.input`` (casts and slices of the batch), then
   ``FW.loss`` until the backward starts, under ``gradient_tape/`` ``BW.loss``; after the backward, the
@@ -56,15 +58,21 @@ class Layout:
 
     Attributes:
         layers: every layer's name (``layer.name``), nested layers included.
-        grads_of: layer name -> the names of its trainable variables' gradients.
+        grads_of: layer path -> the names of its trainable variables' gradients.
         optimizer_scopes: name scopes of the optimizer's ops (e.g. ``{"SGD"}``).
         packs: the gradient all-reduces in launch order (``pack_gradients``).
+        paths: layer name -> its dotted path in the model (``block1.conv_a``), which names its events; a name
+            missing here is its own path.
+        root: the model's name. The forward's ops run under its name scope; a layer's forward op outside it
+            runs again inside the backward (``tf.recompute_grad``, ``keras.remat``): ``RECOMPUTE.<path>``.
     """
 
     layers: frozenset[str]
     grads_of: dict[str, tuple[str, ...]] = field(default_factory=dict)
     optimizer_scopes: frozenset[str] = frozenset()
     packs: tuple[Pack, ...] = ()
+    paths: dict[str, str] = field(default_factory=dict)
+    root: str | None = None
 
 
 def pack_gradients(grads: list[tuple[str, int]], bytes_per_pack: int) -> list[Pack]:
@@ -106,7 +114,12 @@ def classify(op: HostOp, layout: Layout) -> tuple[str, str] | None:
     backward = BACKWARD_SCOPE in scopes
     layer = _layer_of(scopes[:-1], layout.layers)
     if layer is not None:
-        return ("BW", f"BW.{layer}") if backward else ("FW", f"FW.{layer}")
+        path = layout.paths.get(layer, layer)
+        if backward:
+            return "BW", f"BW.{path}"
+        if layout.root is not None and _layer_of(scopes[:-1], frozenset({layout.root})) is None:
+            return "RECOMPUTE", f"RECOMPUTE.{path}"
+        return "FW", f"FW.{path}"
     if scopes[0] in layout.optimizer_scopes:
         return "UPDATE", "UPDATE.optimizer"
     if backward:

@@ -31,12 +31,15 @@ class Profiler:
         optimizer: the optimizer (default ``model.optimizer``): its name scope marks UPDATE ops.
         strategy: the ``tf.distribute`` strategy (default: the current one).
         total_steps: when known, a window beyond it is refused at once.
+        batch_size: samples per step on this worker (per replica); with it the recompute search knows each
+            layer's activation bytes.
     """
 
     def __init__(self, model: Any, run_dir: str | Path | None = None, steps: Any = range(10, 20), *,
-                 optimizer: Any = None, strategy: Any = None, total_steps: int | None = None) -> None:
+                 optimizer: Any = None, strategy: Any = None, total_steps: int | None = None,
+                 batch_size: int | None = None) -> None:
         self.recorder = TFRecorder(model, run_dir, steps, strategy=strategy, optimizer=optimizer,
-                                   total_steps=total_steps)
+                                   total_steps=total_steps, batch_size=batch_size)
         self.run_dir = self.recorder.run_dir
 
     def __enter__(self) -> Profiler:

@@ -40,7 +40,7 @@ from dpro.record.protocol import (
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
 
-__all__ = ["TFRecorder", "gradient_fingerprint", "model_layout"]
+__all__ = ["TFRecorder", "gradient_fingerprint", "layer_paths", "model_layout", "output_bytes_per_sample"]
 
 ENGINE_MWMS = "tf-mwms"
 # Why a worker can die in tf.profiler.experimental.stop() (seen in ~1 recorded 2-worker MWMS job in 8 here with one
@@ -56,10 +56,24 @@ STOPPING_PROFILER = ("stopping TensorFlow's profiler (tf.profiler.experimental.s
 XPLANE_DIR = "xplane-rank{rank}"
 
 
-def _walk(layer: Any, parent: str | None = None) -> Iterable[tuple[Any, str | None]]:
-    yield layer, parent
-    for sub in getattr(layer, "layers", None) or []:
-        yield from _walk(sub, layer.name)
+def layer_paths(model: Any) -> list[tuple[Any, str, str | None]]:
+    """Every layer under ``model`` with its dotted path from the model (``block1.conv_a``; the model itself is
+    ``model.name``) and its parent's path (None for the model), outer layers first. A layer reached twice (a
+    shared layer) keeps its first path."""
+    out: list[tuple[Any, str, str | None]] = [(model, model.name, None)]
+    seen = {id(model)}
+
+    def visit(layer: Any, path: str | None) -> None:
+        for sub in getattr(layer, "layers", None) or []:
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            sub_path = sub.name if path is None else f"{path}.{sub.name}"
+            out.append((sub, sub_path, path if path is not None else model.name))
+            visit(sub, sub_path)
+
+    visit(model, None)
+    return out
 
 
 def _var_short(var: Any) -> str:
@@ -75,14 +89,31 @@ def _nbytes(var: Any) -> int:
     return math.prod(_shape(var)) * tf.as_dtype(var.dtype).size  # dtype: a DType (tf_keras) or a str (Keras 3)
 
 
+def output_bytes_per_sample(layer: Any) -> int | None:
+    """Bytes of one sample of a layer's output, from its symbolic output (layers of a built functional or
+    Sequential model); None when the layer has none (a subclassed model's layers, a shared layer)."""
+    try:
+        outputs = tf.nest.flatten(layer.output)
+    except (AttributeError, ValueError, RuntimeError):
+        return None
+    total = 0
+    for out in outputs:
+        shape = getattr(out, "shape", None)
+        if shape is None or len(shape) == 0 or any(d is None for d in list(shape)[1:]):
+            return None
+        total += math.prod(int(d) for d in list(shape)[1:]) * tf.as_dtype(out.dtype).size
+    return total
+
+
 def model_layout(model: Any, optimizer: Any = None, bytes_per_pack: int = 0) -> tuple[Layout, list[dict[str, Any]]]:
     """The ``Layout`` of a Keras model (tf_keras or Keras 3) and its gradients (name, bytes, shape, dtype, layer)
-    in ``model.trainable_variables`` order. A variable belongs to the innermost layer that holds it."""
+    in ``model.trainable_variables`` order. A variable belongs to the innermost layer that holds it; layers are
+    named by their dotted path (``Layout.paths``), gradients ``<layer path>.<variable>``."""
     owner: dict[int, str] = {}
-    layers: list[tuple[Any, str | None]] = list(_walk(model))
-    for layer, _ in layers:  # outer first, so inner layers override
+    layers = layer_paths(model)
+    for layer, path, _ in layers:  # outer first, so inner layers override
         for var in getattr(layer, "trainable_weights", []):
-            owner[id(var)] = layer.name
+            owner[id(var)] = path
     grads = []
     for var in model.trainable_variables:
         layer = owner.get(id(var), model.name)
@@ -95,9 +126,13 @@ def model_layout(model: Any, optimizer: Any = None, bytes_per_pack: int = 0) -> 
     if optimizer is not None:
         scopes |= {str(getattr(optimizer, "name", "")), type(optimizer).__name__}
     packs = pack_gradients([(g["name"], g["bytes"]) for g in grads], bytes_per_pack)
-    layout = Layout(layers=frozenset(layer.name for layer, _ in layers[1:]) or frozenset({model.name}),
+    paths: dict[str, str] = {}
+    for layer, path, _ in layers[1:]:
+        paths.setdefault(layer.name, path)
+    layout = Layout(layers=frozenset(paths) or frozenset({model.name}),
                     grads_of={k: tuple(v) for k, v in grads_of.items()},
-                    optimizer_scopes=frozenset(s for s in scopes if s), packs=tuple(packs))
+                    optimizer_scopes=frozenset(s for s in scopes if s), packs=tuple(packs),
+                    paths=paths, root=model.name)
     return layout, grads
 
 
@@ -139,12 +174,16 @@ class TFRecorder:
         optimizer: the optimizer (default: ``model.optimizer``); names its ops' scope.
         total_steps: when known, a window beyond it is refused at once.
         transport: how workers talk (default: the TCP side channel of ``TF_CONFIG``).
+        batch_size: samples per step on this worker; with it model.json holds each layer's activation bytes
+            (its output for the batch), which the recompute search needs. None: not known, not searched.
     """
 
     def __init__(self, model: Any, run_dir: str | Path | None, steps: Iterable[int], *,
                  strategy: Any = None, optimizer: Any = None, total_steps: int | None = None,
-                 transport: Transport | None = None, who: str = "dpro.plugins.tf.Profiler") -> None:
+                 transport: Transport | None = None, who: str = "dpro.plugins.tf.Profiler",
+                 batch_size: int | None = None) -> None:
         self.who = who
+        self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
         self.steps = parse_steps(steps)
         check_window_fits(self.steps, total_steps, who)
         self.window = frozenset(self.steps)
@@ -306,10 +345,13 @@ class TFRecorder:
         packs: tuple[Pack, ...] = self._layout.packs
         buckets = [{"index": i, "bytes": p.nbytes, "tensors": list(p.tensors)} for i, p in enumerate(packs)]
         modules = []
-        for layer, parent in _walk(self.model):
-            own = sum(_nbytes(v) for v in getattr(layer, "trainable_weights", []))
-            modules.append({"name": layer.name, "type": type(layer).__name__, "parent": parent,
-                            "param_bytes": own if not getattr(layer, "layers", None) else 0,
-                            "activation_bytes": None, "recorded": layer.name in self._layout.layers})
+        for layer, path, parent in layer_paths(self.model):
+            leaf = not getattr(layer, "layers", None) and type(layer).__name__ != "InputLayer"  # inputs: the batch
+            own = sum(_nbytes(v) for v in getattr(layer, "trainable_weights", [])) if leaf else 0
+            per_sample = output_bytes_per_sample(layer) if leaf and parent is not None else None
+            modules.append({"name": path, "type": type(layer).__name__, "parent": parent, "param_bytes": own,
+                            "activation_bytes": (per_sample * self.batch_size
+                                                 if per_sample is not None and self.batch_size else None),
+                            "recorded": parent is not None and leaf})
         write_model_json(self.run_dir, model_document(fingerprint=self.fingerprint(), gradients=gradients,
                                                       buckets=buckets, modules=modules))
