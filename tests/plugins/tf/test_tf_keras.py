@@ -353,3 +353,17 @@ def test_keras3_recompute_is_applied_with_remat(tmp_path: Path) -> None:
     names = {e["name"] for e in _events(tmp_path / "applied", 0)}
     assert {"RECOMPUTE.block2.block2_wide", "RECOMPUTE.block2.block2_out"} <= names
     assert not any(n.startswith("RECOMPUTE.block1") for n in names)
+
+
+def test_the_fit_batch_size_comes_from_its_arguments() -> None:
+    import numpy as np
+    import tensorflow as tf
+
+    from dpro.plugins.tf.autoattach import fit_batch_size
+
+    data = tf.data.Dataset.from_tensor_slices((np.zeros((100, 3), "f4"), np.zeros(100, "f4")))
+    assert fit_batch_size({"x": data.batch(24)}) == 24                       # read from its first batch
+    assert fit_batch_size({"x": data.batch(24, drop_remainder=True)}) == 24  # its static shape
+    assert fit_batch_size({"x": np.zeros((100, 3)), "batch_size": 10}) == 10
+    assert fit_batch_size({"x": np.zeros((100, 3))}) == 32                   # Keras's default
+    assert fit_batch_size({"x": iter([1, 2])}) is None
