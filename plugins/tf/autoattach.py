@@ -117,13 +117,6 @@ def _with_recorder(callbacks: Any, batch_size: int | None = None) -> Any:
                                                                         for cb in listed):
         return callbacks
     _STATE["attached"] = True
-    from dpro.plugins.tf.transport import horovod_size
-
-    if horovod_size(os.environ) > 1 and "TF_CONFIG" not in os.environ:
-        if os.environ.get("HOROVOD_RANK", "0") == "0":
-            _say("this Keras fit runs under Horovod, which dpro's TensorFlow recorder does not record yet; "
-                 "running it unrecorded")
-        return callbacks
     return [*listed, DproCallback(run_dir=os.environ.get(RUN_DIR) or None, steps=_window(os.environ.get(PROFILE)),
                                   batch_size=batch_size)]
 

@@ -32,10 +32,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpro.plugins.tf.xplane import Collective, HostOp
+from dpro.plugins.tf.xplane import AsyncOp, Collective, HostOp
 from dpro.record.trace import QUEUE_ID, event_row
 
-__all__ = ["IGNORED_KERNELS", "Layout", "Pack", "classify", "pack_gradients", "step_rows"]
+__all__ = ["IGNORED_KERNELS", "Layout", "Pack", "classify", "horovod_rows", "pack_gradients", "step_rows"]
 
 IGNORED_KERNELS = frozenset({"ReadVariableOp", "Identity", "NoOp", "Const", "_Arg", "_Retval"})
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
@@ -63,6 +63,7 @@ class Layout:
         packs: the gradient all-reduces in launch order (``pack_gradients``).
         paths: layer name -> its dotted path in the model (``block1.conv_a``), which names its events; a name
             missing here is its own path.
+        gradients: (name, bytes) of every gradient in ``model.trainable_variables`` order.
         root: the model's name. The forward's ops run under its name scope; a layer's forward op outside it
             runs again inside the backward (``tf.recompute_grad``, ``keras.remat``): ``RECOMPUTE.<path>``.
     """
@@ -73,6 +74,7 @@ class Layout:
     packs: tuple[Pack, ...] = ()
     paths: dict[str, str] = field(default_factory=dict)
     root: str | None = None
+    gradients: tuple[tuple[str, int], ...] = ()
 
 
 def pack_gradients(grads: list[tuple[str, int]], bytes_per_pack: int) -> list[Pack]:
@@ -138,9 +140,11 @@ def _is_input_op(op: HostOp) -> bool:
 
 
 def step_rows(ops: Iterable[HostOp], collectives: Iterable[Collective], *, step: int, layout: Layout,
-              wall_minus_mono_ns: float) -> list[list[Any]]:
+              wall_minus_mono_ns: float, first_gradient_launch_ns: int | None = None) -> list[list[Any]]:
     """The events of one step (``event_row`` rows, µs on the rank's monotonic clock) from the ops and collectives
-    that ran in it (wall-clock ns; ``wall_minus_mono_ns`` converts)."""
+    that ran in it (wall-clock ns; ``wall_minus_mono_ns`` converts). ``first_gradient_launch_ns``: when the
+    step's first gradient allreduce was launched, when it is not one of ``collectives`` (Horovod's): update ops
+    before it are ``.early``."""
     ops = sorted((o for o in ops if o.type not in IGNORED_KERNELS), key=lambda o: o.start_ns)
     colls = sorted(collectives, key=lambda c: c.launch_ns)
     grad_colls = colls[:len(layout.packs)]
@@ -151,7 +155,7 @@ def step_rows(ops: Iterable[HostOp], collectives: Iterable[Collective], *, step:
     # early, interleaved with the forward, and do not end it
     first_bw = next((o.start_ns for o, k in zip(ops, kinds, strict=True)
                      if k and k[0] == "BW" and (last_fw is None or o.start_ns >= last_fw)), None)
-    first_comm = grad_colls[0].launch_ns if grad_colls else None
+    first_comm = grad_colls[0].launch_ns if grad_colls else first_gradient_launch_ns
     launches = [c.launch_ns for c in grad_colls]
     comm_start = {i: c.launch_ns for i, c in enumerate(grad_colls)}
 
@@ -277,3 +281,46 @@ def _attach_grads(rows: list[list[Any]], layout: Layout) -> None:
         grads = list(layout.grads_of[layer])
         row[5]["grads"] = grads
         row[5]["grads_ready_us"] = [(row[3] + row[4]) / 1000.0] * len(grads)  # rows hold integer ns
+
+
+HOROVOD_KERNEL = "HorovodAllreduce"
+# horovod.tensorflow names an allreduce after its tensor, "HorovodAllreduce_<tensor name>_<output>": the gradients
+# of hvd.keras's DistributedOptimizer are "grads", "grads_1", "grads_2", ... in trainable_variables order
+_HOROVOD_GRAD = re.compile(r"HorovodAllreduce_grads(?:_(\d+))?_\d+$")
+
+
+def _gradient_index(name: str) -> int | None:
+    found = _HOROVOD_GRAD.search(name)
+    return None if found is None else int(found.group(1) or 0)
+
+
+def horovod_rows(async_ops: Iterable[AsyncOp], *, step: int, layout: Layout, wall_minus_mono_ns: float,
+                 step_end_ns: int) -> list[list[Any]]:
+    """One ``COMM.<gradient>.allreduce`` per Horovod allreduce of a step (``hvd.DistributedOptimizer`` of
+    ``horovod.tensorflow.keras``): from its launch on the executor to Horovod completing it, with the gradient's
+    name and bytes and ``hvd_name`` (the op's name, which Horovod's timeline uses), so the horovod engine merges the
+    timeline's fused buffers into it. Allreduces are matched to gradients by the index in their name, or in launch
+    order when their names do not say; ones beyond the model's gradients keep their op name and no bytes. An
+    allreduce whose completion the profiler missed (it stopped while Horovod's callback still ran, in the window's
+    last step) ends at the step's end (``step_end_ns``, wall clock), the latest it can have completed."""
+    mine = sorted((a for a in async_ops if a.type.startswith(HOROVOD_KERNEL)), key=lambda a: a.launch_ns)
+    indices = [_gradient_index(a.name) for a in mine]
+    if None in indices or len(set(indices)) != len(indices):
+        indices = list(range(len(mine)))
+    rows = []
+    for op, k in zip(mine, indices, strict=True):
+        args: dict[str, Any] = {"step": step, "op": "allreduce", "phase": "allreduce", "hvd_name": op.name,
+                                "source": "launch to completion by Horovod (TensorFlow profiler, async kernel)"}
+        if k < len(layout.gradients):
+            grad, nbytes = layout.gradients[k]
+            name = f"COMM.{grad}.allreduce"
+            args.update(bytes=nbytes, tensors=[grad])
+        else:
+            name = f"COMM.{op.name.replace('/', '_')}.allreduce"
+            args.update(bytes=0, tensors=[])
+        if op.done_ns is None:
+            args["note"] = "completion not traced (the profiler stopped first): ends with the step"
+        ts = _us(op.launch_ns, wall_minus_mono_ns)
+        done = op.done_ns if op.done_ns is not None else step_end_ns
+        rows.append(event_row(name, "COMM", COMM, ts, _us(done, wall_minus_mono_ns) - ts, args))
+    return rows

@@ -23,9 +23,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from dpro.engines.horovod import knobs_from_environment
+from dpro.engines.horovod.timeline import TIMELINE_FILE
 from dpro.errors import DproError
-from dpro.plugins.tf.ops import Layout, Pack, pack_gradients, step_rows
-from dpro.plugins.tf.transport import SocketTransport
+from dpro.plugins.tf.ops import HOROVOD_KERNEL, Layout, Pack, horovod_rows, pack_gradients, step_rows
+from dpro.plugins.tf.transport import HorovodTransport, default_transport
 from dpro.plugins.tf.xplane import find_xplane, read_xplane
 from dpro.record.protocol import (
     Clock,
@@ -43,6 +45,7 @@ from dpro.record.writer import RankTraceWriter, model_document, run_document, wr
 __all__ = ["TFRecorder", "gradient_fingerprint", "layer_paths", "model_layout", "output_bytes_per_sample"]
 
 ENGINE_MWMS = "tf-mwms"
+ENGINE_HOROVOD = "horovod"
 # Why a worker can die in tf.profiler.experimental.stop() (seen in ~1 recorded 2-worker MWMS job in 8 here with one
 # inter-op thread, 7 in 18 with TensorFlow's default threads, whatever the window's length):
 # TraceMeRecorder::Consume (tsl) keeps pointers to a thread's end-of-activity events while it still appends to
@@ -132,7 +135,7 @@ def model_layout(model: Any, optimizer: Any = None, bytes_per_pack: int = 0) -> 
     layout = Layout(layers=frozenset(paths) or frozenset({model.name}),
                     grads_of={k: tuple(v) for k, v in grads_of.items()},
                     optimizer_scopes=frozenset(s for s in scopes if s), packs=tuple(packs),
-                    paths=paths, root=model.name)
+                    paths=paths, root=model.name, gradients=tuple((g["name"], g["bytes"]) for g in grads))
     return layout, grads
 
 
@@ -190,7 +193,8 @@ class TFRecorder:
         self.model = model
         self.strategy = strategy or getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        self.transport = transport if transport is not None else SocketTransport.from_tf_config()
+        self.transport = transport if transport is not None else default_transport()
+        self.horovod = isinstance(self.transport, HorovodTransport)  # hvd.keras: Horovod's ranks and allreduces
         self.rank, self.world_size = self.transport.rank, self.transport.world_size
         self.clock = Clock.from_env(self.rank)
         self.host = socket.gethostname()
@@ -204,6 +208,7 @@ class TFRecorder:
         self._wall_minus_mono_ns = 0.0
         self._writer: RankTraceWriter | None = None
         self._closed = False
+        self._timeline_started = False
 
     @property
     def started(self) -> bool:
@@ -244,6 +249,11 @@ class TFRecorder:
         if self.rank == 0:
             self._write_run_json(pingpong)
         self.transport.barrier()
+        if self.horovod and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":  # dpro-launch asks for the window only
+            import horovod.tensorflow as hvd
+
+            hvd.start_timeline(str(self.run_dir / TIMELINE_FILE))
+            self._timeline_started = True
         logdir = self.run_dir / XPLANE_DIR.format(rank=self.rank)
         _drain()  # the profiler starts with no op of the previous step in flight
         tf.profiler.experimental.start(str(logdir))
@@ -269,6 +279,14 @@ class TFRecorder:
             _drain()
             with self._writer.inside(STOPPING_PROFILER):
                 tf.profiler.experimental.stop()
+        if self._timeline_started:
+            self._timeline_started = False
+            import horovod.tensorflow as hvd
+
+            try:
+                hvd.stop_timeline()
+            except ValueError:
+                pass
         note = f"stopped by {type(error).__name__}: {error}" if error is not None else ""
         try:
             profile = read_xplane(find_xplane(self._logdir))
@@ -298,7 +316,13 @@ class TFRecorder:
             lo, hi = begin * 1000.0 + offset, end * 1000.0 + offset  # the step in wall-clock ns
             ops = [o for o in profile.ops if lo <= o.start_ns < hi]
             colls = [c for c in profile.collectives if lo <= c.launch_ns < hi]
-            rows = step_rows(ops, colls, step=step, layout=self._layout, wall_minus_mono_ns=offset)
+            allreduces = [a for a in profile.async_ops if lo <= a.launch_ns < hi] if self.horovod else []
+            first = min((a.launch_ns for a in allreduces if a.type.startswith(HOROVOD_KERNEL)), default=None)
+            rows = step_rows(ops, colls, step=step, layout=self._layout, wall_minus_mono_ns=offset,
+                             first_gradient_launch_ns=first)
+            if self.horovod:
+                rows += horovod_rows(allreduces, step=step, layout=self._layout, wall_minus_mono_ns=offset,
+                                     step_end_ns=int(hi))
             rows.insert(0, event_row("STEP", "STEP", QUEUE_ID["host"], begin, end - begin, {"step": step}))
             out[step] = rows
         return out
@@ -311,6 +335,8 @@ class TFRecorder:
         if is_mwms(self.strategy):
             bytes_per_pack, implementation = communication_options(self.strategy)
             knobs.update({"tf.mwms.bytes_per_pack": bytes_per_pack, "tf.mwms.implementation": implementation})
+        if self.horovod:
+            knobs.update(knobs_from_environment(dict(os.environ)))
         if self.optimizer is not None:
             knobs["optimizer"] = type(self.optimizer).__name__
         return knobs
@@ -319,18 +345,37 @@ class TFRecorder:
         return gradient_fingerprint(self._grads)
 
     def _engine(self) -> str:
+        if self.horovod:
+            return ENGINE_HOROVOD
         return ENGINE_MWMS if is_mwms(self.strategy) and self.world_size > 1 else "tf"
+
+    def _horovod_section(self) -> dict[str, Any]:
+        """run.json's ``horovod`` section, what the horovod engine reads (as the torch plugin writes it)."""
+        import horovod
+        import horovod.tensorflow as hvd
+
+        offset_ns = wall_minus_clock_ns(self.clock)
+        rank_us = self.clock.now()
+        return {"version": horovod.__version__, "timeline": os.environ.get("HOROVOD_TIMELINE") or None,
+                "timeline_file": TIMELINE_FILE,
+                "note": "HOROVOD_TIMELINE is written by rank 0 only; its ts count µs from hvd.start_timeline on "
+                        "CLOCK_MONOTONIC, placed on rank 0's clock with the wall/rank clock pair below",
+                "clock": {"wall_us": rank_us + offset_ns / 1000.0, "rank_us": rank_us},
+                "local_size": hvd.local_size(), "cross_size": hvd.cross_size(), "tensor_names": {}, "groups": []}
 
     def _write_run_json(self, pingpong: dict[int, list[list[float]]]) -> None:
         keras_version = getattr(getattr(self.model, "__class__", None), "__module__", "").split(".")[0]
         versions = {"python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras_version}
+        extra: dict[str, Any] = {}
+        if self.horovod:
+            extra = {"horovod": self._horovod_section()}
         doc = run_document(framework="tf", engine=self._engine(), versions=versions, world_size=self.world_size,
                            hosts=self.hosts, steps=list(self.steps), knobs=self.knobs(),
                            fingerprint=self.fingerprint(), probe=[], pingpong=pingpong,
                            extra={"tf": {"strategy": type(self.strategy).__name__,
                                          "xplane": XPLANE_DIR.format(rank="<r>"),
                                          "note": "per-op times from TensorFlow's profiler (XPlane), mapped to "
-                                                 "Keras layers by name scope"}})
+                                                 "Keras layers by name scope"}, **extra})
         write_run_json(self.run_dir, doc)
 
     def _write_model_json(self, rows_by_step: dict[int, list[list[Any]]]) -> None:

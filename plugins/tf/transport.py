@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,8 @@ from typing import Any
 from dpro.errors import UsageError
 from dpro.record.protocol import Clock
 
-__all__ = ["PORT_OFFSET", "SocketTransport", "tf_config"]
+__all__ = ["PORT_OFFSET", "HorovodTransport", "SocketTransport", "default_transport", "horovod_running",
+           "tf_config"]
 
 PORT_OFFSET = 7919          # from worker 0's TF_CONFIG port to the side channel's, when DPRO_TF_PORT is unset
 CONNECT_TIMEOUT_S = 120.0   # workers start seconds apart; the recording window starts on every worker
@@ -106,9 +108,8 @@ class SocketTransport:
         env = os.environ if environ is None else environ
         if len(workers) <= 1:
             if horovod_size(env) > 1:  # each rank would take itself for a lone worker and share one run directory
-                raise UsageError("dpro's TensorFlow recorder does not record Horovod jobs yet (hvd.keras, "
-                                 "hvd.DistributedGradientTape): it knows its workers from TF_CONFIG; run the "
-                                 "job unrecorded, or record a MultiWorkerMirroredStrategy version of it")
+                raise UsageError("this job runs under Horovod (HOROVOD_SIZE is set) but has no TF_CONFIG: its ranks "
+                                 "talk through Horovod (default_transport, after hvd.init()), not TF_CONFIG")
             return cls(rank=0, world_size=1)
         host, _, port = workers[0].rpartition(":")
         try:
@@ -203,3 +204,91 @@ class SocketTransport:
         callback would shift MWMS's collective keys. The recorder leaves the probe out; the cost model is fitted
         from the collectives of the profiled steps."""
         return 0.0
+
+
+TEXT_BYTES = 4096  # a run directory path, an error message
+
+
+def horovod_running(environ: dict[str, str] | os._Environ | None = None) -> bool:
+    """Whether this process is a rank of a Horovod job (``horovod.tensorflow`` initialized, started by horovodrun)
+    rather than a TF_CONFIG worker."""
+    env = os.environ if environ is None else environ
+    if "TF_CONFIG" in env or horovod_size(env) < 1:
+        return False
+    hvd = sys.modules.get("horovod.tensorflow")
+    try:
+        return hvd is not None and bool(hvd.is_initialized())
+    except (AttributeError, ValueError):
+        return False
+
+
+class HorovodTransport:
+    """Horovod's ranks as a ``dpro.record.protocol.Transport``, over ``horovod.tensorflow`` collectives (eager,
+    between steps): Horovod has no point-to-point messages, so a ping is three broadcasts."""
+
+    def __init__(self) -> None:
+        import horovod.tensorflow as hvd
+
+        self._hvd = hvd
+        self.rank, self.world_size = hvd.rank(), hvd.size()
+        self.backend = "gloo" if hvd.gloo_enabled() else ("mpi" if hvd.mpi_enabled() else "horovod")
+
+    @staticmethod
+    def _encode(text: str, size: int) -> Any:
+        import tensorflow as tf
+
+        data = text.encode()[:size]
+        return tf.constant(list(data) + [0] * (size - len(data)), dtype=tf.uint8)
+
+    @staticmethod
+    def _decode(row: Any) -> str:
+        return bytes(row.numpy().tolist()).rstrip(b"\0").decode(errors="replace")
+
+    def broadcast_text(self, text: str, root: int = 0) -> str:
+        sent = self._encode(text if self.rank == root else "", TEXT_BYTES)
+        return self._decode(self._hvd.broadcast(sent, root_rank=root, name="dpro.text"))
+
+    def gather_texts(self, text: str) -> list[str]:
+        import tensorflow as tf
+
+        rows = self._hvd.allgather(tf.expand_dims(self._encode(text, 256), 0), name="dpro.texts")
+        return [self._decode(row) for row in rows]
+
+    def barrier(self) -> None:
+        import tensorflow as tf
+
+        # horovod.tensorflow 0.28 has no barrier: a small allreduce completes only once every rank joined it
+        self._hvd.allreduce(tf.zeros(1), op=self._hvd.Sum, name="dpro.barrier").numpy()
+
+    def ping(self, peer: int, clock: Clock) -> list[float] | None:
+        """Rank 0 broadcasts at t0, ``peer`` reads t1 when it arrives; ``peer`` broadcasts, rank 0 reads t3; a third
+        broadcast carries t1 to rank 0. Each waits for Horovod's next cycle: alignment keeps the shortest."""
+        import tensorflow as tf
+
+        zero = tf.zeros(1, dtype=tf.float64)
+        t0 = clock.now()
+        self._hvd.broadcast(zero, root_rank=0, name=f"dpro.clock.{peer}.a").numpy()
+        t1 = clock.now()
+        self._hvd.broadcast(zero, root_rank=peer, name=f"dpro.clock.{peer}.b").numpy()
+        t3 = clock.now()
+        times = self._hvd.broadcast(tf.constant([t1, t1], dtype=tf.float64), root_rank=peer,
+                                    name=f"dpro.clock.{peer}.c").numpy()
+        if self.rank != 0:
+            return None
+        return [t0, float(times[0]), float(times[1]), t3]
+
+    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
+        """Includes waiting for Horovod's cycle; the run's Horovod timeline gives the allreduce phases."""
+        import tensorflow as tf
+
+        tensor = tf.zeros(max(1, nbytes // 4), dtype=tf.float32)
+        self.barrier()
+        t0 = clock.now()
+        self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name).numpy()
+        return clock.now() - t0
+
+
+def default_transport() -> Any:
+    """How this worker talks to the others: Horovod's collectives in a Horovod job, else the TCP side channel of
+    ``TF_CONFIG`` (one worker without it)."""
+    return HorovodTransport() if horovod_running() else SocketTransport.from_tf_config()

@@ -13,6 +13,10 @@ TensorFlow 2.21, CPU):
   ``collective_ops/<id>`` lines, ``CollectiveExecutor::ExecuteAsync::Done`` with ``_c`` equal to that id
   marks its completion (its start: the event lasts while the executor runs, inline, the ops the result made
   ready), and ``<name>:CollectiveReduceV2`` with ``instance_key``/``group_key`` its transfer;
+- an asynchronous kernel (Horovod's ``HorovodAllreduce``, ``IteratorGetNext``): ``ExecutorState::ProcessAsync::Start``
+  on the compute thread with stats ``name``, ``kernel_type`` and ``_p`` is its launch, and
+  ``ExecutorState::ProcessAsync::Done`` with ``_c`` equal to that id, on the thread that completed it (Horovod's
+  background thread), starts when it completed;
 - event times are ``XLine.timestamp_ns`` plus ``XEvent.offset_ps``, counted from the profile's start; the
   ``Task Environment`` plane holds ``profile_start_time`` (wall clock, ns since the epoch).
 
@@ -21,13 +25,13 @@ The protobuf is parsed with TensorFlow's own bindings (``tensorflow.tsl.profiler
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
 
-__all__ = ["Collective", "HostOp", "Profile", "find_xplane", "parse_xspace", "read_xplane"]
+__all__ = ["AsyncOp", "Collective", "HostOp", "Profile", "find_xplane", "parse_xspace", "read_xplane"]
 
 MAX_XPLANE_BYTES = 2 * 1024**3  # a host profile of a few steps is megabytes; refuse to load absurd files
 HOST_PLANE = "/host:CPU"
@@ -35,6 +39,8 @@ COMPUTE_LINE = "tf_Compute"
 COLLECTIVE_LINE = "collective_ops"
 LAUNCH_EVENT = "CollectiveOpV2Kernel::Run"
 DONE_EVENT = "CollectiveExecutor::ExecuteAsync::Done"
+ASYNC_START_EVENT = "ExecutorState::ProcessAsync::Start"
+ASYNC_DONE_EVENT = "ExecutorState::ProcessAsync::Done"
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,21 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class AsyncOp:
+    """One asynchronous kernel: launched on an executor thread, completed by another (wall-clock ns)."""
+
+    name: str         # op name, e.g. "DistributedSGD_Allreduce/cond_2/HorovodAllreduce_grads_2_0"
+    type: str         # the kernel, e.g. "HorovodAllreduce"
+    launch_ns: int
+    done_ns: int | None  # None: its completion was not traced (the profiler stopped while it was being delivered)
+
+
+@dataclass(frozen=True)
 class Profile:
     start_wall_ns: int
     ops: list[HostOp]
     collectives: list[Collective]
+    async_ops: list[AsyncOp] = field(default_factory=list)
 
 
 def find_xplane(logdir: str | Path) -> Path:
@@ -135,19 +152,30 @@ def parse_xspace(space: Any, path: str | Path = "<xspace>") -> Profile:
     launches: dict[int, tuple[str, int]] = {}
     done: dict[int, int] = {}
     transfers: dict[str, list[tuple[int, int, int | None]]] = {}
+    async_launches: dict[int, tuple[str, str, int]] = {}
+    async_done: dict[int, int] = {}
     for line in host.lines:
         base_ps = (start + int(line.timestamp_ns)) * 1000
         on_compute = line.name.startswith(COMPUTE_LINE)
         on_collective = line.name.startswith(COLLECTIVE_LINE)
-        if not (on_compute or on_collective):
-            continue
         for event in line.events:
             meta = host.event_metadata.get(event.metadata_id)
             if meta is None:
                 continue
             t0 = (base_ps + int(event.offset_ps)) // 1000
             dur = int(event.duration_ps) // 1000
-            if on_compute and meta.name == LAUNCH_EVENT:
+            if meta.name == ASYNC_DONE_EVENT:  # on whichever thread completed it
+                stats = _stats(host, event)
+                if isinstance(stats.get("_c"), int):
+                    async_done[stats["_c"]] = t0
+                continue
+            if not (on_compute or on_collective):
+                continue
+            if on_compute and meta.name == ASYNC_START_EVENT:
+                stats = _stats(host, event)
+                if isinstance(stats.get("_p"), int) and isinstance(stats.get("name"), str):
+                    async_launches[stats["_p"]] = (stats["name"], str(stats.get("kernel_type") or ""), t0)
+            elif on_compute and meta.name == LAUNCH_EVENT:
                 stats = _stats(host, event)
                 if isinstance(stats.get("_p"), int) and isinstance(stats.get("name"), str):
                     launches[stats["_p"]] = (stats["name"], t0)
@@ -175,4 +203,6 @@ def parse_xspace(space: Any, path: str | Path = "<xspace>") -> Profile:
                                       transfer_end_ns=transfer[1] if transfer else None,
                                       instance_key=transfer[2] if transfer else None))
     ops.sort(key=lambda o: o.start_ns)
-    return Profile(start_wall_ns=start, ops=ops, collectives=collectives)
+    async_ops = sorted((AsyncOp(name, kind, t0, async_done.get(corr)) for corr, (name, kind, t0)
+                        in async_launches.items()), key=lambda a: a.launch_ns)
+    return Profile(start_wall_ns=start, ops=ops, collectives=collectives, async_ops=async_ops)

@@ -57,6 +57,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
+from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, knobs_from_environment
 from dpro.errors import UsageError
 from dpro.plugins.torch.recorder import COMM, COMPUTE, TorchRecorder, timed_closure
 from dpro.plugins.torch.transport import TEXT_BYTES, bytes_tensor, tensor_text
@@ -67,25 +68,11 @@ __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE",
 
 ENGINE = "horovod"
 TIMELINE_FILE = "horovod-timeline.json"  # the name dpro.engines.horovod.timeline looks for in a run directory
-DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # horovod 0.28.1 operations.cc
-DEFAULT_CYCLE_TIME_MS = 1.0  # horovod 0.28.1 operations.cc
 
 
 def horovod_knobs(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """The Horovod knobs in force: from the environment, else Horovod's defaults."""
-    env = os.environ if environ is None else environ
-    knobs: dict[str, Any] = {}
-    try:
-        knobs["HOROVOD_FUSION_THRESHOLD"] = int(env.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD))
-    except ValueError:
-        knobs["HOROVOD_FUSION_THRESHOLD"] = env["HOROVOD_FUSION_THRESHOLD"]
-    try:
-        knobs["HOROVOD_CYCLE_TIME"] = float(env.get("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS))
-    except ValueError:
-        knobs["HOROVOD_CYCLE_TIME"] = env["HOROVOD_CYCLE_TIME"]
-    knobs["horovod.autotune"] = env.get("HOROVOD_AUTOTUNE", "0") not in ("", "0", "false", "False")
-    knobs["horovod.cache_capacity"] = int(env.get("HOROVOD_CACHE_CAPACITY", "1024") or 1024)
-    return knobs
+    return knobs_from_environment(dict(os.environ if environ is None else environ))
 
 
 class HorovodTransport:

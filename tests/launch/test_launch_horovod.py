@@ -356,10 +356,35 @@ HAVE_HVD_KERAS = HAVE_HOROVOD and importlib.util.find_spec("tf_keras") is not No
 
 
 @pytest.mark.skipif(not HAVE_HVD_KERAS, reason="this Horovod wheel was built without TensorFlow")
-def test_an_hvd_keras_job_runs_and_is_left_unrecorded_with_a_reason(tmp_path):
-    proc = run_job(launcher("--profile", "2:5", "--run-dir", "run", "python", str(JOBS / "hvd_keras_job.py")),
-                   env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=180, check=False)
-    assert "hvd.keras rank 0 of 2 done" in proc.stdout and "hvd.keras rank 1 of 2 done" in proc.stdout, \
-        proc.stderr[-3000:]
-    assert "does not record yet; running it unrecorded" in proc.stderr
-    assert not list(tmp_path.rglob("rank-*.json"))  # no two ranks claiming to be worker 0 of 1
+def test_an_unmodified_hvd_keras_job_is_recorded_through_the_horovod_engine(tmp_path):
+    proc = run_job(launcher("--profile", "4:9", "--run-dir", "run", "python", str(JOBS / "hvd_keras_job.py"),
+                            "--steps", "12"), env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
+    assert "hvd.keras rank 0 of 2 done" in proc.stdout and "hvd.keras rank 1 of 2 done" in proc.stdout
+    run_dir = tmp_path / "run"
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["framework"] == "tf" and meta["engine"] == "horovod" and meta["world_size"] == 2
+    assert meta["knobs"]["HOROVOD_FUSION_THRESHOLD"] > 0
+    model = json.loads((run_dir / "model.json").read_text())
+    grad_bytes = {g["name"]: g["bytes"] for g in model["gradients"]}
+    for rank in (0, 1):
+        events = [e for e in json.loads((run_dir / f"rank-{rank}.json").read_text())["traceEvents"]
+                  if e.get("ph") == "X"]
+        for step in range(4, 9):
+            comm = [e for e in events if e["cat"] == "COMM" and e["args"]["step"] == step]
+            # one allreduce per gradient (launched as soon as the graph has it), with the gradient's bytes
+            assert {tuple(e["args"]["tensors"]) for e in comm} == {(g,) for g in grad_bytes}, (rank, step)
+            assert all(e["args"]["bytes"] == grad_bytes[e["args"]["tensors"][0]] for e in comm)
+            first_fw = min(e["ts"] for e in events if e["cat"] == "FW" and e["args"]["step"] == step)
+            assert all(e["ts"] > first_fw for e in comm)
+    run = load_run(run_dir)
+    merged = run.meta["horovod"]["merged"]
+    assert merged["buffers"] and all(b["allreduce_us"] is not None for b in merged["buffers"])
+    out = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(run_dir), "--json"], capture_output=True,
+                         text=True, timeout=120, env=env_for_jobs())
+    assert out.returncode == 0, out.stderr
+    assert abs(json.loads(out.stdout)["error_pct"]) < 50
+    config = tmp_path / "config.json"
+    out = subprocess.run([sys.executable, "-m", "dpro", "optimize", str(run_dir), "-o", str(config)],
+                         capture_output=True, text=True, timeout=300, env=env_for_jobs())
+    assert out.returncode == 0, out.stderr
+    assert "HOROVOD_FUSION_THRESHOLD" in json.loads(config.read_text())["knobs"]["env"]

@@ -10,9 +10,32 @@ from typing import Any
 from dpro.config import Knob, _count, _number
 from dpro.engines.base import Engine
 
-__all__ = ["ENGINE", "NAME"]
+__all__ = ["ENGINE", "NAME", "knobs_from_environment"]
 
 NAME = "horovod"
+THRESHOLD, CYCLE, CACHE = "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"
+DEFAULT_FUSION_THRESHOLD = 128 * 2**20   # horovod 0.28.1 (operations.cc)
+DEFAULT_CYCLE_TIME_MS = 1.0
+
+
+def knobs_from_environment(environ: dict[str, str]) -> dict[str, Any]:
+    """The Horovod knobs in force in a rank's environment (what the recorders store in run.json), else Horovod's
+    defaults; a value Horovod would not parse is kept as text, for ``dpro.config`` to report."""
+    knobs: dict[str, Any] = {}
+    try:
+        knobs[THRESHOLD] = int(environ.get(THRESHOLD, DEFAULT_FUSION_THRESHOLD))
+    except ValueError:
+        knobs[THRESHOLD] = environ[THRESHOLD]
+    try:
+        knobs[CYCLE] = float(environ.get(CYCLE, DEFAULT_CYCLE_TIME_MS))
+    except ValueError:
+        knobs[CYCLE] = environ[CYCLE]
+    knobs["horovod.autotune"] = environ.get("HOROVOD_AUTOTUNE", "0") not in ("", "0", "false", "False")
+    try:
+        knobs["horovod.cache_capacity"] = int(environ.get(CACHE, "1024") or 1024)
+    except ValueError:
+        knobs["horovod.cache_capacity"] = environ[CACHE]
+    return knobs
 
 
 def _prepare_run(run: Any) -> None:
@@ -31,9 +54,6 @@ def _notes(run: Any) -> list[str]:
                 f"{len(merged.get('steps', []))} steps (fusion depends on timing); every step is used: each tensor's "
                 "allreduce ends with its fused buffer, and transfers are calibrated from median end times in the step"]
     return []
-
-
-THRESHOLD, CYCLE, CACHE = "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"
 
 
 def _bytes(value: Any, source: str, key: str) -> int:

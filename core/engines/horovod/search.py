@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpro.dag.graph import graph_from_steps
+from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
 from dpro.optimize.search import OptimizeResult, best_grouping, best_recompute, gradient_ready_us
 from dpro.sim.cost import CommModel, fit_comm_model
 from dpro.sim.replay import plan_levels, replay
@@ -60,8 +61,8 @@ HOROVOD_MIN_GAIN = 0.01
 # allreduce / allgather), searched with a model of Horovod's background loop.
 HVD_THRESHOLDS_MB = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 HVD_CYCLES_MS = (0.5, 1, 2.5, 5, 10, 15, 20, 25, 50)
-HVD_DEFAULT_THRESHOLD = 128 * MB   # horovod 0.28.1 (operations.cc)
-HVD_DEFAULT_CYCLE_MS = 1.0
+HVD_DEFAULT_THRESHOLD = DEFAULT_FUSION_THRESHOLD
+HVD_DEFAULT_CYCLE_MS = DEFAULT_CYCLE_TIME_MS
 HVD_DEFAULT_CACHE = 1024           # HOROVOD_CACHE_CAPACITY
 HVD_STARTS = 2                     # the loop's starting phase and the lag between the ranks' loops: 2 x 2 values
 HVD_WARM_STEPS = 6                 # simulated steps before the loop's steady state is read (at least)
