@@ -47,6 +47,7 @@ KERAS_CASES = {
 HOROVOD_CASES = {
     "horovod mlp (plain_hvd)": (JOBS / "plain_hvd.py", ["--width", "512"]),
     "horovod gru (hvd_train)": (SCRIPTS / "hvd_train.py", []),
+    "hvd.keras cnn (hvd_keras_train)": (SCRIPTS / "hvd_keras_train.py", []),
 }
 
 

@@ -33,9 +33,10 @@ from typing import Any
 import tensorflow as tf
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
+from dpro.engines.horovod import NAME as HOROVOD_ENGINE  # hvd.keras jobs
 from dpro.errors import ConfigError, UsageError
 from dpro.plugins.tf.recorder import gradient_fingerprint, is_mwms, layer_paths, model_layout
-from dpro.plugins.tf.transport import tf_config
+from dpro.plugins.tf.transport import horovod_running, horovod_size, tf_config
 
 __all__ = ["ENGINE", "FRAMEWORK", "apply_config", "apply_recompute", "apply_to_strategy", "communication_options",
            "fingerprint", "job_engine", "load_config"]
@@ -54,12 +55,17 @@ def fingerprint(model: Any) -> str:
 
 
 def job_engine(workers: int) -> str:
-    """The engine a run of this job records, which its configs name: MWMS with several workers, else ``tf``."""
+    """The engine a run of this job records, which its configs name: ``horovod`` in a Horovod job, MWMS with
+    several TF_CONFIG workers, else ``tf``."""
+    if horovod_running():
+        return HOROVOD_ENGINE
     return ENGINE if workers > 1 else SINGLE_WORKER_ENGINE
 
 
 def world_size() -> int:
-    """The number of workers ``TF_CONFIG`` names (1 without one)."""
+    """The number of workers: Horovod's ranks in a Horovod job, else those ``TF_CONFIG`` names (1 without one)."""
+    if horovod_running():
+        return horovod_size(os.environ)
     workers, _ = tf_config()
     return max(1, len(workers))
 

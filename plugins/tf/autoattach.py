@@ -75,9 +75,10 @@ def _apply_config(model: Any) -> None:
 
     config = load_config(path, model=model, force=os.environ.get(FORCE) == "1")
     applied = apply_config(model, config) if config is not None else {}
-    from dpro.plugins.tf.transport import tf_config
+    from dpro.plugins.tf.transport import horovod_running, tf_config
 
-    if tf_config()[1] == 0:  # users hear it from worker 0
+    first = os.environ.get("HOROVOD_RANK", "0") == "0" if horovod_running() else tf_config()[1] == 0
+    if first:  # users hear it from worker 0
         _say(f"applying {path}: " + (", ".join(f"{k}={v}" for k, v in applied.items()) or "nothing for TensorFlow"))
 
 

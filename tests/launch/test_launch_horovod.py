@@ -388,3 +388,11 @@ def test_an_unmodified_hvd_keras_job_is_recorded_through_the_horovod_engine(tmp_
                          capture_output=True, text=True, timeout=300, env=env_for_jobs())
     assert out.returncode == 0, out.stderr
     assert "HOROVOD_FUSION_THRESHOLD" in json.loads(config.read_text())["knobs"]["env"]
+    applied = run_job(launcher("--apply", str(config), "--profile", "4:9", "--run-dir", "applied", "python",
+                               str(JOBS / "hvd_keras_job.py"), "--steps", "12"),
+                      env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
+    assert "hvd.keras rank 1 of 2 done" in applied.stdout  # the config was made for this job: accepted
+    assert applied.stderr.count("[dpro] applying") == 1    # said once, by rank 0
+    env = json.loads(config.read_text())["knobs"]["env"]
+    knobs = json.loads((tmp_path / "applied" / "run.json").read_text())["knobs"]
+    assert knobs["HOROVOD_FUSION_THRESHOLD"] == int(env["HOROVOD_FUSION_THRESHOLD"])
