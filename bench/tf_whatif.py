@@ -5,11 +5,14 @@ An unmodified Keras script (bench/scripts/keras_train.py, or ``--script``) runs 
 emulated cluster (``dpro.testbed``: network namespaces, 1 Gbit/s links by default), recorded by dpro's auto-attach
 (what ``dpro-launch --profile`` sets up). The first recording uses MWMS's default (one pack); dpro predicts each
 target ``tf.mwms.bytes_per_pack``; each target is then run with a config that sets it (``DPRO_CONFIG``, as
-``dpro-launch --apply`` does), recorded, and its measured step compared with the prediction. ``--rounds`` repeats
-the whole set (the base is recorded again each round and each round predicts from its own base), so the spread
-between rounds shows.
+``dpro-launch --apply`` does), recorded, and its measured step compared with the prediction. One job's step
+differs from another's of the same setting by up to ~10% on these machines, so each setting (the default
+included) runs ``--jobs`` times per round, interleaved (default, target 1, target 2, default, ...), and a target's
+measured step is the median of its jobs; the "ratio" column compares the predicted ratio to the recorded default
+with the measured ratio to the median default job, which leaves out how fast the one recorded job happened to
+be. ``--rounds`` repeats the whole set (each round predicts from its own recording).
 
-    python bench/tf_whatif.py [--network 1gbit] [--packs 16384,262144] [--rounds 2] [--width 32]
+    python bench/tf_whatif.py [--network 1gbit] [--packs 16384,262144] [--rounds 2] [--jobs 3] [--width 32]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from dpro import testbed
 from dpro.io.load import interrupted_calls, load_run
@@ -45,7 +49,7 @@ def worker_env(cluster: testbed.Cluster, index: int, run_dir: Path, window: str,
 
 
 def record(cluster: testbed.Cluster, script: list[str], run_dir: Path, window: str, ports: tuple[int, int],
-           config: Path | None = None, attempts: int = 3) -> Path:
+           config: Path | None = None, attempts: int = 5) -> Path:
     """Run the job recorded into ``run_dir``; the run directory. A job that TensorFlow's profiler killed while it
     stopped (``rank-<r>.busy.txt`` says so) is recorded again into a new directory, up to ``attempts`` times."""
     for attempt in range(attempts):
@@ -78,6 +82,7 @@ def main() -> int:
     parser.add_argument("--network", default="1gbit", help="the links' rate (tc), e.g. 1gbit")
     parser.add_argument("--packs", default="16384,262144", help="target bytes_per_pack values")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=3, help="jobs per setting and round (median)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--window", default="10:30")
     parser.add_argument("--width", type=int, default=32, help="keras_train.py --width")
@@ -90,45 +95,58 @@ def main() -> int:
         print(f"skipped: {why}")
         return 0
     targets = [int(p) for p in args.packs.split(",")]
-    header = f"{'round':>5} {'bytes_per_pack':>14} {'packs':>5} {'predicted ms':>12} {'measured ms':>11} {'error %':>8}"
+    header = (f"{'round':>5} {'bytes_per_pack':>14} {'packs':>5} {'predicted ms':>12} {'measured ms (jobs)':>26} "
+              f"{'error %':>8} {'ratio err %':>11}")
     print(header + "\n" + "-" * len(header), flush=True)
     errors: dict[int, list[float]] = {t: [] for t in targets}
-    predicted_ms: dict[int, list[float]] = {t: [] for t in targets}
-    measured_ms: dict[int, list[float]] = {t: [] for t in targets}
+    ratio_errors: dict[int, list[float]] = {t: [] for t in targets}
     with tempfile.TemporaryDirectory() as tmp, \
             testbed.emulated_cluster(2, testbed.NetworkSpec(rate=args.network)) as cluster:
+        job = 0
+
+        def run(rnd: int, label: str, config: Path | None) -> Any:
+            nonlocal job
+            job += 1
+            ports = (23400 + 2 * (job % 500), 23401 + 2 * (job % 500))
+            return load_run(record(cluster, script, Path(tmp) / f"r{rnd}-{label}-{job}", args.window, ports, config))
+
         for rnd in range(args.rounds):
-            ports = (23400 + rnd * 10, 23401 + rnd * 10)
-            base = record(cluster, script, Path(tmp) / f"r{rnd}-base", args.window, ports)
-            ctx = context(load_run(base))
-            measured_base = ctx.base.measured_step_us / 1000.0
-            print(f"{rnd:>5} {'0 (recorded)':>14} {1:>5} {predict(ctx, {}).predicted_step_ms:>12.2f} "
-                  f"{measured_base:>11.2f} {'':>8}", flush=True)
-            for i, size in enumerate(targets):
-                predicted = predict(ctx, {BYTES_PER_PACK: size})
-                config = config_for(base, size, Path(tmp) / f"r{rnd}-{size}.json")
-                run = record(cluster, script, Path(tmp) / f"r{rnd}-{size}", args.window,
-                             (23402 + rnd * 10 + 2 * i, 23403 + rnd * 10 + 2 * i), config)
-                got = load_run(run)
-                assert got.meta["knobs"][BYTES_PER_PACK] == size, "the config was not applied"
-                measured = context(got).base.measured_step_us / 1000.0
-                packs = len({e["name"] for e in got.ranks[0].events if e["name"].startswith("COMM.pack")})
-                err = 100.0 * (predicted.predicted_step_ms - measured) / measured
+            base = run(rnd, "base", None)
+            ctx = context(base)
+            replayed = predict(ctx, {}).predicted_step_ms
+            predicted = {size: predict(ctx, {BYTES_PER_PACK: size}).predicted_step_ms for size in targets}
+            configs = {size: config_for(base.path, size, Path(tmp) / f"r{rnd}-{size}.json") for size in targets}
+            measured: dict[int, list[float]] = {0: []}
+            packs: dict[int, int] = {0: 1}
+            for _ in range(args.jobs):  # interleaved, so a slow spell of the machine hits every setting
+                measured[0].append(context(run(rnd, "base", None)).base.measured_step_us / 1000.0)
+                for size in targets:
+                    got = run(rnd, str(size), configs[size])
+                    assert got.meta["knobs"][BYTES_PER_PACK] == size, "the config was not applied"
+                    measured.setdefault(size, []).append(context(got).base.measured_step_us / 1000.0)
+                    packs[size] = len({e["name"] for e in got.ranks[0].events if e["name"].startswith("COMM.pack")})
+            base_ms = statistics.median(measured[0])
+
+            def jobs(values: list[float]) -> str:
+                return f"{statistics.median(values):.2f} ({', '.join(f'{v:.1f}' for v in values)})"
+
+            print(f"{rnd:>5} {'0 (recorded)':>14} {1:>5} {replayed:>12.2f} "
+                  f"{ctx.base.measured_step_us / 1000.0:>26.2f} {'':>8} {'':>11}", flush=True)
+            print(f"{rnd:>5} {'0':>14} {1:>5} {'':>12} {jobs(measured[0]):>26} {'':>8} {'':>11}", flush=True)
+            for size in targets:
+                m = statistics.median(measured[size])
+                err = 100.0 * (predicted[size] - m) / m
+                ratio = 100.0 * ((predicted[size] / replayed) / (m / base_ms) - 1.0)
                 errors[size].append(err)
-                predicted_ms[size].append(predicted.predicted_step_ms)
-                measured_ms[size].append(measured)
-                print(f"{rnd:>5} {size:>14} {packs:>5} {predicted.predicted_step_ms:>12.2f} {measured:>11.2f} "
-                      f"{err:>+8.2f}", flush=True)
+                ratio_errors[size].append(ratio)
+                print(f"{rnd:>5} {size:>14} {packs[size]:>5} {predicted[size]:>12.2f} {jobs(measured[size]):>26} "
+                      f"{err:>+8.2f} {ratio:>+11.2f}", flush=True)
     every = [abs(e) for errs in errors.values() for e in errs]
+    ratios = [abs(e) for errs in ratio_errors.values() for e in errs]
     if every:
-        print(f"\nper round: |error| median {statistics.median(every):.2f} %, worst {max(every):.2f} % over "
-              f"{len(every)} predictions ({args.network}, {args.rounds} rounds)")
-        # one job's step time swings by several % between jobs on these machines: the medians over the rounds (the
-        # configurations alternate) tell the prediction from a slow spell of one job
-        print(f"\n{'bytes_per_pack':>14} {'median predicted ms':>19} {'median measured ms':>18} {'error %':>8}")
-        for size in targets:
-            p, m = statistics.median(predicted_ms[size]), statistics.median(measured_ms[size])
-            print(f"{size:>14} {p:>19.2f} {m:>18.2f} {100.0 * (p - m) / m:>+8.2f}")
+        print(f"\n|error| median {statistics.median(every):.2f} %, worst {max(every):.2f} %; ratio |error| median "
+              f"{statistics.median(ratios):.2f} %, worst {max(ratios):.2f} % over {len(every)} predictions "
+              f"({args.network}, {args.rounds} rounds x {args.jobs} jobs per setting)")
     return 0
 
 
