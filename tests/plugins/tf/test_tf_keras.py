@@ -367,3 +367,21 @@ def test_the_fit_batch_size_comes_from_its_arguments() -> None:
     assert fit_batch_size({"x": np.zeros((100, 3)), "batch_size": 10}) == 10
     assert fit_batch_size({"x": np.zeros((100, 3))}) == 32                   # Keras's default
     assert fit_batch_size({"x": iter([1, 2])}) is None
+
+
+def test_horovod_allreduces_become_one_comm_per_gradient() -> None:
+    from dpro.plugins.tf.ops import horovod_rows
+    from dpro.plugins.tf.xplane import AsyncOp
+
+    layout = Layout(layers=frozenset({"fc"}), gradients=(("fc.kernel", 400), ("fc.bias", 8)))
+    scope = "PartitionedCall/DistributedSGD_Allreduce/cond{}/HorovodAllreduce_grads{}"
+    ops = [AsyncOp(scope.format("_1", "_1_0"), "HorovodAllreduce", 10_000, 30_000),
+           AsyncOp(scope.format("", "_0"), "HorovodAllreduce", 12_000, None),   # completion not traced
+           AsyncOp("IteratorGetNext", "IteratorGetNext", 1_000, 2_000)]
+    rows = horovod_rows(ops, step=4, layout=layout, wall_minus_mono_ns=0, step_end_ns=50_000)
+    by_name = {r[0]: r for r in rows}
+    assert set(by_name) == {"COMM.fc.kernel.allreduce", "COMM.fc.bias.allreduce"}  # grads_0 is the first variable
+    kernel, bias = by_name["COMM.fc.kernel.allreduce"], by_name["COMM.fc.bias.allreduce"]
+    assert kernel[5]["bytes"] == 400 and kernel[5]["hvd_name"] == ops[1].name and kernel[5]["tensors"] == ["fc.kernel"]
+    assert kernel[3] == 12_000 and kernel[4] == 38_000 and "not traced" in kernel[5]["note"]  # ends with the step
+    assert bias[3] == 10_000 and bias[4] == 20_000 and bias[5]["bytes"] == 8
