@@ -7,9 +7,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpro-installed
 HVD_STAMP := $(VENV)/.horovod-installed
+MXNET_VENV := .venv-mxnet
+MXNET_STAMP := $(MXNET_VENV)/.dpro-installed
 RUNS := dpro-runs
+# the core's tests, also run in the MXNet venv (numpy 1.23, no torch or TensorFlow)
+CORE_TESTS := tests/dag tests/sim tests/optimize tests/record tests/io tests/test_config.py tests/test_core_imports.py
 
-.PHONY: example test test-fast lint venv horovod sshd
+.PHONY: example test test-fast lint venv horovod mxnet sshd
 
 venv: $(STAMP)
 
@@ -37,6 +41,17 @@ horovod: $(HVD_STAMP)
 $(HVD_STAMP): $(STAMP) scripts/build_horovod.sh
 	bash scripts/build_horovod.sh $(VENV)
 
+# MXNet 1.9.1 needs numpy < 1.24 (it uses np.bool), TensorFlow 2.21 numpy 2: MXNet gets its own venv, with dpro in it
+# (the core runs on either numpy). pip keeps the 300 MB wheel in its cache, so a rebuild does not download it again.
+mxnet: $(MXNET_STAMP)
+
+$(MXNET_STAMP): setup.cfg pyproject.toml
+	test -x $(MXNET_VENV)/bin/python || $(PYTHON) -m venv $(MXNET_VENV)
+	$(MXNET_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MXNET_VENV)/bin/python -m pip install -q "mxnet==1.9.1" "numpy<1.24" networkx pytest
+	$(MXNET_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(MXNET_STAMP)
+
 # the launcher's ssh test needs an sshd; installed when the machine lets us (otherwise that test is skipped)
 sshd:
 	@test -x /usr/sbin/sshd || command -v sshd >/dev/null || \
@@ -44,8 +59,9 @@ sshd:
 		  apt-get install -y -q --no-install-recommends openssh-server openssh-client >/dev/null 2>&1 ) || \
 		echo "note: no sshd here; the launcher's ssh test will be skipped"
 
-test: $(STAMP) $(HVD_STAMP) sshd
+test: $(STAMP) $(HVD_STAMP) $(MXNET_STAMP) sshd
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(MXNET_VENV)/bin/python -m pytest -q -m "not slow" $(CORE_TESTS)
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests

@@ -10,6 +10,7 @@ Usage::
     dpro-launch -np 2 --apply dpro-runs/X/analysis/config.json python train.py
     dpro-launch -np 2 --auto python train.py                 # profile, optimize, re-run, compare
     dpro-launch --engine tf -np 2 -H localhost:2 python train.py   # Keras MultiWorkerMirroredStrategy
+    dpro-launch --engine mxnet -np 2 --num-servers 2 python train.py   # MXNet kvstore dist_sync (ps-lite)
 
 The script needs no change. dpro-launch puts a ``sitecustomize`` on the job's ``PYTHONPATH`` that, once
 the script builds its ``DistributedDataParallel`` model, attaches dpro's recorder to it and to the
@@ -46,6 +47,14 @@ Engines (``--engine``)
                worker's ``env TF_CONFIG=... COMMAND``. TF workers take SIGTERM as a preemption notice
                (a script with PreemptionCheckpointHandler checkpoints and exits); one that keeps running is
                killed after the grace period. Not chosen by auto: give --engine tf.
+    mxnet      MXNet's parameter server (``mx.kv.create("dist_sync")`` or ``dist_async``, ps-lite): dpro starts a
+               scheduler, --num-servers servers (default: one per worker, as MXNet's tools/launch.py) and one
+               worker per slot, each running the command with DMLC_ROLE (scheduler, server, worker),
+               DMLC_PS_ROOT_URI=127.0.0.1, DMLC_PS_ROOT_PORT (a free port), DMLC_NUM_SERVER and
+               DMLC_NUM_WORKER; ``import mxnet`` in the scheduler and the servers serves the job and exits.
+               The job ends with its workers: servers still running after the grace period are killed; a
+               process that fails stops the others. Local hosts only; dpro does not record MXNet jobs yet
+               (--profile runs them unrecorded, with a note). Not chosen by auto.
     auto       (default) horovod if the script (the first ``*.py`` argument) contains ``import horovod``,
                ``from horovod`` or ``horovod.torch``; torch otherwise.
 
@@ -216,8 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     dpro.add_argument("--engine", choices=("auto", *ENGINE_NAMES), default="auto",
                       help="torch: dpro starts the processes; horovod: horovodrun; tf: dpro starts the processes "
                            "with TF_CONFIG for MultiWorkerMirroredStrategy (local hosts only; a TF_CONFIG in the "
-                           "environment is replaced, with a note); auto (default): horovod if the script imports "
-                           "horovod, else torch")
+                           "environment is replaced, with a note); mxnet: a ps-lite scheduler, --num-servers "
+                           "servers and the workers with DMLC_* (local hosts only); auto (default): horovod if the "
+                           "script imports horovod, else torch")
+    dpro.add_argument("--num-servers", type=int, metavar="N",
+                      help="--engine mxnet: parameter servers (default: as many as workers)")
     dpro.add_argument("--profile", default="10:20", metavar="START:STOP",
                       help="iterations to record (default 10:20; START >= 1)")
     dpro.add_argument("--no-profile", action="store_true", help="record nothing")
@@ -273,7 +285,8 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
         output_filename=args.output_filename, verbose=args.verbose, disable_cache=args.disable_cache,
         horovod_config_file=args.config_file, profile=None if args.no_profile else parse_window(args.profile),
         run_dir=Path(args.run_dir) if args.run_dir else None, optimize=args.optimize, apply=apply, auto=args.auto,
-        memory_budget_bytes=budget, allow_compression=args.allow_compression, force=args.force, cwd=cwd,
+        memory_budget_bytes=budget, allow_compression=args.allow_compression, force=args.force,
+        num_servers=args.num_servers, cwd=cwd,
     )
 
 

@@ -176,13 +176,23 @@ class _Supervisor:
         for agent in self.agents:
             agent.kill()
 
-    def wait(self) -> int:
-        """Until every agent has exited; returns the first failure's status (0 if none)."""
+    def wait(self, essential: set[int] | None = None) -> int:
+        """Until every agent has exited; returns the first failure's status (0 if none). With ``essential``
+        (indices), the job is done once those have exited: the others (servers) get the grace period, then are
+        killed."""
         status: int | None = None
         deadline: float | None = None
         exited: set[int] = set()
         signals = 0
+        finished_at: float | None = None  # when the last essential agent exited
         while len(exited) < len(self.agents):
+            if essential and essential <= exited and finished_at is None:
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() > finished_at + self.grace_s:
+                _say(f"{', '.join(a.label for i, a in enumerate(self.agents) if i not in exited)} still running "
+                     f"{self.grace_s:g} s after the last worker ended; stopping them")
+                self.kill_all()
+                finished_at = float("inf")
             try:
                 kind, who, code = self.events.get(timeout=0.2)
             except queue.Empty:
@@ -204,6 +214,8 @@ class _Supervisor:
                 deadline = time.monotonic() + self.grace_s + 5
                 continue
             exited.add(who)
+            if finished_at is not None:
+                continue  # a server ending (or killed) after the workers are done does not fail the job
             if code != 0 and status is None:
                 status = code
                 if len(exited) < len(self.agents):
@@ -497,4 +509,81 @@ class TFEngine:
         return files
 
 
-ENGINES: dict[str, type] = {TorchEngine.name: TorchEngine, HorovodEngine.name: HorovodEngine, TFEngine.name: TFEngine}
+# ---- the mxnet engine ----------------------------------------------------------------------------------
+
+DMLC_ROLE = "DMLC_ROLE"
+
+
+def dmlc_env(role: str, *, port: int, num_servers: int, num_workers: int) -> dict[str, str]:
+    """The ps-lite environment of one process (what MXNet's tools/launch.py gives on one machine): its role
+    (scheduler, server or worker), the scheduler's address and the job's shape."""
+    return {DMLC_ROLE: role, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+            "DMLC_NUM_SERVER": str(num_servers), "DMLC_NUM_WORKER": str(num_workers)}
+
+
+class MXNetEngine:
+    """MXNet jobs on ps-lite (``kvstore`` ``dist_sync`` / ``dist_async``): a scheduler, ``--num-servers`` servers
+    and one worker per slot, local hosts only. Every process runs the job's command with its DMLC_* environment:
+    ``import mxnet`` in the scheduler or a server serves the job and exits (what MXNet's own launcher relies on).
+    The job ends when its workers do: servers and scheduler left after the last worker exited get the grace
+    period and are then killed; a process that fails stops all the others. (Workers are labelled in start
+    order; ps-lite numbers them, ``kv.rank``, in the order they connect.)"""
+
+    name = "mxnet"
+
+    def __init__(self, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.grace_s = grace_s
+
+    def roles(self, config: LaunchConfig, port: int | None = None) -> list[tuple[str, dict[str, str]]]:
+        """(label, DMLC_* environment) of every process in start order: scheduler, servers, workers."""
+        port = free_ports(1)[0] if port is None else port
+        servers = int(config.num_servers or config.np)
+
+        def env(role: str) -> dict[str, str]:
+            return dmlc_env(role, port=port, num_servers=servers, num_workers=config.np)
+
+        return ([("scheduler", env("scheduler"))] + [(f"server {k}", env("server")) for k in range(servers)]
+                + [(f"worker {i}", env("worker")) for i in range(config.np)])
+
+    def launch(self, config: LaunchConfig) -> int:
+        """Start every process; the workers' first failure (or any failure) is the job's status."""
+        base = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
+        env = {**base, **job_env(config)}
+        supervisor = _Supervisor(self.grace_s)
+        files: list[IO[bytes]] = []
+        workers: set[int] = set()
+        roles = self.roles(config)
+        try:
+            with _Signals(supervisor):
+                try:
+                    for index, (label, extra) in enumerate(roles):
+                        if extra[DMLC_ROLE] == "worker":
+                            workers.add(index)
+                        files += self._start(config, label, (index, len(roles)), {**env, **extra}, supervisor)
+                except BaseException:
+                    supervisor.kill_all()
+                    raise
+                return supervisor.wait(essential=workers)
+        finally:
+            for f in files:
+                f.close()
+
+    def _start(self, config: LaunchConfig, label: str, position: tuple[int, int], env: dict[str, str],
+               supervisor: _Supervisor) -> list[IO[bytes]]:
+        """Start one process; ``position``: (its index, the job's process count), for --output-filename."""
+        argv = list(config.command)
+        if config.verbose:
+            _say(f"{label}: {env[DMLC_ROLE]} {shlex.join(argv)}")
+        out = config.output_filename
+        if out and not Path(out).is_absolute():
+            out = str(config.cwd / out)
+        try:
+            proc, files = start_worker(argv, env, rank_output_dir(out, *position), cwd=config.cwd)
+        except FileNotFoundError as err:
+            raise UsageError(f"cannot start {argv[0]!r}: {err.strerror}") from err
+        supervisor.add(_Agent(label, proc, remote=False))
+        return files
+
+
+ENGINES: dict[str, type] = {TorchEngine.name: TorchEngine, HorovodEngine.name: HorovodEngine, TFEngine.name: TFEngine,
+                            MXNetEngine.name: MXNetEngine}

@@ -35,7 +35,8 @@ ELSEWHERE_FILE = "recorded-elsewhere.json"  # written by dpro.plugins.torch.auto
 APPLIED_SUFFIX = "-applied"
 _TORCH_NOTHING = "the job built no DistributedDataParallel model or hvd.DistributedOptimizer"
 _NOTHING_RECORDED = {"torch": _TORCH_NOTHING, "horovod": _TORCH_NOTHING,  # why, by engine
-                     "tf": "the TensorFlow job got no dpro recorder"}
+                     "tf": "the TensorFlow job got no dpro recorder",
+                     "mxnet": "dpro does not record MXNet jobs yet (it launches them)"}
 
 
 logger = get_logger("dpro.launch")

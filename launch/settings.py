@@ -29,7 +29,7 @@ __all__ = [
     "read_horovod_config_file",
 ]
 
-ENGINE_NAMES = ("torch", "horovod", "tf")
+ENGINE_NAMES = ("torch", "horovod", "tf", "mxnet")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # horovod's config_parser.LOG_LEVELS
 DEFAULT_WINDOW = (10, 20)
 DEFAULT_START_TIMEOUT_S = 30.0  # horovodrun's default; HOROVOD_START_TIMEOUT overrides it, --start-timeout wins
@@ -305,7 +305,10 @@ class LaunchConfig:
             Empty means ``localhost:np``.
         engine: "torch" (dpro starts the processes, torch.distributed environment), "horovod" (horovodrun) or
             "tf" (dpro starts the processes, TF_CONFIG for tf.distribute's MultiWorkerMirroredStrategy; local
-            hosts only).
+            hosts only) or "mxnet" (dpro starts a ps-lite scheduler, ``num_servers`` servers and the workers
+            with the DMLC_* environment; local hosts only).
+        num_servers: parameter servers of the mxnet engine (default: as many as workers, like MXNet's
+            tools/launch.py).
         profile: the iterations to record, (START, STOP); None records nothing (``--no-profile``).
         run_dir: the run directory; None makes ``./dpro-runs/<timestamp>`` (under ``$DPRO_RUN_DIR`` if set).
         optimize: analyze the recorded run and write ``RUN/analysis/config.json`` afterwards.
@@ -340,6 +343,7 @@ class LaunchConfig:
     memory_budget_bytes: int | None = None
     allow_compression: bool = False
     force: bool = False
+    num_servers: int | None = None
     cwd: Path = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
@@ -364,8 +368,19 @@ class LaunchConfig:
         if self.controller == "mpi" and self.engine in ("torch", "tf"):
             raise UsageError(f"--mpi selects Horovod's MPI controller; the {self.engine} engine starts its processes "
                              "itself. Use --engine horovod, or drop --mpi")
-        if self.engine == "tf":
+        if self.engine in ("tf", "mxnet"):
             self._check_local_hosts()
+        if self.num_servers is not None and self.engine != "mxnet":
+            raise UsageError(f"--num-servers starts MXNet parameter servers; the {self.engine} engine has none. "
+                             "Use --engine mxnet, or drop --num-servers")
+        if self.engine == "mxnet":
+            if self.num_servers is None:
+                self.num_servers = self.np
+            if not isinstance(self.num_servers, int) or self.num_servers < 1:
+                raise UsageError(f"--num-servers {self.num_servers!r}: expected a positive number of servers")
+            if self.controller is not None:
+                raise UsageError(f"--{self.controller} selects Horovod's controller; the mxnet engine runs a "
+                                 "ps-lite parameter server. Drop it")
         if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
             raise UsageError(f"--ssh-port {self.ssh_port}: expected a port number between 1 and 65535")
         if self.ssh_identity_file is not None:
@@ -413,12 +428,12 @@ class LaunchConfig:
             raise UsageError(f"--memory-budget {self.memory_budget_bytes}: expected a positive size, e.g. 2GiB")
 
     def _check_local_hosts(self) -> None:
-        """--engine tf starts every worker on this machine: a host that is not this machine is refused."""
+        """--engine tf and mxnet start every process on this machine: a host that is not this machine is refused."""
         for host, _ in self.placement():
             if not host.local:
-                raise UsageError(f"--engine tf: host {host.name!r} is not this machine; only local hosts "
-                                 f"({', '.join(sorted(_local_names()))}) are supported for --engine tf yet. "
-                                 "Start the job on that host, or use --engine torch or horovod for several hosts")
+                raise UsageError(f"--engine {self.engine}: host {host.name!r} is not this machine; only local hosts "
+                                 f"({', '.join(sorted(_local_names()))}) are supported for --engine {self.engine} "
+                                 "yet. Start the job on that host, or use --engine torch or horovod for several hosts")
 
     @property
     def world_size(self) -> int:
