@@ -1,42 +1,29 @@
-"""The recording protocol's ``Transport`` for TensorFlow workers: a small TCP side channel.
+"""The recording protocol's ``Transport`` for TensorFlow workers.
 
-MultiWorkerMirroredStrategy has no point-to-point op to time a ping-pong with, and its collectives are keyed
-by the strategy's own counters (extra ones from a callback could shift them), so the workers talk over TCP:
-worker 0 listens, the others connect to it (a star). The address is worker 0's host from ``TF_CONFIG``; the
-port is ``$DPRO_TF_PORT`` or worker 0's TF_CONFIG port plus ``PORT_OFFSET``. Messages are length-prefixed
-UTF-8 JSON; nothing read is evaluated.
+- MultiWorkerMirroredStrategy workers: the TCP side channel of ``dpro.record.socket_transport`` (MWMS has no
+  point-to-point op, and extra collectives from a callback could shift the strategy's collective keys). Worker
+  0's host comes from ``TF_CONFIG``; the port is ``$DPRO_TF_PORT`` or worker 0's TF_CONFIG port plus
+  ``PORT_OFFSET`` (``tf_socket_transport``).
+- Horovod ranks (hvd.keras): Horovod's own collectives (``HorovodTransport``).
 
-``timed_allreduce`` measures nothing (see there): the communication model of a TensorFlow run comes from the
-collectives of its profiled steps.
+``default_transport`` picks the one this process needs.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import struct
 import sys
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from dpro.errors import UsageError
 from dpro.record.protocol import Clock
+from dpro.record.socket_transport import PORT_OFFSET, SocketTransport, side_port_of
 
 __all__ = ["PORT_OFFSET", "HorovodTransport", "SocketTransport", "default_transport", "horovod_running",
-           "tf_config"]
+           "side_port_of", "tf_config", "tf_socket_transport"]
 
-PORT_OFFSET = 7919          # from worker 0's TF_CONFIG port to the side channel's, when DPRO_TF_PORT is unset
-CONNECT_TIMEOUT_S = 120.0   # workers start seconds apart; the recording window starts on every worker
-MAX_MESSAGE = 64 * 1024**2
-_HEADER = struct.Struct("!Q")
-
-
-def side_port_of(port: int) -> int:
-    """The side channel's port from worker 0's TF_CONFIG port: ``PORT_OFFSET`` above it, wrapped into the
-    unprivileged range (ports handed out by the kernel go up to 60999, and 60999 + 7919 is no port)."""
-    return 1024 + (port - 1024 + PORT_OFFSET) % (65536 - 1024)
+PORT_VARIABLE = "DPRO_TF_PORT"
 
 
 def horovod_size(environ: dict[str, str] | os._Environ) -> int:
@@ -69,141 +56,23 @@ def tf_config(environ: dict[str, str] | None = None) -> tuple[list[str], int]:
     return workers, index
 
 
-def _send(sock: socket.socket, obj: Any) -> None:
-    data = json.dumps(obj).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise ConnectionError("the other worker closed the side channel")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(sock: socket.socket) -> Any:
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if size > MAX_MESSAGE:
-        raise ConnectionError(f"side-channel message of {size} bytes: larger than {MAX_MESSAGE}")
-    return json.loads(_recv_exact(sock, size))
-
-
-@dataclass
-class SocketTransport:
-    """``Transport`` over TCP between the workers of ``TF_CONFIG`` (see the module docstring)."""
-
-    rank: int
-    world_size: int
-    backend: str = "tcp-side-channel"
-    peers: dict[int, socket.socket] = field(default_factory=dict)   # on worker 0: rank -> socket
-    hub: socket.socket | None = None                                # elsewhere: the socket to worker 0
-
-    @classmethod
-    def from_tf_config(cls, environ: dict[str, str] | None = None) -> SocketTransport:
-        workers, index = tf_config(environ)
-        env = os.environ if environ is None else environ
-        if len(workers) <= 1:
-            if horovod_size(env) > 1:  # each rank would take itself for a lone worker and share one run directory
-                raise UsageError("this job runs under Horovod (HOROVOD_SIZE is set) but has no TF_CONFIG: its ranks "
-                                 "talk through Horovod (default_transport, after hvd.init()), not TF_CONFIG")
-            return cls(rank=0, world_size=1)
-        host, _, port = workers[0].rpartition(":")
-        try:
-            side_port = int(env.get("DPRO_TF_PORT") or side_port_of(int(port)))
-        except ValueError as err:
-            raise UsageError(f"DPRO_TF_PORT / TF_CONFIG port is not a number: {err}") from err
-        if not 0 < side_port < 65536:
-            raise UsageError(f"DPRO_TF_PORT={side_port} is not a TCP port (1..65535)")
-        transport = cls(rank=index, world_size=len(workers))
-        transport._connect(host.strip("[]"), side_port)
-        return transport
-
-    def _connect(self, host: str, port: int) -> None:
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        if self.rank == 0:
-            server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                server.bind(("", port))
-            except OSError as err:
-                raise UsageError(f"dpro's TensorFlow side channel cannot listen on port {port}: {err.strerror}; "
-                                 "set DPRO_TF_PORT to a free port (the same on every worker)") from err
-            server.listen(self.world_size)
-            server.settimeout(CONNECT_TIMEOUT_S)
-            try:
-                while len(self.peers) < self.world_size - 1:
-                    conn, _ = server.accept()
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self.peers[int(_recv(conn))] = conn
-            except TimeoutError as err:
-                raise UsageError(f"dpro's TensorFlow side channel: {len(self.peers) + 1} of {self.world_size} "
-                                 f"workers connected to port {port} within {CONNECT_TIMEOUT_S:.0f} s") from err
-            finally:
-                server.close()
-            return
-        while True:
-            try:
-                self.hub = socket.create_connection((host, port), timeout=5.0)
-                break
-            except OSError as err:
-                if time.monotonic() > deadline:
-                    raise UsageError(f"dpro's TensorFlow side channel: worker {self.rank} cannot reach worker 0 at "
-                                     f"{host}:{port}: {err}") from err
-                time.sleep(0.1)
-        self.hub.settimeout(None)
-        self.hub.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _send(self.hub, self.rank)
-
-    def close(self) -> None:
-        for sock in [*self.peers.values(), *([self.hub] if self.hub else [])]:
-            sock.close()
-        self.peers.clear()
-        self.hub = None
-
-    # ---- Transport -----------------------------------------------------------------------------------
-
-    def broadcast_text(self, text: str, root: int = 0) -> str:
-        if self.world_size == 1:
-            return text
-        return self.gather_texts(text)[root]
-
-    def gather_texts(self, text: str) -> list[str]:
-        if self.world_size == 1:
-            return [text]
-        if self.rank == 0:
-            texts = [text] + [str(_recv(self.peers[r])) for r in range(1, self.world_size)]
-            for r in range(1, self.world_size):
-                _send(self.peers[r], texts)
-            return texts
-        _send(self.hub, text)
-        return [str(t) for t in _recv(self.hub)]
-
-    def barrier(self) -> None:
-        self.gather_texts("")
-
-    def ping(self, peer: int, clock: Clock) -> list[float] | None:
-        if self.world_size == 1:
-            return None
-        if self.rank == 0:
-            t0 = clock.now()
-            _send(self.peers[peer], "ping")
-            t1, t2 = _recv(self.peers[peer])
-            return [t0, float(t1), float(t2), clock.now()]
-        if self.rank == peer:
-            _recv(self.hub)
-            t1 = clock.now()
-            _send(self.hub, [t1, clock.now()])
-        return None
-
-    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
-        """Not measured here: a TCP exchange is not the strategy's all-reduce, and an extra collective from a
-        callback would shift MWMS's collective keys. The recorder leaves the probe out; the cost model is fitted
-        from the collectives of the profiled steps."""
-        return 0.0
+def tf_socket_transport(environ: dict[str, str] | None = None) -> SocketTransport:
+    """The side channel between the workers ``TF_CONFIG`` names: worker 0's host, port ``$DPRO_TF_PORT`` or worker
+    0's TF_CONFIG port plus ``PORT_OFFSET``; one worker without TF_CONFIG."""
+    workers, index = tf_config(environ)
+    env = os.environ if environ is None else environ
+    if len(workers) <= 1:
+        if horovod_size(env) > 1:  # each rank would take itself for a lone worker and share one run directory
+            raise UsageError("this job runs under Horovod (HOROVOD_SIZE is set) but has no TF_CONFIG: its ranks "
+                             "talk through Horovod (default_transport, after hvd.init()), not TF_CONFIG")
+        return SocketTransport(rank=0, world_size=1)
+    host, _, port = workers[0].rpartition(":")
+    try:
+        side_port = int(env.get(PORT_VARIABLE) or side_port_of(int(port)))
+    except ValueError as err:
+        raise UsageError(f"{PORT_VARIABLE} / TF_CONFIG port is not a number: {err}") from err
+    return SocketTransport.connect(index, len(workers), host, side_port, label="dpro's TensorFlow side channel",
+                                   port_variable=PORT_VARIABLE)
 
 
 TEXT_BYTES = 4096  # a run directory path, an error message
@@ -291,4 +160,4 @@ class HorovodTransport:
 def default_transport() -> Any:
     """How this worker talks to the others: Horovod's collectives in a Horovod job, else the TCP side channel of
     ``TF_CONFIG`` (one worker without it)."""
-    return HorovodTransport() if horovod_running() else SocketTransport.from_tf_config()
+    return HorovodTransport() if horovod_running() else tf_socket_transport()

@@ -1,0 +1,165 @@
+"""A ``Transport`` over TCP, for frameworks whose workers have no point-to-point op to time a ping-pong with or whose
+collectives a recorder must not touch (TensorFlow's MultiWorkerMirroredStrategy keys its collectives by its own
+counters; MXNet's parameter server has only push and pull): worker 0 listens, the others connect to it (a star).
+Messages are length-prefixed UTF-8 JSON; nothing read is evaluated. Each plugin says where worker 0 is (TF_CONFIG,
+the launcher's environment) and calls ``SocketTransport.connect``.
+
+``timed_allreduce`` measures nothing: a TCP exchange is not the framework's collective, so the communication model
+of such a run comes from the collectives of its profiled steps.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpro.errors import UsageError
+from dpro.record.protocol import Clock
+
+__all__ = ["CONNECT_TIMEOUT_S", "PORT_OFFSET", "SocketTransport", "side_port_of"]
+
+PORT_OFFSET = 7919          # from a framework port the workers know to the side channel's, when not given
+CONNECT_TIMEOUT_S = 120.0   # workers start seconds apart; the recording window starts on every worker
+MAX_MESSAGE = 64 * 1024**2
+_HEADER = struct.Struct("!Q")
+
+
+def side_port_of(port: int) -> int:
+    """The side channel's port from a port every worker knows: ``PORT_OFFSET`` above it, wrapped into the
+    unprivileged range (ports handed out by the kernel go up to 60999, and 60999 + 7919 is no port)."""
+    return 1024 + (port - 1024 + PORT_OFFSET) % (65536 - 1024)
+
+
+def _send(sock: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the other worker closed the side channel")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> Any:
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if size > MAX_MESSAGE:
+        raise ConnectionError(f"side-channel message of {size} bytes: larger than {MAX_MESSAGE}")
+    return json.loads(_recv_exact(sock, size))
+
+
+@dataclass
+class SocketTransport:
+    """``Transport`` over TCP between the workers of one job (see the module docstring). ``label`` names the
+    channel in errors, ``port_variable`` the environment variable that picks its port."""
+
+    rank: int
+    world_size: int
+    backend: str = "tcp-side-channel"
+    peers: dict[int, socket.socket] = field(default_factory=dict)   # on worker 0: rank -> socket
+    hub: socket.socket | None = None                                # elsewhere: the socket to worker 0
+    label: str = "dpro's side channel"
+    port_variable: str = "the side channel's port"
+
+    @classmethod
+    def connect(cls, rank: int, world_size: int, host: str, port: int, *, label: str = "dpro's side channel",
+                port_variable: str = "the side channel's port") -> SocketTransport:
+        """Worker 0 listens on ``port``; the others connect to ``host:port`` (retrying while worker 0 starts)."""
+        if not 0 < port < 65536:
+            raise UsageError(f"{port_variable}={port} is not a TCP port (1..65535)")
+        transport = cls(rank=rank, world_size=world_size, label=label, port_variable=port_variable)
+        if world_size > 1:
+            transport._connect(host.strip("[]"), port)
+        return transport
+
+    def _connect(self, host: str, port: int) -> None:
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        if self.rank == 0:
+            server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                server.bind(("", port))
+            except OSError as err:
+                raise UsageError(f"{self.label} cannot listen on port {port}: {err.strerror}; set "
+                                 f"{self.port_variable} to a free port (the same on every worker)") from err
+            server.listen(self.world_size)
+            server.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                while len(self.peers) < self.world_size - 1:
+                    conn, _ = server.accept()
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self.peers[int(_recv(conn))] = conn
+            except TimeoutError as err:
+                raise UsageError(f"{self.label}: {len(self.peers) + 1} of {self.world_size} workers connected to "
+                                 f"port {port} within {CONNECT_TIMEOUT_S:.0f} s") from err
+            finally:
+                server.close()
+            return
+        while True:
+            try:
+                self.hub = socket.create_connection((host, port), timeout=5.0)
+                break
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    raise UsageError(f"{self.label}: worker {self.rank} cannot reach worker 0 at {host}:{port}: "
+                                     f"{err}") from err
+                time.sleep(0.1)
+        self.hub.settimeout(None)
+        self.hub.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _send(self.hub, self.rank)
+
+    def close(self) -> None:
+        for sock in [*self.peers.values(), *([self.hub] if self.hub else [])]:
+            sock.close()
+        self.peers.clear()
+        self.hub = None
+
+    # ---- Transport -----------------------------------------------------------------------------------
+
+    def broadcast_text(self, text: str, root: int = 0) -> str:
+        if self.world_size == 1:
+            return text
+        return self.gather_texts(text)[root]
+
+    def gather_texts(self, text: str) -> list[str]:
+        if self.world_size == 1:
+            return [text]
+        if self.rank == 0:
+            texts = [text] + [str(_recv(self.peers[r])) for r in range(1, self.world_size)]
+            for r in range(1, self.world_size):
+                _send(self.peers[r], texts)
+            return texts
+        _send(self.hub, text)
+        return [str(t) for t in _recv(self.hub)]
+
+    def barrier(self) -> None:
+        self.gather_texts("")
+
+    def ping(self, peer: int, clock: Clock) -> list[float] | None:
+        if self.world_size == 1:
+            return None
+        if self.rank == 0:
+            t0 = clock.now()
+            _send(self.peers[peer], "ping")
+            t1, t2 = _recv(self.peers[peer])
+            return [t0, float(t1), float(t2), clock.now()]
+        if self.rank == peer:
+            _recv(self.hub)
+            t1 = clock.now()
+            _send(self.hub, [t1, clock.now()])
+        return None
+
+    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
+        """Not measured here (see the module docstring): the recorder leaves the probe out."""
+        return 0.0
+
+
