@@ -450,6 +450,21 @@ def tf_config(cluster: list[str], index: int) -> str:
     return json.dumps({"cluster": {"worker": cluster}, "task": {"type": "worker", "index": index}})
 
 
+def start_local(config: LaunchConfig, label: str, argv: list[str], env: dict[str, str], position: tuple[int, int],
+                supervisor: _Supervisor) -> list[IO[bytes]]:
+    """Start one process of the job on this machine and hand it to ``supervisor``; ``position`` (its index, the
+    job's process count) names its --output-filename directory. Returns the output files to close at the end."""
+    out = config.output_filename
+    if out and not Path(out).is_absolute():
+        out = str(config.cwd / out)
+    try:
+        proc, files = start_worker(argv, env, rank_output_dir(out, *position), cwd=config.cwd)
+    except FileNotFoundError as err:
+        raise UsageError(f"cannot start {argv[0]!r}: {err.strerror}") from err
+    supervisor.add(_Agent(label, proc, remote=False))
+    return files
+
+
 class TFEngine:
     """TensorFlow jobs (``tf.distribute.MultiWorkerMirroredStrategy``): one process per slot, each with its
     ``TF_CONFIG``; local hosts only (``LaunchConfig`` refuses others)."""
@@ -498,15 +513,7 @@ class TFEngine:
                supervisor: _Supervisor) -> list[IO[bytes]]:
         if config.verbose:
             _say(f"worker {index}: {shlex.join(argv)}")
-        out = config.output_filename
-        if out and not Path(out).is_absolute():
-            out = str(config.cwd / out)
-        try:
-            proc, files = start_worker(argv, env, rank_output_dir(out, index, config.np), cwd=config.cwd)
-        except FileNotFoundError as err:
-            raise UsageError(f"cannot start {argv[0]!r}: {err.strerror}") from err
-        supervisor.add(_Agent(f"worker {index}", proc, remote=False))
-        return files
+        return start_local(config, f"worker {index}", argv, env, (index, config.np), supervisor)
 
 
 # ---- the mxnet engine ----------------------------------------------------------------------------------
@@ -574,15 +581,7 @@ class MXNetEngine:
         argv = list(config.command)
         if config.verbose:
             _say(f"{label}: {env[DMLC_ROLE]} {shlex.join(argv)}")
-        out = config.output_filename
-        if out and not Path(out).is_absolute():
-            out = str(config.cwd / out)
-        try:
-            proc, files = start_worker(argv, env, rank_output_dir(out, *position), cwd=config.cwd)
-        except FileNotFoundError as err:
-            raise UsageError(f"cannot start {argv[0]!r}: {err.strerror}") from err
-        supervisor.add(_Agent(label, proc, remote=False))
-        return files
+        return start_local(config, label, argv, env, position, supervisor)
 
 
 ENGINES: dict[str, type] = {TorchEngine.name: TorchEngine, HorovodEngine.name: HorovodEngine, TFEngine.name: TFEngine,
