@@ -109,6 +109,14 @@ class GraphBuilder:
         self.preds.append(deps)
         return node
 
+    def wait_on_queue(self, queue: str, node: int) -> None:
+        """Make ``node`` (already added) wait for the last node on ``queue`` and take its place there: a node on
+        several queues (a transfer on every server holding a parameter-server key)."""
+        last = self._queue_last.get(self.queue_id(queue))
+        if last is not None and last != node and last not in self.preds[node]:
+            self.preds[node].append(last)
+        self.occupy(queue, node)
+
     def occupy(self, queue: str, node: int) -> None:
         """Make ``node`` the op the next op on ``queue`` waits for (a collective's transfer)."""
         self._queue_last[self.queue_id(queue)] = node
@@ -167,6 +175,9 @@ class StepModel:
     chained_launch: bool = False
     # the gradients' collectives start only once the whole backward is done (``Engine.comm_after_backward``)
     comm_after_backward: bool = False
+    # collective -> the queues its transfer occupies (a parameter server's ``server<k>``: a server answers one
+    # request after another); a collective without queues follows the one before it (``async_launch``)
+    transfer_queues: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -234,7 +245,9 @@ def occurrence_name(name: str, earlier: int) -> str:
 
 def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]], order: list[str],
                             steps: list[int], step_start: dict[tuple[int, int], float],
-                            launched: dict[str, tuple[int, float]]) -> tuple[dict[str, float], dict[str, float]]:
+                            launched: dict[str, tuple[int, float]],
+                            queues: dict[str, tuple[str, ...]] | None = None,
+                            ) -> tuple[dict[str, float], dict[str, float]]:
     """Transfer times such that the median step's collectives end when they end in the median step.
 
     For engines that decide at run time which collectives run together (an engine that fuses the tensors
@@ -246,12 +259,18 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
     that rank's step start; its transfer is ``e - max(launch, e of the collective before it)``: what
     remains after the later of the two, so the replayed chain ends each collective at its median end.
 
+    A collective with ``queues`` (the servers holding a parameter-server key) follows the one before it on those
+    queues only, not the one before it in the step.
+
     Returns (transfer µs, ``e`` µs) per collective.
     """
     out: dict[str, float] = {}
     ends: dict[str, float] = {}
-    previous = float("-inf")
+    chain = float("-inf")
+    queue_end: dict[str, float] = {}
     for name in order:
+        own = (queues or {}).get(name, ())
+        previous = max((queue_end.get(q, float("-inf")) for q in own), default=float("-inf")) if own else chain
         if name not in launched:
             continue
         rank, launch = launched[name]
@@ -262,7 +281,10 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
         e = statistics.median(samples)
         out[name] = max(0.0, e - max(launch, previous))
         ends[name] = max(e, previous)
-        previous = ends[name]
+        if own:
+            queue_end.update(dict.fromkeys(own, ends[name]))
+        else:
+            chain = ends[name]
     return out, ends
 
 
@@ -307,6 +329,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     spans: dict[tuple[int, int], tuple[float, float]] = {}
     queue_of: dict[tuple[int, str], str] = {}
     cat_of: dict[str, str] = {}
+    transfer_queues: dict[str, tuple[str, ...]] = {}
     for rank, trace in run.ranks.items():
         shift = alignment.offset_us.get(rank, 0.0)
         by_step: dict[int, list[dict]] = defaultdict(list)
@@ -343,6 +366,8 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
                 cat_of[name] = e["cat"]
                 if e["cat"] == "COMM":
                     comm_by_step[(name, step)][rank] = (e["ts"] - shift, e["ts"] + e["dur"] - shift)
+                    if isinstance(e["args"].get("servers"), list) and e["args"]["servers"]:
+                        transfer_queues[name] = tuple(f"server{int(k)}" for k in e["args"]["servers"])
             tail_us[rank].append(max(0.0, boundary["dur"] - max(last_end.values(), default=0.0)))
     ops: dict[int, list[OpStats]] = defaultdict(list)
     for (rank, name), samples in per_op.items():
@@ -372,7 +397,8 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
                     launched[op.name] = (rank, op.order)
         if len(ops) < len(run.ranks):
             launched = {}
-        transfer, transfer_end = _transfer_times_in_step(comm_by_step, canonical, steps, starts, launched)
+        transfer, transfer_end = _transfer_times_in_step(comm_by_step, canonical, steps, starts, launched,
+                                                         transfer_queues)
     else:
         transfer, transfer_end = _transfer_times(comm_by_step, canonical, steps, len(run.ranks)), {}
     measured = statistics.median(statistics.median(v) for v in step_us.values())
@@ -382,7 +408,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
         async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end, chained_launch=chained,
-        comm_after_backward=engine.comm_after_backward,
+        comm_after_backward=engine.comm_after_backward, transfer_queues=transfer_queues,
     )
 
 
@@ -474,9 +500,13 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     if op.name not in transfers:
                         transfers[op.name] = b.add(f"{op.name}.transfer", "XFER", -1, it, None,
                                                    model.transfer[op.name])
-                        if model.async_launch and previous_transfer is not None:
-                            b.preds[transfers[op.name]].append(previous_transfer)
-                        previous_transfer = transfers[op.name]
+                        servers = model.transfer_queues.get(op.name, ())
+                        for server in servers:  # one request after another on each server holding it
+                            b.wait_on_queue(server, transfers[op.name])
+                        if not servers:
+                            if model.async_launch and previous_transfer is not None:
+                                b.preds[transfers[op.name]].append(previous_transfer)
+                            previous_transfer = transfers[op.name]
                     node = transfers[op.name]
                     last_transfer = node
                     b.preds[node].append(arrival)

@@ -1,1 +1,5 @@
-"""dpro plugin for mxnet (not built yet: see the project's issues)."""
+"""dpro plugin for MXNet (Gluon, kvstore parameter server): ``Profiler`` records a window of a Gluon loop."""
+
+from dpro.plugins.mxnet.profiler import Profiler
+
+__all__ = ["Profiler"]

@@ -1,0 +1,602 @@
+"""``GluonRecorder``: record a window of Gluon training steps (MXNet 1.x) into a dpro run directory.
+
+MXNet runs every operator asynchronously on its engine, so the host's clock around a Python call says when work
+was issued, not when it ran. The recorder reads completion instead: MXNet's ``wait_to_read`` returns once the
+array's pending writes are done.
+
+- **FW** of every block that holds parameters (and of every hybridized block, whose children run inside one
+  cached graph): a forward pre-hook waits for the block's parameters (their pull from the servers) and stamps the
+  start; the forward hook waits for the outputs and stamps the end. The forward therefore runs block by block,
+  which is also what it does on one CPU device.
+- **BW**: ``loss.backward()`` (or ``autograd.backward``) is issued as usual; a helper thread waits for the
+  gradients in backward order and stamps when each one is ready. A block's backward runs from the previous block's
+  gradients to its own. MXNet bulks backward operators into segments (``MXNET_EXEC_BULK_EXEC_*``) and writes a
+  segment's gradients together; the blocks of one segment share its time in proportion to their forward times
+  (``args.estimated``), and the segment's gradients are ready at its end (the last block's ``grads``).
+- **COMM**: ``gluon.Trainer.step`` on a ``dist_*`` kvstore issues one ``pushpull`` per parameter (key = its index
+  in the trainer): one ps-lite request carrying the gradient to the key's server(s) and the servers' answer, sent
+  once every worker's push of that key has arrived (and, with ``update_on_kvstore``, the optimizer has run on the
+  server). ``COMM.<grad>.push_pull`` runs from when both the gradient was ready and the request was issued to when
+  the pulled weight is written; ``args.servers`` are the servers holding its parts (``dpro.engines.mxnet_ps``).
+- **UPDATE**: on the worker only without ``update_on_kvstore`` (from the last pull to the weights written).
+- **STEP**: from one step's end to the next; a step ends when ``step()`` is called and its pulls are done.
+
+The workers agree on the run directory and exchange clock samples over dpro's TCP side channel
+(``dpro.plugins.mxnet.transport``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+from dpro.engines.mxnet_ps import DEFAULT_BIGARRAY_BOUND, NAME as ENGINE_PS, bigarray_bound, key_servers
+from dpro.errors import UsageError
+from dpro.plugins.mxnet.transport import default_transport
+from dpro.record.protocol import (
+    Clock,
+    Transport,
+    agree_run_dir,
+    check_window_fits,
+    claim_run_dir,
+    clock_samples,
+    parse_steps,
+)
+from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
+from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
+
+__all__ = ["GluonRecorder", "Unit", "block_paths", "gradient_names", "recorded_units", "split_backward"]
+
+COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
+SEGMENT_US = 50.0  # gradients ready within this of the previous block's came out of one bulked engine segment
+
+
+def block_paths(net: Any) -> list[tuple[Any, str, str | None]]:
+    """Every block under ``net`` with its dotted path (children's names as Gluon keys them: ``0``, ``features.3``;
+    the net itself is ``""``) and its parent's path, outer blocks first. A block reached twice keeps its first
+    path."""
+    out: list[tuple[Any, str, str | None]] = [(net, "", None)]
+    seen = {id(net)}
+
+    def visit(block: Any, path: str) -> None:
+        for name, child in getattr(block, "_children", {}).items():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            child_path = f"{path}.{name}" if path else str(name)
+            out.append((child, child_path, path))
+            visit(child, child_path)
+
+    visit(net, "")
+    return out
+
+
+@dataclass
+class Unit:
+    """A block timed as one op: a block with parameters of its own, or a hybridized block (its children run inside
+    its cached graph), with the parameters it computes gradients for (trainer order)."""
+
+    block: Any
+    path: str
+    params: list[Any] = field(default_factory=list)
+
+
+def _own_params(block: Any) -> list[Any]:
+    return list(getattr(block, "_reg_params", {}).values())
+
+
+def recorded_units(net: Any, trained: list[Any]) -> list[Unit]:
+    """The units of ``net`` in forward (registration) order whose parameters the trainer trains: hybridized blocks
+    as a whole (their innermost-first children are not called one by one), else every block with own parameters.
+    A trained parameter no unit holds is left to the net itself (``path`` ``""``)."""
+    trained_ids = {id(p): p for p in trained}
+    units: list[Unit] = []
+    owner: dict[int, Unit] = {}
+    covered: set[int] = set()  # blocks inside a hybridized unit
+
+    for block, path, _ in block_paths(net):
+        if id(block) in covered:
+            continue
+        hybrid = bool(getattr(block, "_active", False))
+        if hybrid:
+            inner = [b for b, p, _ in block_paths(block)]
+            covered |= {id(b) for b in inner}
+            params = [p for b in inner for p in _own_params(b)]
+        else:
+            params = _own_params(block)
+        params = [p for p in params if id(p) in trained_ids and id(p) not in owner]
+        if not params:
+            continue
+        unit = Unit(block, path or (getattr(block, "name", "") if block is net else path), params)
+        units.append(unit)
+        for p in params:
+            owner[id(p)] = unit
+    rest = [p for p in trained if id(p) not in owner]
+    if rest:
+        units.append(Unit(net, getattr(net, "name", "net"), rest))
+    return units
+
+
+def gradient_names(net: Any, params: list[Any]) -> dict[int, str]:
+    """Each trainer parameter's name (by its index): the path of the block holding it and the parameter's name
+    inside the block (``1.weight``, ``features.0.bias``); a parameter no block holds keeps its Gluon name."""
+    named: dict[int, str] = {}
+    for block, path, _ in block_paths(net):
+        for p in _own_params(block):
+            short = param_short_name(p, block)
+            named.setdefault(id(p), f"{path}.{short}" if path else short)
+    return {i: named.get(id(p), str(p.name)) for i, p in enumerate(params)}
+
+
+def param_short_name(param: Any, block: Any) -> str:
+    """A parameter's name inside its block (``weight`` for ``dense0_weight`` of block ``dense0_``)."""
+    prefix = getattr(block, "prefix", "") or ""
+    name = str(param.name)
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
+
+
+def split_backward(order: list[tuple[str, float, float]], start_us: float,
+                   segment_us: float = SEGMENT_US) -> list[tuple[str, float, float, int]]:
+    """Backward spans of units from when their gradients were ready.
+
+    ``order``: (unit, gradients ready µs, forward µs) in backward order; ``start_us``: when the backward began.
+    Each unit runs from the previous unit's ready time to its own. Units whose gradients came out together
+    (within ``segment_us`` of the unit before: one bulked engine segment) share the segment's span in proportion
+    to their forward times. Returns (unit, start µs, end µs, segment) in backward order; units of one segment
+    share its number.
+    """
+    segments: list[list[tuple[str, float, float]]] = []
+    previous = start_us
+    for unit, ready, fw in order:
+        ready = max(ready, previous)
+        if segments and ready - previous <= segment_us:
+            segments[-1].append((unit, ready, fw))
+        else:
+            segments.append([(unit, ready, fw)])
+        previous = ready
+    out: list[tuple[str, float, float, int]] = []
+    begin = start_us
+    for k, seg in enumerate(segments):
+        end = seg[-1][1]
+        weights = [max(fw, 1e-3) for _, _, fw in seg]
+        total, at = sum(weights), begin
+        for (unit, _, _), w in zip(seg, weights, strict=True):
+            stop = at + (end - begin) * w / total
+            out.append((unit, at, stop, k))
+            at = stop
+        begin = end
+    return out
+
+
+def _arrays(obj: Any) -> list[Any]:
+    if isinstance(obj, mx.nd.NDArray):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [a for o in obj for a in _arrays(o)]
+    return []
+
+
+def _first_element(array: Any) -> Any:
+    """A copy of ``array``'s first element: an engine op that reads ``array`` (so runs after its pending writes)
+    and writes an array of its own."""
+    return array.reshape((-1,))[0:1].copy()
+
+
+def _param_bytes(param: Any) -> int:
+    data = param.list_data()[0]
+    return int(data.size) * np.dtype(data.dtype).itemsize
+
+
+@dataclass
+class _Step:
+    """What one recorded step measured (µs on the rank's clock)."""
+
+    step: int
+    begin: float
+    forward: dict[str, tuple[float, float]] = field(default_factory=dict)     # unit -> (start, end)
+    backward_issued: float | None = None
+    grad_ready: dict[int, float] = field(default_factory=dict)                # param index -> ready
+    step_called: float | None = None                                          # trainer.step issued the pushpulls
+    pulled: dict[int, float] = field(default_factory=dict)                    # param index -> weight written
+    updated: float | None = None                                              # weights written (local update)
+    marked: float | None = None                                               # Profiler.step() called
+    waiters: list[threading.Thread] = field(default_factory=list)
+
+
+class GluonRecorder:
+    """Records steps ``steps`` of a Gluon training loop (see the module docstring).
+
+    Args:
+        net: the network trained (its blocks name the ops: ``FW.<path>``, ``BW.<path>``).
+        trainer: the ``gluon.Trainer`` stepping it (its kvstore and parameters).
+        run_dir: a new or empty directory, or None for ``dpro-runs/<timestamp>``; worker 0 decides.
+        steps: the iterations to record, counted from 0.
+        total_steps: when known, a window beyond it is refused at once.
+        transport: how workers talk (default: dpro's TCP side channel next to the ps-lite scheduler).
+        batch_size: samples per step on this worker (kept in run.json).
+    """
+
+    def __init__(self, net: Any, trainer: Any, run_dir: str | Path | None, steps: Iterable[int], *,
+                 total_steps: int | None = None, transport: Transport | None = None,
+                 who: str = "dpro.plugins.mxnet.Profiler", batch_size: int | None = None) -> None:
+        if not isinstance(net, gluon.Block):
+            raise UsageError(f"{who}: net must be a gluon.Block, got {type(net).__name__}")
+        if not isinstance(trainer, gluon.Trainer):
+            raise UsageError(f"{who}: trainer must be a gluon.Trainer, got {type(trainer).__name__}")
+        self.who = who
+        self.net, self.trainer = net, trainer
+        self.steps = parse_steps(steps)
+        check_window_fits(self.steps, total_steps, who)
+        self.window = frozenset(self.steps)
+        self.requested_dir = run_dir
+        self.transport = transport
+        self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
+        self.iteration = 0
+        self.run_dir: Path | None = None
+        self._writer: RankTraceWriter | None = None
+        self._closed = False
+        self._current: _Step | None = None
+        self._pending: _Step | None = None   # a finished step whose pulls may still be in flight
+        self._hooks: list[Any] = []
+        self._patched: list[tuple[Any, str, Any]] = []
+        self._units: list[Unit] = []
+        self._lock = threading.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self._writer is not None
+
+    # ---- the job's shape ------------------------------------------------------------------------------
+
+    def _kvstore(self) -> Any:
+        kv = getattr(self.trainer, "_kvstore", None)
+        if kv is None:
+            given = (getattr(self.trainer, "_kvstore_params", None) or {}).get("kvstore")
+            kv = given if isinstance(given, mx.kvstore.KVStore) else None
+        return kv
+
+    def _distributed(self) -> bool:
+        kv = self._kvstore()
+        return kv is not None and "dist" in str(kv.type)
+
+    def _update_on_kvstore(self) -> bool:
+        return bool(self._distributed() and getattr(self.trainer, "_update_on_kvstore", False))
+
+    # ---- step boundaries ------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """At the start of an iteration (``Profiler`` calls it; the first one also on entry)."""
+        if self._closed:
+            return
+        if self.iteration == self.steps[0] and not self.started:
+            self._begin_window()
+        if self.started and self.iteration in self.window:
+            # a step begins where the one before it ended: once its pulls are done (``_finish_pending``)
+            self._current = _Step(self.iteration, self.clock.now())
+
+    def end_step(self) -> None:
+        """At the end of an iteration (after ``trainer.step``)."""
+        if self._closed:
+            return
+        step = self._current
+        if step is not None:
+            step.marked = self.clock.now()
+            self._current = None
+            self._finish_pending()
+            self._pending = step
+            if self.iteration + 1 not in self.window:
+                self._finish_pending()
+        self.iteration += 1
+        if self.iteration > self.steps[-1]:
+            self.close()
+
+    # ---- window ----------------------------------------------------------------------------------------
+
+    def _begin_window(self) -> None:
+        kv = self._kvstore()
+        if self.transport is None:
+            self.transport = default_transport(kv)
+        self.rank, self.world_size = self.transport.rank, self.transport.world_size
+        self.clock = Clock.from_env(self.rank)
+        self.host = socket.gethostname()
+        self.run_dir = agree_run_dir(self.transport, self.requested_dir, self.who, claim_run_dir)
+        self.hosts = self.transport.gather_texts(self.host)
+        pingpong = clock_samples(self.transport, self.clock)
+        self._params = [p for p in self.trainer._params]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._units = recorded_units(self.net, [p for p in self._params if p.grad_req != "null"])
+        self._names = gradient_names(self.net, self._params)
+        header = {"host": self.host, "pid": os.getpid(),
+                  "clock": {"source": "CLOCK_MONOTONIC", "unit": "us", "device": "host (MXNet wait_to_read)"}}
+        self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
+        if self.rank == 0:
+            self._write_run_json(pingpong)
+            self._write_model_json()
+        self.transport.barrier()
+        mx.nd.waitall()  # the window starts with nothing of the previous step in flight
+        self._install()
+
+    def _install(self) -> None:
+        for unit in self._units:
+            self._hooks.append(unit.block.register_forward_pre_hook(self._pre_hook(unit)))
+            self._hooks.append(unit.block.register_forward_hook(self._post_hook(unit)))
+        recorder = self
+
+        def patch(owner: Any, name: str, make: Any) -> None:
+            original = getattr(owner, name)
+            self._patched.append((owner, name, original))
+            setattr(owner, name, make(original))
+
+        def backward_of(original: Any) -> Any:
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                issued = recorder.clock.now()
+                out = original(*args, **kwargs)
+                recorder._backward_issued(issued)
+                return out
+            return backward
+
+        def step_of(original: Any) -> Any:
+            def step(*args: Any, **kwargs: Any) -> Any:
+                called = recorder.clock.now()
+                out = original(*args, **kwargs)
+                recorder._step_issued(called)
+                return out
+            return step
+
+        patch(mx.nd.NDArray, "backward", backward_of)
+        patch(autograd, "backward", backward_of)
+        patch(self.trainer, "step", step_of)
+
+    def _uninstall(self) -> None:
+        for handle in self._hooks:
+            handle.detach()
+        self._hooks.clear()
+        for owner, name, original in reversed(self._patched):
+            if owner is self.trainer:
+                delattr(owner, name)  # back to the class's method
+            else:
+                setattr(owner, name, original)
+        self._patched.clear()
+
+    # ---- hooks ------------------------------------------------------------------------------------------
+
+    def _pre_hook(self, unit: Unit) -> Any:
+        def hook(block: Any, inputs: Any) -> None:
+            step = self._current
+            if step is None:
+                return
+            if not step.forward:
+                self._finish_pending()  # the previous step's pulls are done before this step's first block runs
+            for p in unit.params:
+                for data in p.list_data():
+                    data.wait_to_read()  # its pull (the engine's forward would wait for it too)
+            step.forward[unit.path] = (self.clock.now(), float("nan"))
+        return hook
+
+    def _post_hook(self, unit: Unit) -> Any:
+        def hook(block: Any, inputs: Any, outputs: Any) -> None:
+            step = self._current
+            if step is None or unit.path not in step.forward:
+                return
+            for out in _arrays(outputs):
+                out.wait_to_read()
+            start, _ = step.forward[unit.path]
+            step.forward[unit.path] = (start, self.clock.now())
+        return hook
+
+    def _backward_issued(self, issued: float) -> None:
+        step = self._current
+        if step is None or step.backward_issued is not None:
+            return
+        step.backward_issued = issued
+        # a marker per gradient: a one-element copy the engine runs once the backward has written the gradient.
+        # Waiting on the gradient itself would also wait for trainer.step's pushpull, which writes into it (the
+        # kvstore sends and receives through the gradient's buffer) once it has been issued.
+        markers = [(self._index[id(p)], [_first_element(g) for g in p.list_grad()])
+                   for unit in reversed(self._units) for p in reversed(unit.params)]
+
+        def wait() -> None:
+            for i, copies in markers:
+                for marker in copies:
+                    marker.wait_to_read()
+                step.grad_ready[i] = self.clock.now()
+
+        self._spawn(step, wait)
+
+    def _step_issued(self, called: float) -> None:
+        step = self._current
+        if step is None or step.step_called is not None:
+            return
+        step.step_called = called
+        local_update = not self._update_on_kvstore()
+        distributed = self._distributed()
+        params = [(i, p) for i, p in enumerate(self._params) if p.grad_req != "null"]
+        earlier = list(step.waiters)
+
+        def wait() -> None:
+            for thread in earlier:
+                thread.join()
+            if distributed:
+                for i, p in params:  # key order: the servers answer in the order the keys' priorities say
+                    for array in (p.list_grad() if local_update else p.list_data()):
+                        array.wait_to_read()
+                    step.pulled[i] = self.clock.now()
+            if local_update:
+                for _, p in params:
+                    for data in p.list_data():
+                        data.wait_to_read()
+                step.updated = self.clock.now()
+
+        self._spawn(step, wait)
+
+    def _spawn(self, step: _Step, target: Any) -> None:
+        thread = threading.Thread(target=target, name="dpro-mxnet-waiter", daemon=True)
+        step.waiters.append(thread)
+        thread.start()
+
+    # ---- rows -------------------------------------------------------------------------------------------
+
+    def _finish_pending(self) -> None:
+        with self._lock:
+            step, self._pending = self._pending, None
+        if step is None:
+            return
+        for thread in step.waiters:
+            thread.join()
+        end = max([step.marked or step.begin, *step.pulled.values(), step.updated or step.begin])
+        following = self._current
+        if following is not None and following.step == step.step + 1:
+            following.begin = end
+        if self._writer is not None and not self._writer.finished:
+            self._writer.end_step(step.step, self.step_rows(step, end))
+
+    def step_rows(self, step: _Step, end: float) -> list[list[Any]]:
+        rows = [event_row("STEP", "STEP", HOST, step.begin, end - step.begin, {"step": step.step})]
+        fw_us: dict[str, float] = {}
+        for unit in self._units:
+            span = step.forward.get(unit.path)
+            if span is None or span[1] != span[1]:  # not run, or its hook did not finish (NaN)
+                continue
+            start, stop = span
+            fw_us[unit.path] = stop - start
+            rows.append(event_row(f"FW.{unit.path}", "FW", COMPUTE, start, stop - start, {"step": step.step}))
+        names = self._names
+        if step.backward_issued is not None and step.grad_ready:
+            last_fw = max((s for _, s in step.forward.values() if s == s), default=step.backward_issued)
+            order = []
+            grads_of: dict[str, list[int]] = {}
+            for unit in reversed(self._units):
+                idx = [self._index[id(p)] for p in reversed(unit.params) if self._index[id(p)] in step.grad_ready]
+                if not idx:
+                    continue
+                grads_of[unit.path] = idx
+                order.append((unit.path, max(step.grad_ready[i] for i in idx), fw_us.get(unit.path, 0.0)))
+            spans = split_backward(order, max(step.backward_issued, last_fw))
+            sizes = Counter(seg for *_, seg in spans)
+            for k, (path, start, stop, seg) in enumerate(spans):
+                # a bulked segment's gradients are all ready at its end: its last unit carries them
+                last = k + 1 == len(spans) or spans[k + 1][3] != seg
+                carried = [i for p, *_, s in spans if s == seg for i in grads_of[p]] if last else []
+                args: dict[str, Any] = {"step": step.step, "grads": [names[i] for i in carried],
+                                        "grads_ready_us": [stop for _ in carried]}
+                if sizes[seg] > 1:
+                    args["estimated"] = "bulked backward segment, shared in proportion to forward time"
+                rows.append(event_row(f"BW.{path}", "BW", COMPUTE, start, stop - start, args))
+        if step.step_called is not None and step.pulled:
+            servers, bound = self._servers(), bigarray_bound(dict(os.environ))
+            for i in sorted(step.pulled):
+                p = self._params[i]
+                issued = step.step_called
+                start = max(step.grad_ready.get(i, issued), issued)
+                stop = max(step.pulled[i], start)
+                nbytes = _param_bytes(p)
+                parts = key_servers(i, int(p.list_data()[0].size), servers, bound)
+                rows.append(event_row(f"COMM.{names[i]}.push_pull", "COMM", COMM, start, stop - start, {
+                    "step": step.step, "tensors": [names[i]], "bytes": nbytes, "op": "push_pull",
+                    "phase": "push_pull", "key": i, "servers": [s for s, _ in parts],
+                    "part_bytes": [round(nbytes * share) for _, share in parts]}))
+        if step.updated is not None:
+            start = max([step.step_called or step.updated, *step.pulled.values()])
+            rows.append(event_row("UPDATE.trainer", "UPDATE", COMPUTE, start, step.updated - start,
+                                  {"step": step.step}))
+        return rows
+
+    def _servers(self) -> int:
+        try:
+            return max(1, int(os.environ.get("DMLC_NUM_SERVER", "1")))
+        except ValueError:
+            return 1
+
+    # ---- close -------------------------------------------------------------------------------------------
+
+    def close(self, error: BaseException | None = None) -> Path | None:
+        """End recording: finish the last step, write ``rank-<r>.json``; safe to call twice."""
+        if self._closed:
+            return self.run_dir
+        self._closed = True
+        if not self.started:
+            self._close_transport()
+            return None
+        if self._current is not None and error is None:
+            self._current = None  # a step that was not marked as finished is not recorded
+        self._finish_pending()
+        self._uninstall()
+        note = f"stopped by {type(error).__name__}: {error}" if error is not None else ""
+        missing = [s for s in self.steps if s not in self._writer.steps_done]
+        if missing and not note:
+            note = f"the run ended before steps {missing[0]}..{missing[-1]}"
+        self._writer.finish(complete=not missing, note=note)
+        self._close_transport()
+        return self.run_dir
+
+    def _close_transport(self) -> None:
+        closer = getattr(self.transport, "close", None)
+        if callable(closer):
+            closer()
+
+    # ---- run.json / model.json ---------------------------------------------------------------------------
+
+    def _gradients(self) -> list[dict[str, Any]]:
+        out = []
+        for unit in reversed(self._units):  # backward order: the order gradients become ready
+            for p in reversed(unit.params):
+                i = self._index[id(p)]
+                data = p.list_data()[0]
+                out.append({"name": self._names[i], "bytes": _param_bytes(p), "shape": [int(d) for d in data.shape],
+                            "dtype": np.dtype(data.dtype).name,
+                            "module": unit.path, "computed_by": unit.path, "key": i})
+        return out
+
+    def fingerprint(self) -> str:
+        return model_fingerprint((g["name"], g["shape"], g["dtype"]) for g in self._gradients())
+
+    def knobs(self) -> dict[str, Any]:
+        kv = self._kvstore()
+        knobs: dict[str, Any] = {"world_size": self.world_size, "device": "cpu",
+                                 "mxnet.kvstore": str(kv.type) if kv is not None else None,
+                                 "update_on_kvstore": self._update_on_kvstore()}
+        if self._distributed():
+            knobs["num_servers"] = self._servers()
+            knobs["mxnet.kvstore.bigarray_bound"] = bigarray_bound(dict(os.environ))
+        optimizer = getattr(self.trainer, "_optimizer", None)
+        if optimizer is not None:
+            knobs["optimizer"] = type(optimizer).__name__
+        return knobs
+
+    def _write_run_json(self, pingpong: dict[int, list[list[float]]]) -> None:
+        versions = {"python": platform.python_version(), "mxnet": mx.__version__}
+        engine = ENGINE_PS if self._distributed() else "mxnet"
+        doc = run_document(framework="mxnet", engine=engine, versions=versions, world_size=self.world_size,
+                           hosts=self.hosts, steps=list(self.steps), knobs=self.knobs(),
+                           fingerprint=self.fingerprint(), probe=[], pingpong=pingpong,
+                           extra={"mxnet": {"batch_size": self.batch_size,
+                                            "default_bigarray_bound": DEFAULT_BIGARRAY_BOUND,
+                                            "note": "times from MXNet's wait_to_read on the rank's clock: FW per "
+                                                    "block with parameters, BW from gradient readiness, one "
+                                                    "push_pull per kvstore key"}})
+        write_run_json(self.run_dir, doc)
+
+    def _write_model_json(self) -> None:
+        gradients = self._gradients()
+        modules = []
+        recorded = {u.path for u in self._units}
+        for block, path, parent in block_paths(self.net):
+            own = sum(_param_bytes(p) for p in _own_params(block) if p._data is not None)
+            modules.append({"name": path or getattr(block, "name", "net"), "type": type(block).__name__,
+                            "parent": parent if parent is None or parent else getattr(self.net, "name", "net"),
+                            "param_bytes": own, "activation_bytes": None, "recorded": path in recorded})
+        buckets = [{"index": k, "bytes": g["bytes"], "tensors": [g["name"]]}
+                   for k, g in enumerate(sorted(gradients, key=lambda g: g["key"]))]
+        write_model_json(self.run_dir, model_document(fingerprint=self.fingerprint(), gradients=gradients,
+                                                      buckets=buckets, modules=modules))
