@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from dpro.engines.mxnet_ps import NUM_SERVERS_ENV, SERVER_HOSTS_ENV
 from dpro.errors import UsageError
 from dpro.launch.env import applied_env, horovodrun_flags, job_env
 from dpro.launch.node import DEFAULT_GRACE_S, PORT_LINE, exit_status, rank_output_dir, start_worker
@@ -528,6 +529,23 @@ def dmlc_env(role: str, *, port: int, num_servers: int, num_workers: int) -> dic
             "DMLC_NUM_SERVER": str(num_servers), "DMLC_NUM_WORKER": str(num_workers)}
 
 
+def mxnet_servers(config: LaunchConfig) -> int:
+    """How many parameter servers to start: the applied config's ``DMLC_NUM_SERVER`` (what dpro optimize chose),
+    else ``--num-servers``, else one per worker (MXNet's launcher's default)."""
+    applied = applied_env(config).get(NUM_SERVERS_ENV)
+    if applied:
+        try:
+            count = int(applied)
+        except ValueError:
+            raise UsageError(f"{config.apply}: env {NUM_SERVERS_ENV}={applied!r} is not a number of servers") from None
+        if count < 1:
+            raise UsageError(f"{config.apply}: env {NUM_SERVERS_ENV}={applied!r}: at least one server is needed")
+        if config.num_servers and config.num_servers != count:
+            _say(f"{config.apply} sets {NUM_SERVERS_ENV}={count}; it overrides --num-servers {config.num_servers}")
+        return count
+    return int(config.num_servers or config.np)
+
+
 class MXNetEngine:
     """MXNet jobs on ps-lite (``kvstore`` ``dist_sync`` / ``dist_async``): a scheduler, ``--num-servers`` servers
     and one worker per slot, local hosts only. Every process runs the job's command with its DMLC_* environment:
@@ -544,10 +562,12 @@ class MXNetEngine:
     def roles(self, config: LaunchConfig, port: int | None = None) -> list[tuple[str, dict[str, str]]]:
         """(label, DMLC_* environment) of every process in start order: scheduler, servers, workers."""
         port = free_ports(1)[0] if port is None else port
-        servers = int(config.num_servers or config.np)
+        servers = mxnet_servers(config)
 
         def env(role: str) -> dict[str, str]:
-            return dmlc_env(role, port=port, num_servers=servers, num_workers=config.np)
+            # where the servers run, for the recorder's model of them (they share this machine)
+            return {**dmlc_env(role, port=port, num_servers=servers, num_workers=config.np),
+                    SERVER_HOSTS_ENV: ",".join([socket.gethostname()] * servers)}
 
         return ([("scheduler", env("scheduler"))] + [(f"server {k}", env("server")) for k in range(servers)]
                 + [(f"worker {i}", env("worker")) for i in range(config.np)])

@@ -36,7 +36,7 @@ APPLIED_SUFFIX = "-applied"
 _TORCH_NOTHING = "the job built no DistributedDataParallel model or hvd.DistributedOptimizer"
 _NOTHING_RECORDED = {"torch": _TORCH_NOTHING, "horovod": _TORCH_NOTHING,  # why, by engine
                      "tf": "the TensorFlow job got no dpro recorder",
-                     "mxnet": "dpro does not record MXNet jobs yet (it launches them)"}
+                     "mxnet": "no gluon.Trainer.step ran in a worker (dpro records Gluon training loops)"}
 
 
 logger = get_logger("dpro.launch")

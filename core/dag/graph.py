@@ -366,8 +366,9 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
                 cat_of[name] = e["cat"]
                 if e["cat"] == "COMM":
                     comm_by_step[(name, step)][rank] = (e["ts"] - shift, e["ts"] + e["dur"] - shift)
-                    if isinstance(e["args"].get("servers"), list) and e["args"]["servers"]:
-                        transfer_queues[name] = tuple(f"server{int(k)}" for k in e["args"]["servers"])
+                    queues = engine.transfer_queues(run, e["args"])
+                    if queues:
+                        transfer_queues[name] = queues
             tail_us[rank].append(max(0.0, boundary["dur"] - max(last_end.values(), default=0.0)))
     ops: dict[int, list[OpStats]] = defaultdict(list)
     for (rank, name), samples in per_op.items():

@@ -21,6 +21,7 @@ REGISTRY: dict[str, str] = {
     "torch-ddp": "dpro.engines.torch_ddp",
     "horovod": "dpro.engines.horovod",
     "tf-mwms": "dpro.engines.tf_mwms",
+    "mxnet-ps": "dpro.engines.mxnet_ps",
 }
 
 

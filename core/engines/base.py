@@ -25,6 +25,13 @@ def _no_notes(run: Any) -> list[str]:
     return []
 
 
+def _server_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
+    servers = args.get("servers")
+    if not isinstance(servers, list):
+        return ()
+    return tuple(f"server{int(k)}" for k in servers if isinstance(k, int) and not isinstance(k, bool))
+
+
 def _common_search(ctx: Any, **options: Any) -> Any:
     from dpro.optimize.search import optimize_common
 
@@ -54,6 +61,9 @@ class Engine:
         chained_launch: each collective is launched only once the one before it has completed (TensorFlow's
             collectives are chained by ordering tokens); the DAG then makes each arrival wait for the previous
             transfer.
+        transfer_queues: ``(run, COMM args) -> queue names``: the queues a collective's transfer occupies, one
+            request after another (a parameter server's servers, ``args.servers``); empty: none (the default
+            names ``server<k>`` for each of ``args.servers``).
         comm_after_backward: the gradients' collectives are launched only once the whole backward is done
             (Keras under MultiWorkerMirroredStrategy reduces the gradients after computing all of them), not as
             each one's gradients are ready; the DAG and what-if's regrouping then start them after the last BW.
@@ -72,6 +82,7 @@ class Engine:
     predict: Callable[[Any, dict[str, Any]], Any] = _no_prediction  # (ctx, knobs) -> Prediction or None
     chained_launch: bool = False  # a collective launches only after the previous one completed (dag.graph)
     comm_after_backward: bool = False  # gradient collectives start after the whole backward (dag.graph, whatif)
+    transfer_queues: Callable[[Any, dict[str, Any]], tuple[str, ...]] = _server_queues  # (run, COMM args) -> queues
 
     def knob_names(self) -> list[str]:
         return [k.name for k in self.knobs]

@@ -11,9 +11,23 @@ so a server holding many or large keys is a hot spot.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
+import statistics
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "NAME", "NUM_SERVERS", "bigarray_bound", "key_servers"]
+from dpro.config import Knob, _count
+from dpro.engines.base import Engine
+from dpro.errors import UsageError
+from dpro.sim.cost import robust_line
+
+__all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "NAME", "NUM_SERVERS", "ServerModel",
+           "bigarray_bound", "fit_server_model", "key_servers", "ps_model", "search", "server_hosts", "server_model",
+           "server_queue"]
 
 NAME = "mxnet-ps"
 BIGARRAY_BOUND = "mxnet.kvstore.bigarray_bound"
@@ -40,3 +54,234 @@ def key_servers(key: int, elements: int, num_servers: int, bound: int) -> list[t
         return [((key * KEY_SPREAD) % servers, 1.0)]
     cuts = [round(elements / servers * i) for i in range(servers + 1)]
     return [(i, (cuts[i + 1] - cuts[i]) / elements) for i in range(servers)]
+
+
+# ---- the model: keys on server queues, each request priced by a line fitted through the recorded ones -----------
+
+@dataclass(frozen=True)
+class ServerModel:
+    """What a server takes to answer one request for ``b`` bytes of a key from every worker (µs): ``fixed_us +
+    us_per_byte * b``, fitted through the recorded requests and scaled so that the recorded layout, priced by it,
+    replays to the step the measured requests give."""
+
+    fixed_us: float
+    us_per_byte: float
+    world_size: int
+    source: str = ""
+
+    def request_us(self, nbytes: float, world_size: int | None = None, bandwidth_scale: float = 1.0) -> float:
+        # a server receives one push and sends one answer per worker: its bytes grow with the workers
+        workers = (world_size or self.world_size) / max(self.world_size, 1)
+        return self.fixed_us + self.us_per_byte * nbytes * workers / bandwidth_scale
+
+
+SERVER_HOSTS_ENV = "DPRO_MXNET_SERVER_HOSTS"  # where dpro-launch started each server (comma-separated host names)
+
+
+def server_hosts(run: Any) -> list[str]:
+    """The host of each recorded server (run.json's ``mxnet.server_hosts``); empty when not known."""
+    hosts = ((run.meta or {}).get("mxnet") or {}).get("server_hosts") if run is not None else None
+    return [str(h) for h in hosts] if isinstance(hosts, list) else []
+
+
+def server_queue(server: int, hosts: list[str]) -> str:
+    """The queue a server's requests take: its host's when known (servers on one host share its network and its
+    CPUs: on one machine they answer one request after another whatever their number), else its own. A server
+    beyond the recorded ones goes where MXNet's launcher would put it, round-robin over the recorded hosts."""
+    return f"server@{hosts[server % len(hosts)]}" if hosts else f"server{server}"
+
+
+def _transfer_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
+    servers = args.get("servers")
+    if not isinstance(servers, list):
+        return ()
+    hosts = server_hosts(run)
+    return tuple(dict.fromkeys(server_queue(int(k), hosts) for k in servers
+                               if isinstance(k, int) and not isinstance(k, bool)))
+
+
+def _busiest(parts: list[tuple[int, float]], nbytes: float, hosts: list[str]) -> tuple[int, float]:
+    """(requests, bytes) on the queue that carries most of a key's parts."""
+    load: dict[str, list[float]] = {}
+    for server, share in parts:
+        load.setdefault(server_queue(server, hosts), []).append(share * nbytes)
+    return max(((len(v), sum(v)) for v in load.values()), key=lambda rb: rb[1])
+
+
+def _key_ops(ctx: Any) -> dict[str, dict[str, Any]]:
+    """The recorded push_pull collectives: name -> args (key, bytes, servers, part_bytes, tensors)."""
+    out: dict[str, dict[str, Any]] = {}
+    for ops in ctx.base.ops.values():
+        for op in ops:
+            if op.category == "COMM" and isinstance(op.args.get("key"), int) and op.name in ctx.base.transfer:
+                out.setdefault(op.name, op.args)
+    return out
+
+
+def _elements(ctx: Any) -> dict[str, int]:
+    out = {}
+    for g in (ctx.run.model or {}).get("gradients", []):
+        shape = g.get("shape") or []
+        out[g["name"]] = math.prod(int(d) for d in shape) if shape else int(g["bytes"]) // 4
+    return out
+
+
+def fit_server_model(ctx: Any) -> ServerModel:
+    """``ServerModel`` from the recorded requests (a robust line through (largest part's bytes, transfer µs))."""
+    hosts = server_hosts(ctx.run)
+    samples = []
+    for name, args in _key_ops(ctx).items():
+        nbytes = float(args.get("bytes", 0))
+        shares = [b / nbytes for b in args.get("part_bytes") or []] if nbytes else []
+        parts = list(zip(args.get("servers") or [0], shares or [1.0], strict=False))
+        samples.append((_busiest(parts, nbytes, hosts)[1], ctx.base.transfer[name]))
+    if not samples:
+        return ServerModel(0.0, 0.0, ctx.run.world_size, "no push_pull recorded")
+    line = robust_line(samples)
+    if line is None:
+        fixed, per_byte, how = statistics.median(t for _, t in samples), 0.0, "median request (sizes too alike)"
+    else:
+        (fixed, per_byte), how = line, f"robust line through {len(samples)} requests"
+    return ServerModel(fixed, per_byte, ctx.run.world_size, how)
+
+
+def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
+    """The median step with every key's request re-placed (``key_servers`` under the knobs' server count and bound)
+    and priced by ``server``: on several servers a key's parts run side by side, the largest decides."""
+    servers = int(knobs.get(NUM_SERVERS) or ctx.knobs.get(NUM_SERVERS) or 1)
+    bound = int(knobs.get(BIGARRAY_BOUND) or ctx.knobs.get(BIGARRAY_BOUND) or DEFAULT_BIGARRAY_BOUND)
+    compression = knobs.get("gradient_compression")
+    scale = 0.5 if compression in ("fp16", "bf16") else 1.0
+    elements = _elements(ctx)
+    hosts = server_hosts(ctx.run)
+    out = copy.deepcopy(ctx.base)
+    for name, args in _key_ops(ctx).items():
+        tensor = (args.get("tensors") or [""])[0]
+        count = elements.get(tensor) or max(1, int(args.get("bytes", 0)) // 4)
+        parts = key_servers(int(args["key"]), count, servers, bound)
+        requests, nbytes = _busiest(parts, float(args.get("bytes", 0)) * scale, hosts)
+        # the parts on one queue are answered one after another; the busiest queue decides when the key is back
+        out.transfer[name] = (requests - 1) * server.fixed_us + server.request_us(
+            nbytes, knobs.get("world_size"), float(knobs.get("bandwidth_scale", 1.0)))
+        out.transfer_queues[name] = tuple(dict.fromkeys(server_queue(k, hosts) for k, _ in parts))
+    return out
+
+
+def server_model(ctx: Any) -> ServerModel:
+    """``fit_server_model``, scaled so the recorded layout replays to the measured requests' replay (cached)."""
+    cached = ctx.cache.get(NAME)
+    if cached is not None:
+        return cached
+    from dpro.sim.whatif import predict, replay_model
+
+    fitted = fit_server_model(ctx)
+    target = predict(ctx, {}).predicted_step_ms
+
+    def step_at(k: float) -> float:
+        trial = dataclasses.replace(fitted, fixed_us=fitted.fixed_us * k, us_per_byte=fitted.us_per_byte * k)
+        return replay_model(ctx, ps_model(ctx, {}, trial), {}).predicted_step_ms
+
+    lo, hi = 0.05, 20.0
+    if fitted.fixed_us <= 0 and fitted.us_per_byte <= 0:
+        k = 1.0  # nothing to scale (no request took time)
+    elif step_at(lo) >= target:
+        k = lo
+    elif step_at(hi) <= target:
+        k = hi
+    else:
+        for _ in range(24):  # bisection on a log scale: the step grows with the servers' cost
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
+        k = (lo * hi) ** 0.5
+    model = dataclasses.replace(fitted, fixed_us=fitted.fixed_us * k, us_per_byte=fitted.us_per_byte * k,
+                                source=f"{fitted.source}, scaled x{k:.2f} to replay the recorded run")
+    ctx.cache[NAME] = model
+    return model
+
+
+PS_KNOBS = (NUM_SERVERS, BIGARRAY_BOUND, "world_size", "bandwidth_scale", "gradient_compression")
+
+
+def predict(ctx: Any, knobs: dict[str, Any]) -> Any:
+    """What-if of the parameter server's knobs (and the common world_size, bandwidth_scale, compression): every
+    key's request re-placed and priced by the server model, replayed; None when ``knobs`` hold none of them."""
+    if "tensor_groups" in knobs:
+        raise UsageError("tensor_groups: MXNet's kvstore sends one key per parameter (no fusion); what changes its "
+                         f"communication is {NUM_SERVERS} and {BIGARRAY_BOUND}")
+    if not any(k in knobs for k in PS_KNOBS):
+        return None
+    from dpro.sim.whatif import add_recompute, replay_model
+
+    model = ps_model(ctx, knobs, server_model(ctx))
+    if knobs.get("recompute"):
+        model = add_recompute(ctx, model, list(knobs["recompute"]))
+    return replay_model(ctx, model, knobs)
+
+
+SERVER_CANDIDATES = (1, 2, 3, 4, 6, 8)
+BOUND_CANDIDATES = (10**5, 2 * 10**5, 5 * 10**5, 10**6, 4 * 10**6, 10**9)  # 10**9: no key is split
+
+
+def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> Any:
+    """dPRO's tensor partition for a parameter server: every server count and partition bound replayed; the best
+    is recommended when predicted to save ``MIN_GAIN`` (written as the config's ``env``), then the common
+    searches."""
+    from dpro.optimize.search import MIN_GAIN, optimize_common
+    from dpro.sim.whatif import predict as whatif_predict
+
+    began = time.perf_counter()
+    baseline = whatif_predict(ctx, {})
+    servers0 = int(ctx.knobs.get(NUM_SERVERS) or 1)
+    bound0 = int(ctx.knobs.get(BIGARRAY_BOUND) or DEFAULT_BIGARRAY_BOUND)
+    now = whatif_predict(ctx, {NUM_SERVERS: servers0, BIGARRAY_BOUND: bound0})
+    ranked = sorted(((whatif_predict(ctx, {NUM_SERVERS: s, BIGARRAY_BOUND: b}).predicted_step_ms, s, b)
+                     for s in sorted({*SERVER_CANDIDATES, servers0}) for b in sorted({*BOUND_CANDIDATES, bound0})),
+                    key=lambda t: (round(t[0], 3), t[1], -t[2]))  # ties: fewer servers, fewer splits
+    best_ms, servers, bound = ranked[0]
+    gain = now.predicted_step_ms - best_ms
+    knobs: dict[str, Any] = {}
+    explain: list[dict[str, Any]] = []
+    if gain > MIN_GAIN * now.predicted_step_ms and (servers, bound) != (servers0, bound0):
+        knobs["env"] = {NUM_SERVERS_ENV: str(servers), BIGARRAY_BOUND_ENV: str(bound)}
+        explain.append({"knob": "env", "predicted_gain_ms": gain,
+                        "why": f"{servers} servers, keys of {bound:,} elements or more split over all of them "
+                               f"(now {servers0} servers, bound {bound0:,}): requests spread over more servers"})
+    else:
+        explain.append({"knob": "env", "predicted_gain_ms": 0.0,
+                        "why": f"{servers0} servers with bound {bound0:,} are within {MIN_GAIN:.0%} of the best "
+                               f"found ({servers} servers, bound {bound:,}: {best_ms:.2f} ms vs "
+                               f"{now.predicted_step_ms:.2f} ms)"})
+    return optimize_common(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,
+                           knobs=knobs, explain=explain, baseline=baseline, began=began)
+
+
+def _servers(value: Any, source: str, key: str) -> int:
+    return _count(value, source, key, positive=True)
+
+
+def _bound(value: Any, source: str, key: str) -> int:
+    return _count(value, source, key, positive=True)
+
+
+def _notes(run: Any) -> list[str]:
+    knobs = (run.meta or {}).get("knobs", {})
+    return [f"parameter server: {knobs.get(NUM_SERVERS, '?')} servers, keys of "
+            f"{knobs.get(BIGARRAY_BOUND, DEFAULT_BIGARRAY_BOUND):,} elements or more split over all of them; each "
+            "key's push_pull is one request answered once every worker's push arrived (server queues: server<k>)"]
+
+
+ENGINE = Engine(
+    name=NAME,
+    doc="MXNet kvstore parameter server (dist_sync on ps-lite): one push_pull request per key to its servers",
+    knobs=(Knob(NUM_SERVERS, "parameter servers of an MXNet job (DMLC_NUM_SERVER); applied through the config's env",
+                _servers, default=1, config=False, engine=NAME),
+           Knob(BIGARRAY_BOUND, "keys of at least this many elements are split over all servers "
+                "(MXNET_KVSTORE_BIGARRAY_BOUND); applied through the config's env", _bound,
+                default=DEFAULT_BIGARRAY_BOUND, config=False, engine=NAME)),
+    optimize=search,
+    predict=predict,
+    notes=_notes,
+    transfer_queues=_transfer_queues,
+    apply="environment (DMLC_NUM_SERVER: dpro-launch starts that many servers; MXNET_KVSTORE_BIGARRAY_BOUND) set by "
+          "dpro-launch --apply",
+)

@@ -22,6 +22,7 @@ __all__ = [
     "OPTIMIZER_STATE_COPIES",
     "fit_comm_model",
     "memory_model",
+    "robust_line",
 ]
 
 
@@ -61,6 +62,19 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
         slope = float(np.sum(x * y) / np.sum(x * x))  # through the origin
         intercept = 0.0
     return float(intercept), float(slope)
+
+
+def robust_line(samples: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Intercept and slope (µs, µs per byte) of transfer time vs bytes, robust to outliers (Theil-Sen): the
+    median slope over pairs of transfers whose sizes differ at least twofold, then the median intercept.
+    ``None`` when no two transfers differ that much."""
+    ordered = sorted(samples)
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(ordered) for x2, y2 in ordered[i + 1:]
+              if x2 >= 2 * max(x1, 1.0)]
+    if not slopes:
+        return None
+    slope = max(0.0, statistics.median(slopes))
+    return max(0.0, statistics.median(y - slope * x for x, y in samples)), slope
 
 
 def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]], world_size: int) -> CommModel:

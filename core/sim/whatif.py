@@ -44,6 +44,7 @@ __all__ = [
     "predict",
     "recorded_groups",
     "regroup",
+    "replay_model",
     "transformed_model",
     "whatif_knobs",
 ]
@@ -105,6 +106,7 @@ class Context:
     memory: MemoryModel
     gradients: list[tuple[str, int]]                  # ready order
     knobs: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)  # an engine's models fitted once per run (by engine name)
 
     @property
     def world_size(self) -> int:
@@ -295,7 +297,11 @@ def predict(ctx: Context, knobs: dict[str, Any], iterations: int = 4) -> Predict
     own = get_engine(ctx.engine).predict(ctx, knobs) if knobs else None
     if own is not None:
         return own
-    model = transformed_model(ctx, knobs)
+    return replay_model(ctx, transformed_model(ctx, knobs), knobs, iterations)
+
+
+def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iterations: int = 4) -> Prediction:
+    """Replay ``iterations`` copies of a (transformed) median step: the prediction under ``knobs``."""
     g = graph_from_steps(model, iterations=iterations)
     sched = replay(g, plan_levels(g))
     from dpro.analyze import predicted_step_us

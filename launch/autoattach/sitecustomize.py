@@ -3,7 +3,7 @@ on ``PYTHONPATH`` for the processes it starts.
 
 When ``DPRO_AUTO_RECORD=1`` (record), a config is to be applied (``DPRO_CONFIG``, ``DPRO_APPLY_SEARCH``) or
 step times are wanted (``DPRO_STEP_TIMES``)
-it asks each plugin whose framework is installed (``PLUGINS``: torch and TensorFlow) to register its
+it asks each plugin whose framework is installed (``PLUGINS``: torch, TensorFlow, MXNet) to register its
 patches with the post-import hook of ``dpro.launch.post_import``; they run when the script imports what they
 patch (DDP, Lightning, ``horovod.torch.DistributedOptimizer``), and nothing is imported ahead of the script.
 Then it runs the ``sitecustomize`` that would have run without this directory, if there is one. Any failure
@@ -15,7 +15,8 @@ import importlib.util
 import os
 import sys
 
-PLUGINS = (("torch", "torch"), ("tf", "tensorflow"))  # (plugin folder under dpro/plugins, its framework)
+# (plugin folder under dpro/plugins, its framework)
+PLUGINS = (("torch", "torch"), ("tf", "tensorflow"), ("mxnet", "mxnet"))
 
 
 def _plugin_autoattach(folder: str):  # noqa: ANN202 - a module

@@ -8,7 +8,7 @@ array's pending writes are done.
   cached graph): a forward pre-hook waits for the block's parameters (their pull from the servers) and stamps the
   start; the forward hook waits for the outputs and stamps the end. The forward therefore runs block by block,
   which is also what it does on one CPU device.
-- **BW**: ``loss.backward()`` (or ``autograd.backward``) is issued as usual; a helper thread waits for the
+- **BW**: ``loss.backward()`` (or ``autograd.backward``) is issued as usual; helper threads wait for the
   gradients in backward order and stamps when each one is ready. A block's backward runs from the previous block's
   gradients to its own. MXNet bulks backward operators into segments (``MXNET_EXEC_BULK_EXEC_*``) and writes a
   segment's gradients together; the blocks of one segment share its time in proportion to their forward times
@@ -31,8 +31,10 @@ import os
 import platform
 import socket
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,8 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from dpro.engines.mxnet_ps import DEFAULT_BIGARRAY_BOUND, NAME as ENGINE_PS, bigarray_bound, key_servers
+from dpro.engines.mxnet_ps import DEFAULT_BIGARRAY_BOUND, SERVER_HOSTS_ENV, bigarray_bound, key_servers
+from dpro.engines.mxnet_ps import NAME as ENGINE_PS
 from dpro.errors import UsageError
 from dpro.plugins.mxnet.transport import default_transport
 from dpro.record.protocol import (
@@ -56,9 +59,17 @@ from dpro.record.protocol import (
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
 
-__all__ = ["GluonRecorder", "Unit", "block_paths", "gradient_names", "recorded_units", "split_backward"]
+__all__ = ["GluonRecorder", "Unit", "active_recorders", "block_paths", "gradient_names", "recorded_units",
+           "split_backward"]
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
+_ACTIVE: weakref.WeakSet[GluonRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
+
+
+def active_recorders() -> list[GluonRecorder]:
+    """The recorders of this process not closed yet (lets auto-attach leave alone a script that records itself)."""
+    return list(_ACTIVE)
+WAIT_THREADS = 16  # threads waiting for arrays to be written (gradients, pulled weights)
 SEGMENT_US = 50.0  # gradients ready within this of the previous block's came out of one bulked engine segment
 
 
@@ -208,10 +219,12 @@ class _Step:
     backward_issued: float | None = None
     grad_ready: dict[int, float] = field(default_factory=dict)                # param index -> ready
     step_called: float | None = None                                          # trainer.step issued the pushpulls
+    issued: dict[int, float] = field(default_factory=dict)                    # key -> its pushpull issued
     pulled: dict[int, float] = field(default_factory=dict)                    # param index -> weight written
     updated: float | None = None                                              # weights written (local update)
     marked: float | None = None                                               # Profiler.step() called
-    waiters: list[threading.Thread] = field(default_factory=list)
+    written: dict[int, float] = field(default_factory=dict)                   # param index -> weight updated here
+    waiters: list[Future] = field(default_factory=list)
 
 
 class GluonRecorder:
@@ -252,6 +265,7 @@ class GluonRecorder:
         self._patched: list[tuple[Any, str, Any]] = []
         self._units: list[Unit] = []
         self._lock = threading.Lock()
+        _ACTIVE.add(self)
 
     @property
     def started(self) -> bool:
@@ -325,6 +339,7 @@ class GluonRecorder:
             self._write_model_json()
         self.transport.barrier()
         mx.nd.waitall()  # the window starts with nothing of the previous step in flight
+        self._pool = ThreadPoolExecutor(max_workers=WAIT_THREADS, thread_name_prefix="dpro-mxnet-wait")
         self._install()
 
     def _install(self) -> None:
@@ -346,24 +361,43 @@ class GluonRecorder:
                 return out
             return backward
 
-        def step_of(original: Any) -> Any:
-            def step(*args: Any, **kwargs: Any) -> Any:
+        def allreduce_of(original: Any) -> Any:  # inside Trainer.step and Trainer.allreduce_grads
+            def allreduce_grads(*args: Any, **kwargs: Any) -> Any:
                 called = recorder.clock.now()
                 out = original(*args, **kwargs)
-                recorder._step_issued(called)
+                recorder._pushpulls_issued(called)
                 return out
-            return step
+            return allreduce_grads
+
+        def update_of(original: Any) -> Any:  # inside Trainer.step and Trainer.update
+            def update(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                recorder._update_issued()
+                return out
+            return update
+
+        def pushpull_of(original: Any) -> Any:
+            def pushpull(key: Any, *args: Any, **kwargs: Any) -> Any:
+                step = recorder._current
+                if step is not None and isinstance(key, int):
+                    step.issued.setdefault(key, recorder.clock.now())
+                return original(key, *args, **kwargs)
+            return pushpull
 
         patch(mx.nd.NDArray, "backward", backward_of)
         patch(autograd, "backward", backward_of)
-        patch(self.trainer, "step", step_of)
+        patch(self.trainer, "_allreduce_grads", allreduce_of)
+        patch(self.trainer, "_update", update_of)
+        kv = self._kvstore()
+        if kv is not None:
+            patch(kv, "pushpull", pushpull_of)  # when each key's request is issued (in key order)
 
     def _uninstall(self) -> None:
         for handle in self._hooks:
             handle.detach()
         self._hooks.clear()
         for owner, name, original in reversed(self._patched):
-            if owner is self.trainer:
+            if isinstance(owner, (gluon.Trainer, mx.kvstore.KVStore)):
                 delattr(owner, name)  # back to the class's method
             else:
                 setattr(owner, name, original)
@@ -406,44 +440,41 @@ class GluonRecorder:
         markers = [(self._index[id(p)], [_first_element(g) for g in p.list_grad()])
                    for unit in reversed(self._units) for p in reversed(unit.params)]
 
-        def wait() -> None:
-            for i, copies in markers:
-                for marker in copies:
-                    marker.wait_to_read()
-                step.grad_ready[i] = self.clock.now()
+        for i, copies in markers:
+            self._submit(step, self._stamp_when_written, step.grad_ready, i, copies)
 
-        self._spawn(step, wait)
-
-    def _step_issued(self, called: float) -> None:
+    def _pushpulls_issued(self, called: float) -> None:
         step = self._current
         if step is None or step.step_called is not None:
             return
         step.step_called = called
+        if not self._distributed():
+            return
         local_update = not self._update_on_kvstore()
-        distributed = self._distributed()
-        params = [(i, p) for i, p in enumerate(self._params) if p.grad_req != "null"]
-        earlier = list(step.waiters)
+        for i, p in enumerate(self._params):
+            if p.grad_req != "null":  # the pull writes the weight, or (updated here) the gradient
+                self._submit(step, self._stamp_when_written, step.pulled, i,
+                             p.list_grad() if local_update else p.list_data())
 
-        def wait() -> None:
-            for thread in earlier:
-                thread.join()
-            if distributed:
-                for i, p in params:  # key order: the servers answer in the order the keys' priorities say
-                    for array in (p.list_grad() if local_update else p.list_data()):
-                        array.wait_to_read()
-                    step.pulled[i] = self.clock.now()
-            if local_update:
-                for _, p in params:
-                    for data in p.list_data():
-                        data.wait_to_read()
-                step.updated = self.clock.now()
+    def _update_issued(self) -> None:
+        step = self._current
+        if step is None or self._update_on_kvstore():
+            return
+        if step.step_called is None:
+            step.step_called = self.clock.now()
+        for i, p in enumerate(self._params):
+            if p.grad_req != "null":
+                self._submit(step, self._stamp_when_written, step.written, i, p.list_data())
 
-        self._spawn(step, wait)
+    def _stamp_when_written(self, into: dict[int, float], key: int, arrays: list[Any]) -> None:
+        for array in arrays:
+            array.wait_to_read()
+        into[key] = self.clock.now()
 
-    def _spawn(self, step: _Step, target: Any) -> None:
-        thread = threading.Thread(target=target, name="dpro-mxnet-waiter", daemon=True)
-        step.waiters.append(thread)
-        thread.start()
+    def _submit(self, step: _Step, *job: Any) -> None:
+        # many threads, each blocked in one wait (MXNet releases the GIL there): a wait for an array finished early
+        # does not queue behind one for an array finished late
+        step.waiters.append(self._pool.submit(*job))
 
     # ---- rows -------------------------------------------------------------------------------------------
 
@@ -452,8 +483,9 @@ class GluonRecorder:
             step, self._pending = self._pending, None
         if step is None:
             return
-        for thread in step.waiters:
-            thread.join()
+        for future in step.waiters:
+            future.result()
+        step.updated = max(step.written.values()) if step.written else None
         end = max([step.marked or step.begin, *step.pulled.values(), step.updated or step.begin])
         following = self._current
         if following is not None and following.step == step.step + 1:
@@ -497,7 +529,7 @@ class GluonRecorder:
             servers, bound = self._servers(), bigarray_bound(dict(os.environ))
             for i in sorted(step.pulled):
                 p = self._params[i]
-                issued = step.step_called
+                issued = step.issued.get(i, step.step_called)
                 start = max(step.grad_ready.get(i, issued), issued)
                 stop = max(step.pulled[i], start)
                 nbytes = _param_bytes(p)
@@ -525,6 +557,7 @@ class GluonRecorder:
         if self._closed:
             return self.run_dir
         self._closed = True
+        _ACTIVE.discard(self)
         if not self.started:
             self._close_transport()
             return None
@@ -532,6 +565,7 @@ class GluonRecorder:
             self._current = None  # a step that was not marked as finished is not recorded
         self._finish_pending()
         self._uninstall()
+        self._pool.shutdown(wait=True)
         note = f"stopped by {type(error).__name__}: {error}" if error is not None else ""
         missing = [s for s in self.steps if s not in self._writer.steps_done]
         if missing and not note:
@@ -581,6 +615,8 @@ class GluonRecorder:
                            hosts=self.hosts, steps=list(self.steps), knobs=self.knobs(),
                            fingerprint=self.fingerprint(), probe=[], pingpong=pingpong,
                            extra={"mxnet": {"batch_size": self.batch_size,
+                                            "server_hosts": [h for h in os.environ.get(SERVER_HOSTS_ENV, "").split(",")
+                                                             if h] or None,
                                             "default_bigarray_bound": DEFAULT_BIGARRAY_BOUND,
                                             "note": "times from MXNet's wait_to_read on the rank's clock: FW per "
                                                     "block with parameters, BW from gradient readiness, one "
@@ -596,7 +632,6 @@ class GluonRecorder:
             modules.append({"name": path or getattr(block, "name", "net"), "type": type(block).__name__,
                             "parent": parent if parent is None or parent else getattr(self.net, "name", "net"),
                             "param_bytes": own, "activation_bytes": None, "recorded": path in recorded})
-        buckets = [{"index": k, "bytes": g["bytes"], "tensors": [g["name"]]}
-                   for k, g in enumerate(sorted(gradients, key=lambda g: g["key"]))]
+        # no buckets: the kvstore sends one key per parameter (each gradient's "key")
         write_model_json(self.run_dir, model_document(fingerprint=self.fingerprint(), gradients=gradients,
-                                                      buckets=buckets, modules=modules))
+                                                      buckets=[], modules=modules))

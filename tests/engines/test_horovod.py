@@ -518,13 +518,13 @@ def test_whatif_prices_horovod_knobs_and_refuses_them_on_another_engine(tmp_path
 
 def test_the_buffers_own_line_prices_an_extra_buffer_despite_a_late_rank_and_an_off_slope() -> None:
     """Fixed cost and bandwidth come from a line through the step's buffers, robust to the few that waited."""
-    from dpro.engines.horovod.search import _robust_line
+    from dpro.sim.cost import robust_line
 
     per_byte, fixed = 8.4e-3, 400.0
     sizes = [82_000, 16_785_408, 25_182_208] * 6
     buffers = [(float(b), fixed + per_byte * b) for b in sizes]
     buffers[0] = (82_000.0, 4_500.0)        # the step's first buffer waited for the other rank
     buffers[4] = (16_785_408.0, 250_000.0)  # one allreduce stalled
-    intercept, slope = _robust_line(buffers)
+    intercept, slope = robust_line(buffers)
     assert abs(slope - per_byte) / per_byte < 0.01 and abs(intercept - fixed) < 50
-    assert _robust_line([(1e6, 10.0), (1.2e6, 12.0)]) is None  # sizes too alike for a slope
+    assert robust_line([(1e6, 10.0), (1.2e6, 12.0)]) is None  # sizes too alike for a slope

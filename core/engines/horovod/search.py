@@ -19,7 +19,7 @@ from typing import Any
 from dpro.dag.graph import graph_from_steps
 from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
 from dpro.optimize.search import OptimizeResult, best_grouping, best_recompute, gradient_ready_us
-from dpro.sim.cost import CommModel, fit_comm_model
+from dpro.sim.cost import CommModel, fit_comm_model, robust_line
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
@@ -105,25 +105,12 @@ def _hvd_buffers(ctx: Context) -> list[dict[str, Any]]:
     return list(((meta.get("horovod") or {}).get("merged") or {}).get("buffers") or [])
 
 
-def _robust_line(samples: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """Intercept and slope (µs, µs per byte) of buffer time vs bytes, robust to outliers (Theil-Sen): the
-    median slope over pairs of buffers whose sizes differ at least twofold, then the median intercept.
-    ``None`` when no two buffers differ that much."""
-    ordered = sorted(samples)
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(ordered) for x2, y2 in ordered[i + 1:]
-              if x2 >= 2 * max(x1, 1.0)]
-    if not slopes:
-        return None
-    slope = max(0.0, statistics.median(slopes))
-    return max(0.0, statistics.median(y - slope * x for x, y in samples)), slope
-
-
 def horovod_comm_model(ctx: Context) -> CommModel:
     """Allreduce cost without Horovod's cycle, negotiation and fusion-buffer copies, from the timeline's
     allreduce phases of every step's fused buffers (``allreduce_us``, e.g. GLOO_ALLREDUCE) and of the probe.
 
     When the step's buffers come in sizes at least twofold apart, slope and fixed cost are a robust line
-    through them (``_robust_line``): what one more buffer costs in this job, with the bandwidth it
+    through them (``dpro.sim.cost.robust_line``): what one more buffer costs in this job, with the bandwidth it
     achieved in the step. A probe's slope (all_reduce alone, before the window) is a few percent off the
     in-step bandwidth, and on a 16-32 MB buffer that error alone looks like milliseconds of fixed cost; a
     plain least-squares line is pulled by the few buffers that waited for a late rank. Otherwise the slope
@@ -139,7 +126,7 @@ def horovod_comm_model(ctx: Context) -> CommModel:
     fitted = fit_comm_model(transfers, probe, ctx.world_size)
     n = max(ctx.world_size, 2)
     frac, hops = 2 * (n - 1) / n, 2 * (n - 1)
-    line = _robust_line(transfers)
+    line = robust_line(transfers)
     if line is not None:
         intercept, slope = line
         return dataclasses.replace(fitted, latency_us=intercept / hops, us_per_byte=slope / frac,

@@ -1,0 +1,153 @@
+"""Record an unmodified Gluon script started by ``dpro-launch`` (``DPRO_AUTO_RECORD=1``).
+
+``dpro-launch``'s ``sitecustomize`` calls ``install(when_imported)`` at interpreter start when MXNet is installed.
+``install`` imports nothing: it registers ``PATCHES``, which run when the script imports ``mxnet.gluon``:
+
+- ``Block.__call__`` remembers, until a recorder is attached, the last outermost block called that holds
+  parameters (the network; a loss block holds none);
+- ``Trainer.step`` attaches, at the first call of the process, a ``GluonRecorder`` for that network and the
+  trainer (writing ``$DPRO_RUN_DIR`` for the steps ``$DPRO_PROFILE``, "10:20"), and marks the end of every
+  iteration after it. A trainer whose network cannot be told (no block with its parameters was called) is not
+  recorded, with a note.
+
+Only in worker processes (``DMLC_ROLE`` unset or ``worker``): in the scheduler and the servers ``import mxnet``
+serves the job and never returns. Nothing here raises into the user's program: a failure to attach is printed and
+ignored.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+__all__ = ["PATCHES", "install"]
+
+AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
+_STATE: dict[str, Any] = {"installed": False, "attached": False, "root": None, "depth": 0}
+
+
+def _say(text: str) -> None:
+    print(f"[dpro] {text}", file=sys.stderr, flush=True)
+
+
+def _window(text: str | None) -> range:
+    start, _, stop = (text or "10:20").partition(":")
+    try:
+        return range(int(start), int(stop))
+    except ValueError:
+        _say(f"{PROFILE}={text!r} is not START:STOP; using 10:20")
+        return range(10, 20)
+
+
+def _wrap_call(block_class: type) -> None:
+    original = block_class.__call__
+    if getattr(original, "_dpro_patched", False):
+        return
+
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _STATE["attached"]:
+            return original(self, *args, **kwargs)
+        outermost = _STATE["depth"] == 0
+        _STATE["depth"] += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _STATE["depth"] -= 1
+            if outermost and getattr(self, "_reg_params", None) is not None:
+                try:
+                    if self.collect_params().keys():
+                        _STATE["root"] = weakref.ref(self)
+                except Exception:  # noqa: BLE001 - a block we cannot ask is not the network
+                    pass
+
+    __call__._dpro_patched = True  # type: ignore[attr-defined]
+    block_class.__call__ = __call__
+
+
+def _attach(trainer: Any) -> Any:
+    """A recorder for ``trainer`` and the network last called, at the process's first ``Trainer.step``."""
+    if _STATE["attached"]:
+        return None
+    _STATE["attached"] = True
+    root = _STATE["root"]() if _STATE["root"] is not None else None
+    trained = {id(p) for p in getattr(trainer, "_params", [])}
+    if root is None or not trained & {id(p) for p in root.collect_params().values()}:
+        _say("not recording: no network holding this trainer's parameters was called before trainer.step()")
+        return None
+    from dpro.plugins.mxnet.recorder import GluonRecorder, active_recorders
+
+    if any(r.trainer is trainer for r in active_recorders()):
+        return None  # the script records itself (dpro.plugins.mxnet.Profiler): once is enough
+    recorder = GluonRecorder(root, trainer, os.environ.get(RUN_DIR) or None, _window(os.environ.get(PROFILE)),
+                             who="dpro-launch (auto-attach)")
+    atexit.register(_close_at_exit, weakref.ref(recorder))
+    return recorder
+
+
+def _close_at_exit(ref: Any) -> None:
+    """A script that ends inside the window still leaves its rank file (the steps it finished)."""
+    recorder = ref()
+    if recorder is not None:
+        try:
+            recorder.close(error=None)
+        except Exception as err:  # noqa: BLE001 - at exit: report, do not raise
+            _say(f"could not finish the recording: {type(err).__name__}: {err}")
+
+
+def _wrap_step(trainer_class: type) -> None:
+    original = trainer_class.step
+    if getattr(original, "_dpro_patched", False):
+        return
+
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder = getattr(self, "_dpro_recorder", None)
+        if recorder is None and not _STATE["attached"]:
+            try:
+                recorder = _attach(self)
+                if recorder is not None:
+                    self._dpro_recorder = recorder
+                    recorder.begin_step()
+            except Exception as err:  # noqa: BLE001 - recording must never stop the user's training
+                _say(f"not recording: {type(err).__name__}: {err}")
+                recorder = None
+        out = original(self, *args, **kwargs)
+        if recorder is not None:
+            recorder.end_step()
+            recorder.begin_step()
+        return out
+
+    step._dpro_patched = True  # type: ignore[attr-defined]
+    trainer_class.step = step
+
+
+def _patch_block(module: ModuleType) -> None:
+    _wrap_call(module.Block)
+
+
+def _patch_trainer(module: ModuleType) -> None:
+    _wrap_step(module.Trainer)
+
+
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "mxnet.gluon.block": _patch_block,
+    "mxnet.gluon.trainer": _patch_trainer,
+}
+
+
+def install(when_imported: Callable[[str, Callable[[ModuleType], None]], None]) -> None:
+    """Register the patches (once per process, in workers only) with dpro-launch's post-import hook."""
+    if _STATE["installed"] or os.environ.get(AUTO_RECORD) != "1":
+        return
+    if os.environ.get("DMLC_ROLE", "worker") != "worker":
+        return
+    _STATE["installed"] = True
+    for module_name, patch in PATCHES.items():
+        when_imported(module_name, patch)
