@@ -60,7 +60,7 @@ from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
 
 __all__ = ["GluonRecorder", "Unit", "active_recorders", "block_paths", "gradient_names", "recorded_units",
-           "split_backward"]
+           "split_backward", "spread"]
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
 _ACTIVE: weakref.WeakSet[GluonRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
@@ -101,6 +101,26 @@ class Unit:
     block: Any
     path: str
     params: list[Any] = field(default_factory=list)
+    # a hybridized unit's blocks with parameters: (path, parameter bytes); its time is split over them
+    parts: list[tuple[str, int]] = field(default_factory=list)
+
+    def pieces(self) -> list[tuple[str, float]]:
+        """(path, share of the unit's time) in forward order: the unit itself, or a hybridized unit's blocks
+        by parameter bytes (MXNet runs its cached graph as one bulk: the blocks' own times are not observable)."""
+        if len(self.parts) <= 1:
+            return [(self.path, 1.0)]
+        total = sum(max(b, 1) for _, b in self.parts)
+        return [(path, max(b, 1) / total) for path, b in self.parts]
+
+
+def spread(start: float, stop: float, pieces: list[tuple[str, float]]) -> list[tuple[str, float, float]]:
+    """``[start, stop]`` cut into consecutive spans by the pieces' shares."""
+    out, at = [], start
+    for path, share in pieces:
+        end = at + (stop - start) * share
+        out.append((path, at, end))
+        at = end
+    return out
 
 
 def _own_params(block: Any) -> list[Any]:
@@ -120,16 +140,22 @@ def recorded_units(net: Any, trained: list[Any]) -> list[Unit]:
         if id(block) in covered:
             continue
         hybrid = bool(getattr(block, "_active", False))
+        parts: list[tuple[str, int]] = []
         if hybrid:
-            inner = [b for b, p, _ in block_paths(block)]
-            covered |= {id(b) for b in inner}
-            params = [p for b in inner for p in _own_params(b)]
+            inner = block_paths(block)
+            covered |= {id(b) for b, _, _ in inner}
+            params = [p for b, _, _ in inner for p in _own_params(b)]
+            for b, sub, _ in inner:
+                own = [p for p in _own_params(b) if id(p) in trained_ids]
+                if own:
+                    full = ".".join(x for x in (path, sub) if x) or getattr(net, "name", "net")
+                    parts.append((full, sum(_param_bytes(p) for p in own)))
         else:
             params = _own_params(block)
         params = [p for p in params if id(p) in trained_ids and id(p) not in owner]
         if not params:
             continue
-        unit = Unit(block, path or (getattr(block, "name", "") if block is net else path), params)
+        unit = Unit(block, path or (getattr(block, "name", "") if block is net else path), params, parts)
         units.append(unit)
         for p in params:
             owner[id(p)] = unit
@@ -502,7 +528,12 @@ class GluonRecorder:
                 continue
             start, stop = span
             fw_us[unit.path] = stop - start
-            rows.append(event_row(f"FW.{unit.path}", "FW", COMPUTE, start, stop - start, {"step": step.step}))
+            pieces = unit.pieces()
+            for path, at, end in spread(start, stop, pieces):
+                args: dict[str, Any] = {"step": step.step}
+                if len(pieces) > 1:
+                    args["estimated"] = f"inside hybridized {unit.path or 'net'}: its time split by parameter bytes"
+                rows.append(event_row(f"FW.{path}", "FW", COMPUTE, at, end - at, args))
         names = self._names
         if step.backward_issued is not None and step.grad_ready:
             last_fw = max((s for _, s in step.forward.values() if s == s), default=step.backward_issued)
@@ -516,15 +547,21 @@ class GluonRecorder:
                 order.append((unit.path, max(step.grad_ready[i] for i in idx), fw_us.get(unit.path, 0.0)))
             spans = split_backward(order, max(step.backward_issued, last_fw))
             sizes = Counter(seg for *_, seg in spans)
+            by_path = {u.path: u for u in self._units}
             for k, (path, start, stop, seg) in enumerate(spans):
                 # a bulked segment's gradients are all ready at its end: its last unit carries them
                 last = k + 1 == len(spans) or spans[k + 1][3] != seg
                 carried = [i for p, *_, s in spans if s == seg for i in grads_of[p]] if last else []
-                args: dict[str, Any] = {"step": step.step, "grads": [names[i] for i in carried],
-                                        "grads_ready_us": [stop for _ in carried]}
-                if sizes[seg] > 1:
-                    args["estimated"] = "bulked backward segment, shared in proportion to forward time"
-                rows.append(event_row(f"BW.{path}", "BW", COMPUTE, start, stop - start, args))
+                pieces = list(reversed(by_path[path].pieces()))  # backward runs the blocks in reverse
+                for j, (piece, at, end) in enumerate(spread(start, stop, pieces)):
+                    mine = carried if j == len(pieces) - 1 else []
+                    args = {"step": step.step, "grads": [names[i] for i in mine],
+                            "grads_ready_us": [end for _ in mine]}
+                    if len(pieces) > 1:
+                        args["estimated"] = f"inside hybridized {path or 'net'}: its time split by parameter bytes"
+                    elif sizes[seg] > 1:
+                        args["estimated"] = "bulked backward segment, shared in proportion to forward time"
+                    rows.append(event_row(f"BW.{piece}", "BW", COMPUTE, at, end - at, args))
         if step.step_called is not None and step.pulled:
             servers, bound = self._servers(), bigarray_bound(dict(os.environ))
             for i in sorted(step.pulled):
@@ -589,7 +626,8 @@ class GluonRecorder:
                 data = p.list_data()[0]
                 out.append({"name": self._names[i], "bytes": _param_bytes(p), "shape": [int(d) for d in data.shape],
                             "dtype": np.dtype(data.dtype).name,
-                            "module": unit.path, "computed_by": unit.path, "key": i})
+                            "module": self._names[i].rpartition(".")[0] or unit.path, "computed_by": unit.path,
+                            "key": i})
         return out
 
     def fingerprint(self) -> str:
@@ -626,7 +664,7 @@ class GluonRecorder:
     def _write_model_json(self) -> None:
         gradients = self._gradients()
         modules = []
-        recorded = {u.path for u in self._units}
+        recorded = {path for u in self._units for path, _ in u.pieces()}
         for block, path, parent in block_paths(self.net):
             own = sum(_param_bytes(p) for p in _own_params(block) if p._data is not None)
             modules.append({"name": path or getattr(block, "name", "net"), "type": type(block).__name__,

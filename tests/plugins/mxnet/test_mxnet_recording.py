@@ -1,0 +1,106 @@
+"""MXNet recording on real ps-lite jobs (2 workers, 1 or 2 servers, loopback), run by the MXNet venv's
+interpreter (``make mxnet``): the Profiler in a Gluon loop, an unmodified script under ``dpro-launch --engine
+mxnet``, a hybridized block, a worker that dies inside the window."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from jobrunner import JOBS, run_job
+
+from dpro.io.load import load_run
+
+ROOT = Path(__file__).resolve().parents[3]
+MXNET_PYTHON = ROOT / ".venv-mxnet" / "bin" / "python"
+needs_mxnet = pytest.mark.skipif(not MXNET_PYTHON.exists(), reason="no MXNet venv here (make mxnet builds it)")
+pytestmark = [pytest.mark.slow, needs_mxnet]
+
+
+def launch(*argv: str, servers: int = 2) -> list[str]:
+    return [sys.executable, "-m", "dpro.launch", "--engine", "mxnet", "-np", "2", "-H", "localhost:2",
+            "--num-servers", str(servers), *argv]
+
+
+def events(run: Path, rank: int) -> list[dict]:
+    doc = json.loads((run / f"rank-{rank}.json").read_text())
+    return [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+
+
+def gradients(run: Path) -> dict[str, int]:
+    return {g["name"]: g["bytes"] for g in json.loads((run / "model.json").read_text())["gradients"]}
+
+
+def analyzed(run: Path) -> dict:
+    proc = run_job([sys.executable, "-m", "dpro", "analyze", "--json", str(run)], timeout=120)
+    return json.loads(proc.stdout)
+
+
+def test_the_profiler_records_blocks_and_push_pulls_on_two_workers_and_servers(tmp_path):
+    run = tmp_path / "run"
+    run_job(launch("--no-profile", str(MXNET_PYTHON), str(JOBS / "mxnet_profiled.py"), str(run)), cwd=tmp_path,
+            timeout=150)
+    loaded = load_run(run)
+    assert sorted(loaded.ranks) == [0, 1] and loaded.meta["engine"] == "mxnet-ps"
+    assert loaded.meta["knobs"]["num_servers"] == 2
+    grads = gradients(run)
+    blocks = {name.rpartition(".")[0] for name in grads}  # every block with parameters: 0.0, 0.2, 2, 3
+    assert blocks == {"0.0", "0.2", "2", "3"}
+    for rank in (0, 1):
+        evs = events(run, rank)
+        steps = sorted({e["args"]["step"] for e in evs})
+        assert steps == list(range(4, 10))
+        for step in steps:
+            mine = [e for e in evs if e["args"]["step"] == step]
+            assert {e["name"][3:] for e in mine if e["cat"] == "FW"} == blocks
+            assert {e["name"][3:] for e in mine if e["cat"] == "BW"} == blocks
+            comm = [e for e in mine if e["cat"] == "COMM"]
+            # one push_pull per kvstore key; pushed bytes per step = the gradient bytes
+            assert sorted(t for e in comm for t in e["args"]["tensors"]) == sorted(grads)
+            assert sum(e["args"]["bytes"] for e in comm) == sum(grads.values())
+            assert {s for e in comm for s in e["args"]["servers"]} == {0, 1}  # small keys spread over both
+            step_event = next(e for e in mine if e["cat"] == "STEP")
+            last_bw = max(e["ts"] + e["dur"] for e in mine if e["cat"] == "BW")
+            first_fw = min(e["ts"] for e in mine if e["cat"] == "FW")
+            assert step_event["ts"] <= first_fw < last_bw
+            for e in comm:  # a key is pushed once its gradient is ready, and answered before the step ends
+                assert e["ts"] >= first_fw and e["ts"] + e["dur"] <= step_event["ts"] + step_event["dur"] + 1.0
+    result = analyzed(run)
+    assert result["measured_step_ms"] > 0 and abs(result["error_pct"]) < 50  # the bench measures accuracy
+
+
+def test_an_unmodified_script_is_recorded_and_priced_for_one_server(tmp_path):
+    run = tmp_path / "run"
+    run_job(launch("--run-dir", str(run), "--profile", "3:9", str(MXNET_PYTHON), str(JOBS / "mxnet_gluon_job.py"),
+                   "--steps", "12"), cwd=tmp_path, timeout=150)
+    loaded = load_run(run)
+    assert loaded.meta["engine"] == "mxnet-ps" and loaded.meta["mxnet"]["server_hosts"]
+    for rank in (0, 1):
+        names = {e["name"] for e in events(run, rank)}
+        assert {"FW.0", "FW.1", "BW.0", "BW.1"} <= names
+        assert {f"COMM.{g}.push_pull" for g in gradients(run)} <= names
+    proc = run_job([sys.executable, "-m", "dpro", "whatif", str(run), "--set", "num_servers=1"], timeout=120)
+    assert "num_servers=1" in proc.stdout
+
+
+def test_a_hybridized_block_is_split_into_its_blocks_with_parameters(tmp_path):
+    run = tmp_path / "run"
+    run_job(launch("--no-profile", str(MXNET_PYTHON), str(JOBS / "mxnet_profiled.py"), str(run), "--hybridize"),
+            cwd=tmp_path, timeout=150)
+    evs = events(run, 0)
+    inside = [e for e in evs if e["cat"] in ("FW", "BW") and e["name"].split(".", 1)[1].startswith("0.")]
+    assert {e["name"] for e in inside} == {"FW.0.0", "FW.0.2", "BW.0.0", "BW.0.2"}
+    assert all("hybridized" in e["args"]["estimated"] for e in inside)  # said to be estimates
+
+
+def test_a_worker_dying_in_the_window_leaves_the_steps_it_finished(tmp_path):
+    run = tmp_path / "run"
+    proc = run_job(launch("--no-profile", str(MXNET_PYTHON), str(JOBS / "mxnet_profiled.py"), str(run),
+                          "--steps", "300", "--fail-at", "7"), cwd=tmp_path, timeout=150, check=False)
+    assert proc.returncode == 3 and "exited with status 3; stopping the others" in proc.stderr
+    loaded = load_run(run)  # the journals of both workers
+    assert sorted(loaded.ranks) == [0, 1]
+    assert all({4, 5} <= set(trace.steps) for trace in loaded.ranks.values())
+    assert analyzed(run)["measured_step_ms"] > 0
