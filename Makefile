@@ -10,8 +10,9 @@ HVD_STAMP := $(VENV)/.horovod-installed
 MXNET_VENV := .venv-mxnet
 MXNET_STAMP := $(MXNET_VENV)/.dpro-installed
 RUNS := dpro-runs
-# the core's tests, also run in the MXNet venv (numpy 1.23, no torch or TensorFlow)
-CORE_TESTS := tests/dag tests/sim tests/optimize tests/record tests/io tests/test_config.py tests/test_core_imports.py
+# the core's tests, also run in the MXNet venv (numpy 1.23, no torch or TensorFlow), and the MXNet plugin's own
+CORE_TESTS := tests/dag tests/sim tests/optimize tests/record tests/io tests/test_config.py tests/test_core_imports.py \
+	tests/engines/test_mxnet_ps.py tests/plugins/mxnet/test_mxnet_units.py
 
 .PHONY: example test test-fast lint venv horovod mxnet sshd
 

@@ -5,6 +5,7 @@ MXNet 1.9.1 needs numpy < 1.24, so it has a venv of its own)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -46,6 +47,18 @@ def test_a_scheduler_servers_and_workers_with_the_ps_lite_environment(tmp_path):
         assert env["DMLC_NUM_SERVER"] == "2" and env["DMLC_NUM_WORKER"] == "3"
     default = MXNetEngine().roles(config("--engine", "mxnet", "-np", "2", "python", "t.py", cwd=tmp_path), port=1)
     assert sum(env["DMLC_ROLE"] == "server" for _, env in default) == 2  # one per worker, as MXNet's launcher
+
+
+def test_an_applied_config_chooses_the_number_of_servers(tmp_path):
+    made = tmp_path / "config.json"
+    made.write_text(json.dumps({"schema": "dpro.config/1",
+                                "fingerprint": {"framework": "mxnet", "engine": "mxnet-ps", "world_size": 2,
+                                                "model": "0" * 16},
+                                "knobs": {"env": {"DMLC_NUM_SERVER": "3", "MXNET_KVSTORE_BIGARRAY_BOUND": "5000"}}}))
+    roles = MXNetEngine().roles(config("--engine", "mxnet", "-np", "2", "--num-servers", "1", "--apply", str(made),
+                                       "python", "t.py", cwd=tmp_path), port=9123)
+    assert sum(env["DMLC_ROLE"] == "server" for _, env in roles) == 3
+    assert {env["DMLC_NUM_SERVER"] for _, env in roles} == {"3"}
 
 
 @pytest.mark.parametrize(("argv", "says"), [

@@ -1,0 +1,81 @@
+"""The mxnet-ps engine: MXNet's key-to-server rule, the parameter-server DAG (requests on server queues), the
+what-if of num_servers / bigarray_bound and the search, on a real recorded run (tests/data/mxnet: a 3-layer MLP,
+2 workers and 2 servers on one machine, recorded by dpro.plugins.mxnet.Profiler)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dpro.config import knob_table
+from dpro.engines import get_engine
+from dpro.engines.mxnet_ps import BIGARRAY_BOUND, NUM_SERVERS, bigarray_bound, key_servers, server_queue
+from dpro.errors import UsageError
+from dpro.io.load import load_run
+from dpro.optimize import optimize
+from dpro.sim.whatif import context, predict
+
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "mxnet" / "mlp-2workers-2servers"
+
+
+def test_small_keys_go_to_one_server_and_big_ones_are_split_evenly():
+    assert key_servers(0, 10, 2, 1000) == [(0, 1.0)]
+    assert key_servers(1, 10, 2, 1000) == [(9973 % 2, 1.0)]
+    assert [s for s, _ in (key_servers(k, 10, 3, 1000)[0] for k in range(6))] == [k * 9973 % 3 for k in range(6)]
+    parts = key_servers(5, 1001, 3, 1000)
+    assert [s for s, _ in parts] == [0, 1, 2] and sum(share for _, share in parts) == pytest.approx(1.0)
+    assert key_servers(5, 10**7, 1, 1000) == [(0, 1.0)]
+    assert bigarray_bound({"MXNET_KVSTORE_BIGARRAY_BOUND": "5000"}) == 5000
+    assert bigarray_bound({}) == 1_000_000 and bigarray_bound({"MXNET_KVSTORE_BIGARRAY_BOUND": "x"}) == 1_000_000
+
+
+def test_servers_on_one_host_share_its_queue():
+    assert server_queue(0, ["a", "a"]) == server_queue(1, ["a", "a"]) == "server@a"
+    assert server_queue(3, ["a", "b"]) == "server@b"  # beyond the recorded ones: round-robin over their hosts
+    assert server_queue(1, []) == "server1"
+
+
+def test_the_knobs_are_the_engines_and_tensor_groups_are_refused():
+    table = knob_table()
+    assert table[NUM_SERVERS].engine == table[BIGARRAY_BOUND].engine == "mxnet-ps"
+    ctx = context(load_run(RECORDED))
+    with pytest.raises(UsageError, match="one key per parameter"):
+        predict(ctx, {"tensor_groups": [[n for n, _ in ctx.gradients]]})
+
+
+def test_the_recorded_run_replays_with_requests_on_the_servers_host_queue():
+    run = load_run(RECORDED)
+    ctx = context(run)
+    assert set(ctx.base.transfer_queues.values()) == {(f"server@{run.meta['mxnet']['server_hosts'][0]}",)}
+    replayed = predict(ctx, {}).predicted_step_ms
+    assert replayed == pytest.approx(ctx.base.measured_step_us / 1000, rel=0.10)
+    # the recorded layout priced by the fitted server model replays where the measured requests do
+    assert predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms == pytest.approx(replayed, rel=0.02)
+
+
+def test_one_server_on_the_same_host_changes_little_and_on_hosts_of_their_own_serializes(tmp_path):
+    same = context(load_run(RECORDED))
+    two, one = predict(same, {NUM_SERVERS: 2}).predicted_step_ms, predict(same, {NUM_SERVERS: 1}).predicted_step_ms
+    assert one == pytest.approx(two, rel=0.02)  # one machine answers one request after another either way
+    apart = tmp_path / "apart"
+    shutil.copytree(RECORDED, apart)
+    meta = json.loads((apart / "run.json").read_text())
+    meta["mxnet"]["server_hosts"] = None  # servers on machines of their own (not known: one queue each)
+    (apart / "run.json").write_text(json.dumps(meta))
+    ctx = context(load_run(apart))
+    assert len(set(ctx.base.transfer_queues.values())) == 2
+    assert predict(ctx, {NUM_SERVERS: 1}).predicted_step_ms > predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms
+    split = predict(ctx, {BIGARRAY_BOUND: 1000})  # every weight over both servers
+    assert split.predicted_step_ms > 0
+    result = optimize(ctx)
+    assert any("servers" in item["why"] for item in result.explain)
+    env = result.knobs.get("env", {})
+    assert not env or int(env["DMLC_NUM_SERVER"]) >= 2
+
+
+def test_the_engine_says_how_its_config_is_applied():
+    engine = get_engine("mxnet-ps")
+    assert "DMLC_NUM_SERVER" in engine.apply and "MXNET_KVSTORE_BIGARRAY_BOUND" in engine.apply
