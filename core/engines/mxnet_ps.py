@@ -101,7 +101,7 @@ def _transfer_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _busiest(parts: list[tuple[int, float]], nbytes: float, hosts: list[str]) -> tuple[int, float]:
-    """(requests, bytes) on the queue that carries most of a key's parts."""
+    """(parts, bytes) on the queue that carries most of a key's bytes."""
     load: dict[str, list[float]] = {}
     for server, share in parts:
         load.setdefault(server_queue(server, hosts), []).append(share * nbytes)
@@ -127,21 +127,39 @@ def _elements(ctx: Any) -> dict[str, int]:
 
 
 def fit_server_model(ctx: Any) -> ServerModel:
-    """``ServerModel`` from the recorded requests (a robust line through (largest part's bytes, transfer µs))."""
+    """``ServerModel`` from the recorded requests, as each queue (server host) answered them one after another.
+
+    Requests answered together end together, so the later ones of such a batch show no time of their own; a line
+    through single requests (bytes, transfer) would be fitted to zeros. The cost per byte is the slope of the
+    cumulative time against the cumulative bytes along each queue (a robust line, the median over queues); the
+    fixed cost is the median of what each request took beyond its bytes. When the bytes say nothing (sizes too
+    alike), the mean cost per byte."""
     hosts = server_hosts(ctx.run)
-    samples = []
-    for name, args in _key_ops(ctx).items():
+    chains: dict[str, list[tuple[float, float]]] = {}
+    for name, args in _key_ops(ctx).items():  # in program order
         nbytes = float(args.get("bytes", 0))
         shares = [b / nbytes for b in args.get("part_bytes") or []] if nbytes else []
         parts = list(zip(args.get("servers") or [0], shares or [1.0], strict=False))
-        samples.append((_busiest(parts, nbytes, hosts)[1], ctx.base.transfer[name]))
+        queue = ctx.base.transfer_queues.get(name, ("",))[0]
+        chains.setdefault(queue, []).append((_busiest(parts, nbytes, hosts)[1], ctx.base.transfer[name]))
+    samples = [s for chain in chains.values() for s in chain]
     if not samples:
         return ServerModel(0.0, 0.0, ctx.run.world_size, "no push_pull recorded")
-    line = robust_line(samples)
-    if line is None:
-        fixed, per_byte, how = statistics.median(t for _, t in samples), 0.0, "median request (sizes too alike)"
-    else:
-        (fixed, per_byte), how = line, f"robust line through {len(samples)} requests"
+    slopes = []
+    for chain in chains.values():
+        cumulative, x, y = [], 0.0, 0.0
+        for nbytes, took in chain:
+            x, y = x + nbytes, y + took
+            cumulative.append((x, y))
+        line = robust_line(cumulative)
+        if line is not None:
+            slopes.append(line[1])
+    total_bytes, total_us = sum(b for b, _ in samples), sum(t for _, t in samples)
+    per_byte = statistics.median(slopes) if slopes else 0.0
+    how = f"cumulative time vs bytes along {len(chains)} server queue(s), {len(samples)} requests"
+    if per_byte <= 0 and total_bytes > 0:
+        per_byte, how = total_us / total_bytes, f"mean cost per byte of {len(samples)} requests"
+    fixed = max(0.0, statistics.median(t - per_byte * b for b, t in samples))
     return ServerModel(fixed, per_byte, ctx.run.world_size, how)
 
 
@@ -159,10 +177,11 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
         tensor = (args.get("tensors") or [""])[0]
         count = elements.get(tensor) or max(1, int(args.get("bytes", 0)) // 4)
         parts = key_servers(int(args["key"]), count, servers, bound)
-        requests, nbytes = _busiest(parts, float(args.get("bytes", 0)) * scale, hosts)
-        # the parts on one queue are answered one after another; the busiest queue decides when the key is back
-        out.transfer[name] = (requests - 1) * server.fixed_us + server.request_us(
-            nbytes, knobs.get("world_size"), float(knobs.get("bandwidth_scale", 1.0)))
+        _, nbytes = _busiest(parts, float(args.get("bytes", 0)) * scale, hosts)
+        # a key's parts go to their servers side by side; parts whose servers share a host share its network and
+        # CPUs (their bytes add up, their fixed costs overlap): the busiest host decides when the key is back
+        out.transfer[name] = server.request_us(nbytes, knobs.get("world_size"),
+                                               float(knobs.get("bandwidth_scale", 1.0)))
         out.transfer_queues[name] = tuple(dict.fromkeys(server_queue(k, hosts) for k, _ in parts))
     return out
 
