@@ -120,8 +120,16 @@ def _wrap_step(trainer_class: type) -> None:
                 recorder = None
         out = original(self, *args, **kwargs)
         if recorder is not None:
-            recorder.end_step()
-            recorder.begin_step()
+            try:
+                recorder.end_step()
+                recorder.begin_step()
+            except Exception as err:  # noqa: BLE001 - recording must never stop the user's training
+                _say(f"recording stopped: {type(err).__name__}: {err}")
+                self._dpro_recorder = None
+                try:
+                    recorder.close(error=err)
+                except Exception:  # noqa: BLE001 - what could be written was
+                    pass
         return out
 
     step._dpro_patched = True  # type: ignore[attr-defined]

@@ -1,25 +1,55 @@
 """How the workers of an MXNet job talk while recording: dpro's TCP side channel (``dpro.record.socket_transport``).
 
-ps-lite has only push and pull, and a recorder must not put keys of its own on the job's servers (with
-``update_on_kvstore`` they would run the optimizer), so worker 0 listens on a port of its own: ``$DPRO_MXNET_PORT``,
-or the scheduler's port (``DMLC_PS_ROOT_PORT``) plus ``PORT_OFFSET``, on ``$DPRO_MXNET_HOST`` or the scheduler's
-host (``DMLC_PS_ROOT_URI``: worker 0 runs next to the scheduler, as ``dpro-launch --engine mxnet`` starts them).
-Ranks are the kvstore's (``kv.rank``: ps-lite numbers the workers as they connect).
+ps-lite has only push and pull, and a recorder must not push keys of its own (with ``update_on_kvstore`` the
+servers would run the optimizer on them), so worker 0 listens on a port of its own: ``$DPRO_MXNET_PORT``, or the
+scheduler's port (``DMLC_PS_ROOT_PORT``) plus ``PORT_OFFSET``. The others learn worker 0's address from
+``$DPRO_MXNET_HOST``, else from worker 0 itself through the kvstore: one small key (``ADDRESS_KEY``), initialised by
+worker 0 and pulled by the others (``kv.broadcast``: an init and a pull, never a push). ps-lite numbers the workers
+(``kv.rank``) by their addresses, so worker 0 can be on any host. Worker 0's address is the one it reaches the
+scheduler from (``DMLC_NODE_HOST`` when set).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 from dpro.errors import UsageError
 from dpro.record.protocol import LocalTransport, Transport
 from dpro.record.socket_transport import SocketTransport, side_port_of
 
-__all__ = ["HOST_VARIABLE", "PORT_VARIABLE", "default_transport"]
+__all__ = ["ADDRESS_KEY", "HOST_VARIABLE", "PORT_VARIABLE", "default_transport", "worker0_address"]
 
 HOST_VARIABLE = "DPRO_MXNET_HOST"
 PORT_VARIABLE = "DPRO_MXNET_PORT"
+ADDRESS_KEY = 2**30 + 7919  # far above a trainer's keys (0 .. parameters - 1)
+ADDRESS_CHARS = 64
+
+
+def _own_address(env: dict[str, str]) -> str:
+    """The address this worker reaches the scheduler from (``DMLC_NODE_HOST`` when the launcher set it)."""
+    if env.get("DMLC_NODE_HOST"):
+        return env["DMLC_NODE_HOST"]
+    scheduler = env.get("DMLC_PS_ROOT_URI") or "127.0.0.1"
+    with socket.socket(socket.AF_INET6 if ":" in scheduler else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((scheduler, int(env.get("DMLC_PS_ROOT_PORT") or 9)))  # no packet is sent
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def worker0_address(kvstore: Any, env: dict[str, str]) -> str:
+    """Worker 0's address, sent by worker 0 to every worker through one kvstore key (init + pull)."""
+    import mxnet as mx
+
+    text = _own_address(env) if int(kvstore.rank) == 0 else ""
+    codes = [ord(c) for c in text[:ADDRESS_CHARS]] + [0] * (ADDRESS_CHARS - len(text[:ADDRESS_CHARS]))
+    value = mx.nd.array(codes, dtype="float32")  # the servers store floating-point arrays only
+    out = mx.nd.zeros((ADDRESS_CHARS,), dtype="float32")
+    kvstore.broadcast(ADDRESS_KEY, value, out=out)
+    return "".join(chr(int(c)) for c in out.asnumpy() if c)
 
 
 def default_transport(kvstore: Any, environ: dict[str, str] | None = None) -> Transport:
@@ -27,7 +57,7 @@ def default_transport(kvstore: Any, environ: dict[str, str] | None = None) -> Tr
     env = dict(os.environ) if environ is None else environ
     if kvstore is None or "dist" not in str(kvstore.type) or int(kvstore.num_workers) <= 1:
         return LocalTransport()
-    host = env.get(HOST_VARIABLE) or env.get("DMLC_PS_ROOT_URI") or "127.0.0.1"
+    host = env.get(HOST_VARIABLE) or worker0_address(kvstore, env)
     try:
         port = int(env.get(PORT_VARIABLE) or side_port_of(int(env.get("DMLC_PS_ROOT_PORT", ""))))
     except ValueError as err:
