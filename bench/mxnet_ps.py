@@ -59,6 +59,12 @@ def record_loopback(model: str, servers: int, bound: int, run_dir: Path, steps: 
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
+def server_rank_order(addresses: list[str]) -> list[str]:
+    """The servers' hosts in ps-lite's rank order: its scheduler numbers nodes by address, the greatest first
+    (ps-lite's van.cc sorts them with ``hostname.compare(...) > 0``)."""
+    return sorted(addresses, reverse=True)
+
+
 def record_emulated(cluster: testbed.Cluster, model: str, servers: int, bound: int, run_dir: Path, steps: int,
                     window: str, extra_env: dict[str, str] | None = None) -> None:
     """The ps-lite roles started in the hosts' namespaces: scheduler and server 0 and worker 0 on host 0, server 1
@@ -72,14 +78,15 @@ def record_emulated(cluster: testbed.Cluster, model: str, servers: int, bound: i
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath,
                 DMLC_PS_ROOT_URI=root, DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER=str(servers),
                 DMLC_NUM_WORKER="2", MXNET_KVSTORE_BIGARRAY_BOUND=str(bound), DPRO_AUTO_RECORD="1",
-                DPRO_PROFILE=window, DPRO_RUN_DIR=str(run_dir), DPRO_MXNET_HOST=root,
-                DPRO_MXNET_SERVER_HOSTS=",".join(f"host{k}" for k in range(servers)), **(extra_env or {}))
+                DPRO_PROFILE=window, DPRO_RUN_DIR=str(run_dir),
+                DPRO_MXNET_SERVER_HOSTS=",".join(server_rank_order([cluster.hosts[k].address for k in range(servers)])),
+                **(extra_env or {}))
     roles = [("scheduler", 0)] + [("server", k) for k in range(servers)] + [("worker", 0), ("worker", 1)]
     argv = [str(MXNET_PYTHON), str(SCRIPT), "--model", model, "--steps", str(steps)]
     procs, logs = [], []
     try:
-        for role, host in roles:
-            log = tempfile.TemporaryFile()
+        for i, (role, host) in enumerate(roles):
+            log = open(run_dir.parent / f"{run_dir.name}.{i}-{role}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
             env = dict(base, DMLC_ROLE=role, DMLC_NODE_HOST=cluster.hosts[host].address)
             procs.append((role, cluster.popen(host, argv, env=env, stdout=log, stderr=subprocess.STDOUT)))
@@ -89,9 +96,7 @@ def record_emulated(cluster: testbed.Cluster, model: str, servers: int, bound: i
             if role == "worker":
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
                 if proc.returncode != 0:
-                    logs[procs.index((role, proc))].seek(0)
-                    raise RuntimeError(f"worker exited {proc.returncode}:\n"
-                                       f"{logs[procs.index((role, proc))].read()[-3000:].decode(errors='replace')}")
+                    raise RuntimeError(f"a worker exited {proc.returncode}; logs: {run_dir}.*.log")
         for _, proc in procs:
             try:
                 proc.wait(timeout=20)

@@ -26,6 +26,7 @@ from dpro.errors import GraphError
 from dpro.io.load import Run, format_steps
 
 __all__ = [
+    "ExchangePart",
     "Graph",
     "GraphBuilder",
     "NO_QUEUE",
@@ -152,6 +153,18 @@ class OpStats:
 
 
 @dataclass
+class ExchangePart:
+    """One part of a parameter-server key: every rank's push to the server, the server's work once all pushes
+    are in, and its answer to every rank. Each push and answer occupies the link queues it crosses (a host's
+    outgoing and incoming link; none between processes of one host), the server's work its host's queue."""
+
+    server_queue: str
+    server_us: float
+    push: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs, link queues)
+    pull: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs, link queues)
+
+
+@dataclass
 class StepModel:
     """Per-rank op lists of one step, ready to be wired into a graph."""
 
@@ -178,6 +191,9 @@ class StepModel:
     # collective -> the queues its transfer occupies (a parameter server's ``server<k>``: a server answers one
     # request after another); a collective without queues follows the one before it (``async_launch``)
     transfer_queues: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # collective -> its parts as point-to-point exchanges with servers (a what-if of a parameter server); such a
+    # collective has no shared transfer: each rank's copy ends when its answers are back
+    exchanges: dict[str, list[ExchangePart]] = field(default_factory=dict)
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -452,6 +468,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
     for it in range(iterations):
         transfers: dict[str, int] = {}
         previous_transfer: int | None = None
+        exchanged: dict[str, dict[int, tuple[int, int]]] = {}  # exchange -> rank -> (arrival, done) nodes
         for rank in ranks:
             last: dict[str, int] = {}
             queue_last: dict[str, int] = {}
@@ -496,7 +513,13 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                 if op.gap is None:
                     op.gap = max(0.0, op.order - ready)
                 gap = op.gap
-                if op.category == "COMM" and op.name in model.transfer:
+                if op.category == "COMM" and op.name in model.exchanges:
+                    arrival = b.add(op.name, "COMM", rank, it, queue, 0.0, gap, deps)
+                    node = b.add(f"{op.name}.done", "XFER", rank, it, None, 0.0)  # its answers: wired below
+                    exchanged.setdefault(op.name, {})[rank] = (arrival, node)
+                    queue_last[queue] = arrival
+                    measured_end[arrival] = op.order
+                elif op.category == "COMM" and op.name in model.transfer:
                     arrival = b.add(op.name, "COMM", rank, it, queue, 0.0, gap, deps)
                     if op.name not in transfers:
                         transfers[op.name] = b.add(f"{op.name}.transfer", "XFER", -1, it, None,
@@ -554,4 +577,28 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
             step_end = b.add("STEP.end", "STEP", rank, it, f"r{rank}/host", 0.0, model.tail_us.get(rank, 0.0), ends)
             b.step_end[(rank, it)] = step_end
             prev_end[rank] = step_end
+        _wire_exchanges(b, model, exchanged, it)
     return b.build()
+
+
+def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict[int, tuple[int, int]]],
+                    it: int) -> None:
+    """The pushes, server work and answers of the iteration's exchanges, key by key in launch order (the order
+    their nodes take on the shared link and server queues)."""
+    for name, members in exchanged.items():
+        for part in model.exchanges[name]:
+            pushes = []
+            for rank, (arrival, _) in sorted(members.items()):
+                us, links = part.push.get(rank, (0.0, ()))
+                node = b.add(f"{name}.push", "XFER", rank, it, None, us, 0.0, [arrival])
+                for link in links:
+                    b.wait_on_queue(link, node)
+                pushes.append(node)
+            served = b.add(f"{name}.server", "XFER", -1, it, None, part.server_us, 0.0, pushes)
+            b.wait_on_queue(part.server_queue, served)
+            for rank, (_, done) in sorted(members.items()):
+                us, links = part.pull.get(rank, (0.0, ()))
+                node = b.add(f"{name}.pull", "XFER", rank, it, None, us, 0.0, [served])
+                for link in links:
+                    b.wait_on_queue(link, node)
+                b.preds[done].append(node)

@@ -26,8 +26,8 @@ from dpro.errors import UsageError
 from dpro.sim.cost import robust_line
 
 __all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "NAME", "NUM_SERVERS", "ServerModel",
-           "bigarray_bound", "fit_server_model", "key_servers", "ps_model", "search", "server_hosts", "server_model",
-           "server_queue"]
+           "bigarray_bound", "fit_server_model", "key_servers", "ps_model", "search", "server_host", "server_hosts",
+           "server_model", "server_queue", "worker_hosts"]
 
 NAME = "mxnet-ps"
 BIGARRAY_BOUND = "mxnet.kvstore.bigarray_bound"
@@ -60,52 +60,78 @@ def key_servers(key: int, elements: int, num_servers: int, bound: int) -> list[t
 
 @dataclass(frozen=True)
 class ServerModel:
-    """What a server takes to answer one request for ``b`` bytes of a key from every worker (µs): ``fixed_us +
-    us_per_byte * b``, fitted through the recorded requests and scaled so that the recorded layout, priced by it,
-    replays to the step the measured requests give."""
+    """What the parameter server's work costs (µs), fitted from the recorded requests and scaled so that the
+    recorded layout, priced by it, replays to the step the measured requests give.
+
+    A server's work on one part of ``b`` bytes (every worker's push summed, the optimizer run): ``fixed_us +
+    us_per_byte * b`` on its host's queue (servers of one host share its CPUs). A push or an answer that crosses
+    from one host to another: ``link_us_per_byte * b`` on the connection between the two hosts, which carries the
+    pushes and the answers one after another (on the emulated 1 Gbit/s network a server on one host answered a
+    remote worker's pushes about as slowly as if pushes and answers shared one direction: ``bench/mxnet_ps.py``);
+    between processes of one host: nothing beyond the server's work."""
 
     fixed_us: float
     us_per_byte: float
+    link_us_per_byte: float
     world_size: int
     source: str = ""
 
-    def request_us(self, nbytes: float, world_size: int | None = None, bandwidth_scale: float = 1.0) -> float:
-        # a server receives one push and sends one answer per worker: its bytes grow with the workers
+    def server_us(self, nbytes: float, world_size: int | None = None) -> float:
+        workers = (world_size or self.world_size) / max(self.world_size, 1)  # pushes per key grow with the workers
+        return self.fixed_us + self.us_per_byte * nbytes * workers
+
+    def link_us(self, nbytes: float, world_size: int | None = None, bandwidth_scale: float = 1.0) -> float:
+        # the server's links carry every worker's push and answer: with more workers each transfer gets less
         workers = (world_size or self.world_size) / max(self.world_size, 1)
-        return self.fixed_us + self.us_per_byte * nbytes * workers / bandwidth_scale
+        return self.link_us_per_byte * nbytes * workers / bandwidth_scale
 
 
-SERVER_HOSTS_ENV = "DPRO_MXNET_SERVER_HOSTS"  # where dpro-launch started each server (comma-separated host names)
+SERVER_HOSTS_ENV = "DPRO_MXNET_SERVER_HOSTS"  # the host of each server, by server rank (comma-separated)
 
 
 def server_hosts(run: Any) -> list[str]:
-    """The host of each recorded server (run.json's ``mxnet.server_hosts``); empty when not known."""
+    """The host of each recorded server, by server rank (run.json's ``mxnet.server_hosts``); empty when not
+    known."""
     hosts = ((run.meta or {}).get("mxnet") or {}).get("server_hosts") if run is not None else None
     return [str(h) for h in hosts] if isinstance(hosts, list) else []
 
 
-def server_queue(server: int, hosts: list[str]) -> str:
-    """The queue a server's requests take: its host's when known (servers on one host share its network and its
-    CPUs: on one machine they answer one request after another whatever their number), else its own. A server
-    beyond the recorded ones goes where MXNet's launcher would put it, round-robin over the recorded hosts."""
-    return f"server@{hosts[server % len(hosts)]}" if hosts else f"server{server}"
+def worker_hosts(run: Any) -> list[str]:
+    """The host of each worker, by rank (run.json's ``mxnet.worker_hosts``, else its ``hosts``)."""
+    meta = (run.meta or {}) if run is not None else {}
+    hosts = (meta.get("mxnet") or {}).get("worker_hosts") or meta.get("hosts") or []
+    return [str(h) for h in hosts]
+
+
+def server_host(server: int, recorded: list[str], workers: list[str]) -> str | None:
+    """Where server ``server`` runs: as recorded, else (a server beyond the recorded ones) where a launcher spreading
+    servers over the job's machines puts it: on the machine running the fewest; None when the servers' hosts are
+    not known."""
+    if not recorded:
+        return None
+    if server < len(recorded):
+        return recorded[server]
+    machines = list(dict.fromkeys([*workers, *recorded]))
+    placed = [*recorded]
+    while len(placed) <= server:  # each new server on the machine running the fewest so far
+        placed.append(min(machines, key=lambda m: (placed.count(m), machines.index(m))))
+    return placed[server]
+
+
+def server_queue(server: int, hosts: list[str], workers: list[str] | None = None) -> str:
+    """The queue a server's work takes: its host's when known (servers on one host share its CPUs: on one machine
+    they answer one request after another whatever their number), else its own."""
+    host = server_host(server, hosts, workers or [])
+    return f"server@{host}" if host is not None else f"server{server}"
 
 
 def _transfer_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
     servers = args.get("servers")
     if not isinstance(servers, list):
         return ()
-    hosts = server_hosts(run)
-    return tuple(dict.fromkeys(server_queue(int(k), hosts) for k in servers
+    hosts, workers = server_hosts(run), worker_hosts(run)
+    return tuple(dict.fromkeys(server_queue(int(k), hosts, workers) for k in servers
                                if isinstance(k, int) and not isinstance(k, bool)))
-
-
-def _busiest(parts: list[tuple[int, float]], nbytes: float, hosts: list[str]) -> tuple[int, float]:
-    """(parts, bytes) on the queue that carries most of a key's bytes."""
-    load: dict[str, list[float]] = {}
-    for server, share in parts:
-        load.setdefault(server_queue(server, hosts), []).append(share * nbytes)
-    return max(((len(v), sum(v)) for v in load.values()), key=lambda rb: rb[1])
 
 
 def _key_ops(ctx: Any) -> dict[str, dict[str, Any]]:
@@ -126,25 +152,38 @@ def _elements(ctx: Any) -> dict[str, int]:
     return out
 
 
+def _recorded_parts(args: dict[str, Any]) -> list[tuple[int, float]]:
+    nbytes = float(args.get("bytes", 0))
+    shares = [b / nbytes for b in args.get("part_bytes") or []] if nbytes else []
+    return list(zip(args.get("servers") or [0], shares or [1.0], strict=False))
+
+
+def _crosses_hosts(ctx: Any) -> bool:
+    """Whether a recorded push or answer went from one host to another (servers and workers on known hosts)."""
+    hosts, workers = server_hosts(ctx.run), worker_hosts(ctx.run)
+    if not hosts or not workers:
+        return False
+    return any(server_host(k, hosts, workers) != w for args in _key_ops(ctx).values()
+               for k, _ in _recorded_parts(args) for w in workers)
+
+
 def fit_server_model(ctx: Any) -> ServerModel:
-    """``ServerModel`` from the recorded requests, as each queue (server host) answered them one after another.
+    """The shape of ``ServerModel`` from the recorded requests, as each server queue answered them one after
+    another.
 
     Requests answered together end together, so the later ones of such a batch show no time of their own; a line
     through single requests (bytes, transfer) would be fitted to zeros. The cost per byte is the slope of the
     cumulative time against the cumulative bytes along each queue (a robust line, the median over queues); the
     fixed cost is the median of what each request took beyond its bytes. When the bytes say nothing (sizes too
-    alike), the mean cost per byte."""
-    hosts = server_hosts(ctx.run)
+    alike), the mean cost per byte. A run whose pushes crossed hosts spends that per byte on the links: its
+    servers' work is left at the fixed cost."""
     chains: dict[str, list[tuple[float, float]]] = {}
     for name, args in _key_ops(ctx).items():  # in program order
-        nbytes = float(args.get("bytes", 0))
-        shares = [b / nbytes for b in args.get("part_bytes") or []] if nbytes else []
-        parts = list(zip(args.get("servers") or [0], shares or [1.0], strict=False))
         queue = ctx.base.transfer_queues.get(name, ("",))[0]
-        chains.setdefault(queue, []).append((_busiest(parts, nbytes, hosts)[1], ctx.base.transfer[name]))
+        chains.setdefault(queue, []).append((float(args.get("bytes", 0)), ctx.base.transfer[name]))
     samples = [s for chain in chains.values() for s in chain]
     if not samples:
-        return ServerModel(0.0, 0.0, ctx.run.world_size, "no push_pull recorded")
+        return ServerModel(0.0, 0.0, 0.0, ctx.run.world_size, "no push_pull recorded")
     slopes = []
     for chain in chains.values():
         cumulative, x, y = [], 0.0, 0.0
@@ -160,34 +199,52 @@ def fit_server_model(ctx: Any) -> ServerModel:
     if per_byte <= 0 and total_bytes > 0:
         per_byte, how = total_us / total_bytes, f"mean cost per byte of {len(samples)} requests"
     fixed = max(0.0, statistics.median(t - per_byte * b for b, t in samples))
-    return ServerModel(fixed, per_byte, ctx.run.world_size, how)
+    if _crosses_hosts(ctx):
+        return ServerModel(min(fixed, min(t for _, t in samples)), 0.0, per_byte, ctx.run.world_size,
+                           how + "; on the links between hosts")
+    return ServerModel(fixed, per_byte, 0.0, ctx.run.world_size, how)
 
 
 def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
-    """The median step with every key's request re-placed (``key_servers`` under the knobs' server count and bound)
-    and priced by ``server``: on several servers a key's parts run side by side, the largest decides."""
+    """The median step with every key re-placed on the servers (``key_servers`` under the knobs' server count and
+    bound) as exchanges (``dpro.dag.graph.ExchangePart``): each part pushed by every worker over the links
+    between their hosts, the server's work on its host's queue, the answers back, priced by ``server``."""
+    from dpro.dag.graph import ExchangePart
+
     servers = int(knobs.get(NUM_SERVERS) or ctx.knobs.get(NUM_SERVERS) or 1)
     bound = int(knobs.get(BIGARRAY_BOUND) or ctx.knobs.get(BIGARRAY_BOUND) or DEFAULT_BIGARRAY_BOUND)
     compression = knobs.get("gradient_compression")
     scale = 0.5 if compression in ("fp16", "bf16") else 1.0
+    world, bandwidth = knobs.get("world_size"), float(knobs.get("bandwidth_scale", 1.0))
     elements = _elements(ctx)
-    hosts = server_hosts(ctx.run)
+    hosts, workers = server_hosts(ctx.run), worker_hosts(ctx.run)
+    ranks = sorted(ctx.base.ops)
     out = copy.deepcopy(ctx.base)
     for name, args in _key_ops(ctx).items():
         tensor = (args.get("tensors") or [""])[0]
         count = elements.get(tensor) or max(1, int(args.get("bytes", 0)) // 4)
-        parts = key_servers(int(args["key"]), count, servers, bound)
-        _, nbytes = _busiest(parts, float(args.get("bytes", 0)) * scale, hosts)
-        # a key's parts go to their servers side by side; parts whose servers share a host share its network and
-        # CPUs (their bytes add up, their fixed costs overlap): the busiest host decides when the key is back
-        out.transfer[name] = server.request_us(nbytes, knobs.get("world_size"),
-                                               float(knobs.get("bandwidth_scale", 1.0)))
-        out.transfer_queues[name] = tuple(dict.fromkeys(server_queue(k, hosts) for k, _ in parts))
+        parts = []
+        for k, share in key_servers(int(args["key"]), count, servers, bound):
+            nbytes = share * float(args.get("bytes", 0)) * scale
+            at = server_host(k, hosts, workers)
+            push, pull = {}, {}
+            for rank in ranks:
+                mine = workers[rank] if rank < len(workers) else None
+                if at is None or mine is None or mine == at:
+                    push[rank] = pull[rank] = (0.0, ())
+                else:
+                    us = server.link_us(nbytes, world, bandwidth)
+                    connection = (f"link@{mine}~{at}",)  # the pushes and the answers between the two hosts
+                    push[rank] = (us, connection)
+                    pull[rank] = (us, connection)
+            parts.append(ExchangePart(server_queue(k, hosts, workers), server.server_us(nbytes, world), push, pull))
+        out.exchanges[name] = parts
     return out
 
 
 def server_model(ctx: Any) -> ServerModel:
-    """``fit_server_model``, scaled so the recorded layout replays to the measured requests' replay (cached)."""
+    """``fit_server_model``, scaled so the recorded layout replays to the measured requests' replay (cached): the
+    links' cost when the recorded pushes crossed hosts, else the servers' work."""
     cached = ctx.cache.get(NAME)
     if cached is not None:
         return cached
@@ -195,25 +252,29 @@ def server_model(ctx: Any) -> ServerModel:
 
     fitted = fit_server_model(ctx)
     target = predict(ctx, {}).predicted_step_ms
+    links = fitted.link_us_per_byte > 0
+
+    def scaled(k: float) -> ServerModel:
+        if links:
+            return dataclasses.replace(fitted, link_us_per_byte=fitted.link_us_per_byte * k)
+        return dataclasses.replace(fitted, fixed_us=fitted.fixed_us * k, us_per_byte=fitted.us_per_byte * k)
 
     def step_at(k: float) -> float:
-        trial = dataclasses.replace(fitted, fixed_us=fitted.fixed_us * k, us_per_byte=fitted.us_per_byte * k)
-        return replay_model(ctx, ps_model(ctx, {}, trial), {}).predicted_step_ms
+        return replay_model(ctx, ps_model(ctx, {}, scaled(k)), {}).predicted_step_ms
 
-    lo, hi = 0.05, 20.0
-    if fitted.fixed_us <= 0 and fitted.us_per_byte <= 0:
+    lo, hi = 0.02, 50.0
+    if fitted.fixed_us <= 0 and fitted.us_per_byte <= 0 and not links:
         k = 1.0  # nothing to scale (no request took time)
     elif step_at(lo) >= target:
         k = lo
     elif step_at(hi) <= target:
         k = hi
     else:
-        for _ in range(24):  # bisection on a log scale: the step grows with the servers' cost
+        for _ in range(24):  # bisection on a log scale: the step grows with the cost
             mid = (lo * hi) ** 0.5
             lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
         k = (lo * hi) ** 0.5
-    model = dataclasses.replace(fitted, fixed_us=fitted.fixed_us * k, us_per_byte=fitted.us_per_byte * k,
-                                source=f"{fitted.source}, scaled x{k:.2f} to replay the recorded run")
+    model = dataclasses.replace(scaled(k), source=f"{fitted.source}, scaled x{k:.2f} to replay the recorded run")
     ctx.cache[NAME] = model
     return model
 

@@ -352,6 +352,8 @@ class GluonRecorder:
         self.host = socket.gethostname()
         self.run_dir = agree_run_dir(self.transport, self.requested_dir, self.who, claim_run_dir)
         self.hosts = self.transport.gather_texts(self.host)
+        # the address ps-lite knows each worker by (a machine's, even for processes in network namespaces)
+        self.worker_hosts = self.transport.gather_texts(os.environ.get("DMLC_NODE_HOST") or self.host)
         pingpong = clock_samples(self.transport, self.clock)
         self._params = [p for p in self.trainer._params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
@@ -655,6 +657,7 @@ class GluonRecorder:
                            extra={"mxnet": {"batch_size": self.batch_size,
                                             "server_hosts": [h for h in os.environ.get(SERVER_HOSTS_ENV, "").split(",")
                                                              if h] or None,
+                                            "worker_hosts": self.worker_hosts,
                                             "default_bigarray_bound": DEFAULT_BIGARRAY_BOUND,
                                             "note": "times from MXNet's wait_to_read on the rank's clock: FW per "
                                                     "block with parameters, BW from gradient readiness, one "
