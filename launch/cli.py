@@ -53,8 +53,8 @@ Engines (``--engine``)
                DMLC_PS_ROOT_URI=127.0.0.1, DMLC_PS_ROOT_PORT (a free port), DMLC_NUM_SERVER and
                DMLC_NUM_WORKER; ``import mxnet`` in the scheduler and the servers serves the job and exits.
                The job ends with its workers: servers still running after the grace period are killed; a
-               process that fails stops the others. Local hosts only; dpro does not record MXNet jobs yet
-               (--profile runs them unrecorded, with a note). Not chosen by auto.
+               process that fails stops the others. Local hosts only; --profile records the workers' Gluon
+               loop; an applied config's DMLC_NUM_SERVER sets the servers started. Not chosen by auto.
     auto       (default) horovod if the script (the first ``*.py`` argument) contains ``import horovod``,
                ``from horovod`` or ``horovod.torch``; torch otherwise.
 

@@ -279,6 +279,18 @@ def server_model(ctx: Any) -> ServerModel:
     return model
 
 
+def knobs_from_env(env: Mapping[str, Any]) -> dict[str, int]:
+    """The engine's knobs an ``env`` section sets (``DMLC_NUM_SERVER``, ``MXNET_KVSTORE_BIGARRAY_BOUND``)."""
+    out = {}
+    for variable, knob in ((NUM_SERVERS_ENV, NUM_SERVERS), (BIGARRAY_BOUND_ENV, BIGARRAY_BOUND)):
+        if variable in env:
+            try:
+                out[knob] = max(1, int(env[variable]))
+            except (TypeError, ValueError):
+                raise UsageError(f"env {variable}={env[variable]!r} is not a positive integer") from None
+    return out
+
+
 PS_KNOBS = (NUM_SERVERS, BIGARRAY_BOUND, "world_size", "bandwidth_scale", "gradient_compression")
 
 
@@ -288,6 +300,7 @@ def predict(ctx: Any, knobs: dict[str, Any]) -> Any:
     if "tensor_groups" in knobs:
         raise UsageError("tensor_groups: MXNet's kvstore sends one key per parameter (no fusion); what changes its "
                          f"communication is {NUM_SERVERS} and {BIGARRAY_BOUND}")
+    knobs = {**knobs, **knobs_from_env(knobs.get("env") or {})}  # a config's env knobs (what the search writes)
     if not any(k in knobs for k in PS_KNOBS):
         return None
     from dpro.sim.whatif import add_recompute, replay_model
@@ -324,8 +337,9 @@ def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compressio
     if gain > MIN_GAIN * now.predicted_step_ms and (servers, bound) != (servers0, bound0):
         knobs["env"] = {NUM_SERVERS_ENV: str(servers), BIGARRAY_BOUND_ENV: str(bound)}
         explain.append({"knob": "env", "predicted_gain_ms": gain,
-                        "why": f"{servers} servers, keys of {bound:,} elements or more split over all of them "
-                               f"(now {servers0} servers, bound {bound0:,}): requests spread over more servers"})
+                        "why": f"{servers} server(s), keys of {bound:,} elements or more split over all of them "
+                               f"(now {servers0}, bound {bound0:,}): {best_ms:.2f} ms vs {now.predicted_step_ms:.2f} "
+                               f"ms replayed ({len(ranked)} settings)"})
     else:
         explain.append({"knob": "env", "predicted_gain_ms": 0.0,
                         "why": f"{servers0} servers with bound {bound0:,} are within {MIN_GAIN:.0%} of the best "

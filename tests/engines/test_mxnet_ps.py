@@ -71,7 +71,7 @@ def test_one_server_on_the_same_host_changes_little_and_on_hosts_of_their_own_se
     split = predict(ctx, {BIGARRAY_BOUND: 1000})  # every weight over both servers
     assert split.predicted_step_ms > 0
     result = optimize(ctx)
-    assert any("servers" in item["why"] for item in result.explain)
+    assert any("server" in item["why"] for item in result.explain)
     env = result.knobs.get("env", {})
     assert not env or int(env["DMLC_NUM_SERVER"]) >= 2
 
