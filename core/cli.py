@@ -130,8 +130,11 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
             [" ".join(args.settings) or "(no change)", f"{changed.predicted_step_ms:.2f}",
              format_bytes(changed.predicted_peak_memory_bytes), f"{result['change_pct']:+.1f}%"]]
     print(format_table(["configuration", "step ms", "peak memory", "change"], rows, align="<>>>"))
-    print(f"\ncommunication model: {ctx.comm.latency_us:.1f} us latency, {ctx.comm.gbit_per_s:.2f} Gbit/s "
-          f"(fitted on {ctx.comm.source})")
+    from dpro.engines import get_engine
+
+    own = get_engine(ctx.engine).describe_model(ctx)
+    print("\n" + (own or f"communication model: {ctx.comm.latency_us:.1f} us latency, {ctx.comm.gbit_per_s:.2f} "
+                          f"Gbit/s (fitted on {ctx.comm.source})"))
     return 0
 
 

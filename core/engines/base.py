@@ -25,6 +25,10 @@ def _no_notes(run: Any) -> list[str]:
     return []
 
 
+def _no_model(ctx: Any) -> None:
+    return None
+
+
 def _server_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
     servers = args.get("servers")
     if not isinstance(servers, list):
@@ -64,6 +68,8 @@ class Engine:
         transfer_queues: ``(run, COMM args) -> queue names``: the queues a collective's transfer occupies, one
             request after another (a parameter server's servers, ``args.servers``); empty: none (the default
             names ``server<k>`` for each of ``args.servers``).
+        describe_model: ``(ctx) -> str | None``: the engine's own communication model in one line, for
+            ``dpro whatif`` (None: the common fitted ``CommModel``).
         comm_after_backward: the gradients' collectives are launched only once the whole backward is done
             (Keras under MultiWorkerMirroredStrategy reduces the gradients after computing all of them), not as
             each one's gradients are ready; the DAG and what-if's regrouping then start them after the last BW.
@@ -83,6 +89,7 @@ class Engine:
     chained_launch: bool = False  # a collective launches only after the previous one completed (dag.graph)
     comm_after_backward: bool = False  # gradient collectives start after the whole backward (dag.graph, whatif)
     transfer_queues: Callable[[Any, dict[str, Any]], tuple[str, ...]] = _server_queues  # (run, COMM args) -> queues
+    describe_model: Callable[[Any], str | None] = _no_model  # (ctx) -> the engine's cost model in words
 
     def knob_names(self) -> list[str]:
         return [k.name for k in self.knobs]

@@ -357,6 +357,16 @@ def _bound(value: Any, source: str, key: str) -> int:
     return _count(value, source, key, positive=True)
 
 
+def _describe(ctx: Any) -> str:
+    model = server_model(ctx)
+
+    def rate(per_byte: float) -> str:
+        return f"{1 / per_byte:,.0f} MB/s" if per_byte > 0 else "free"
+
+    return (f"parameter-server model: a server's work {model.fixed_us:.0f} us + {rate(model.us_per_byte)} (its "
+            f"host's queue), links between hosts {rate(model.link_us_per_byte)} ({model.source})")
+
+
 def _notes(run: Any) -> list[str]:
     knobs = (run.meta or {}).get("knobs", {})
     return [f"parameter server: {knobs.get(NUM_SERVERS, '?')} servers, keys of "
@@ -376,6 +386,7 @@ ENGINE = Engine(
     predict=predict,
     notes=_notes,
     transfer_queues=_transfer_queues,
+    describe_model=_describe,
     apply="environment (DMLC_NUM_SERVER: dpro-launch starts that many servers; MXNET_KVSTORE_BIGARRAY_BOUND) set by "
           "dpro-launch --apply",
 )

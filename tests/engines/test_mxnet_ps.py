@@ -79,3 +79,26 @@ def test_one_server_on_the_same_host_changes_little_and_on_hosts_of_their_own_se
 def test_the_engine_says_how_its_config_is_applied():
     engine = get_engine("mxnet-ps")
     assert "DMLC_NUM_SERVER" in engine.apply and "MXNET_KVSTORE_BIGARRAY_BOUND" in engine.apply
+
+
+def test_servers_on_other_hosts_are_priced_by_the_links_between_hosts(tmp_path):
+    """Each worker and server on a host of its own (as in bench/mxnet_ps.py's emulated network): a key's pushes
+    and answers cross the connection between two hosts, and one server's host carries every remote push."""
+    apart = tmp_path / "two-hosts"
+    shutil.copytree(RECORDED, apart)
+    meta = json.loads((apart / "run.json").read_text())
+    meta["mxnet"].update(server_hosts=["hostB", "hostA"], worker_hosts=["hostB", "hostA"])
+    (apart / "run.json").write_text(json.dumps(meta))
+    ctx = context(load_run(apart))
+    from dpro.engines.mxnet_ps import ps_model, server_model
+
+    model = server_model(ctx)
+    assert model.link_us_per_byte > 0 and model.us_per_byte == 0  # the recorded requests crossed hosts
+    replayed = predict(ctx, {}).predicted_step_ms
+    assert predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms == pytest.approx(replayed, rel=0.02)
+    one = predict(ctx, {NUM_SERVERS: 1})
+    assert one.predicted_step_ms > replayed  # every remote push on one connection
+    exchanges = ps_model(ctx, {NUM_SERVERS: 1}, model).exchanges
+    links = {q for parts in exchanges.values() for part in parts for _, qs in part.push.values() for q in qs}
+    assert links == {"link@hostA~hostB"}  # worker 1 (hostA) talks to the one server, on hostB
+    assert predict(ctx, {"env": {"DMLC_NUM_SERVER": "1"}}).predicted_step_ms == one.predicted_step_ms
