@@ -173,7 +173,7 @@ def fit_server_model(ctx: Any) -> ServerModel:
 
     Requests answered together end together, so the later ones of such a batch show no time of their own; a line
     through single requests (bytes, transfer) would be fitted to zeros. The cost per byte is the slope of the
-    cumulative time against the cumulative bytes along each queue (a robust line, the median over queues); the
+    cumulative time against the cumulative bytes along each queue (a robust line; queues weighted by their bytes); the
     fixed cost is the median of what each request took beyond its bytes. When the bytes say nothing (sizes too
     alike), the mean cost per byte. A run whose pushes crossed hosts spends that per byte on the links: its
     servers' work is left at the fixed cost."""
@@ -184,7 +184,7 @@ def fit_server_model(ctx: Any) -> ServerModel:
     samples = [s for chain in chains.values() for s in chain]
     if not samples:
         return ServerModel(0.0, 0.0, 0.0, ctx.run.world_size, "no push_pull recorded")
-    slopes = []
+    slopes = []  # (slope, the chain's bytes)
     for chain in chains.values():
         cumulative, x, y = [], 0.0, 0.0
         for nbytes, took in chain:
@@ -192,9 +192,11 @@ def fit_server_model(ctx: Any) -> ServerModel:
             cumulative.append((x, y))
         line = robust_line(cumulative)
         if line is not None:
-            slopes.append(line[1])
+            slopes.append((line[1], x))
     total_bytes, total_us = sum(b for b, _ in samples), sum(t for _, t in samples)
-    per_byte = statistics.median(slopes) if slopes else 0.0
+    # queues weighted by their bytes: a queue of a few small keys says little about the cost of a byte
+    weight = sum(b for _, b in slopes)
+    per_byte = sum(slope * b for slope, b in slopes) / weight if weight > 0 else 0.0
     how = f"cumulative time vs bytes along {len(chains)} server queue(s), {len(samples)} requests"
     if per_byte <= 0 and total_bytes > 0:
         per_byte, how = total_us / total_bytes, f"mean cost per byte of {len(samples)} requests"
@@ -262,7 +264,7 @@ def server_model(ctx: Any) -> ServerModel:
     def step_at(k: float) -> float:
         return replay_model(ctx, ps_model(ctx, {}, scaled(k)), {}).predicted_step_ms
 
-    lo, hi = 0.02, 50.0
+    lo, hi = 1e-4, 1e3
     if fitted.fixed_us <= 0 and fitted.us_per_byte <= 0 and not links:
         k = 1.0  # nothing to scale (no request took time)
     elif step_at(lo) >= target:

@@ -97,7 +97,8 @@ def test_servers_on_other_hosts_are_priced_by_the_links_between_hosts(tmp_path):
     replayed = predict(ctx, {}).predicted_step_ms
     assert predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms == pytest.approx(replayed, rel=0.02)
     one = predict(ctx, {NUM_SERVERS: 1})
-    assert one.predicted_step_ms > replayed  # every remote push on one connection
+    split = predict(ctx, {BIGARRAY_BOUND: 1000})  # every key half on each server: both connections carry half
+    assert split.predicted_step_ms < predict(ctx, {NUM_SERVERS: 1, BIGARRAY_BOUND: 1000}).predicted_step_ms
     exchanges = ps_model(ctx, {NUM_SERVERS: 1}, model).exchanges
     links = {q for parts in exchanges.values() for part in parts for _, qs in part.push.values() for q in qs}
     assert links == {"link@hostA~hostB"}  # worker 1 (hostA) talks to the one server, on hostB
