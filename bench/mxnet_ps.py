@@ -131,12 +131,13 @@ def whatif_ms(run_dir: Path, knobs: dict[str, object]) -> tuple[float, float]:
 
 
 def optimize_env(run_dir: Path) -> dict[str, str]:
-    cmd = [str(Path(sys.executable).with_name("dpro")), "optimize", str(run_dir)]
+    cmd = [str(Path(sys.executable).with_name("dpro")), "optimize", str(run_dir), "-o",
+           str(run_dir.with_name(run_dir.name + ".config.json"))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     print("    " + "\n    ".join(proc.stdout.strip().splitlines()), flush=True)
-    config = json.loads((run_dir / "analysis" / "config.json").read_text())
+    config = json.loads(run_dir.with_name(run_dir.name + ".config.json").read_text())
     return dict(config["knobs"].get("env", {}))
 
 
@@ -153,20 +154,26 @@ def main() -> int:
     parser.add_argument("--window", default="10:30")
     parser.add_argument("--optimize", action="store_true", help="also dpro optimize vs the defaults")
     parser.add_argument("--keep", default=None, help="keep the runs in this new directory")
+    parser.add_argument("--from", dest="from_dir", default=None,
+                        help="record nothing: price the runs a --keep directory holds again (after a model change)")
     args = parser.parse_args()
     if not MXNET_PYTHON.exists():
         print("no .venv-mxnet (make mxnet builds it)")
         return 1
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="dpro-mxnet-bench-"))
+    work = Path(args.from_dir or args.keep or tempfile.mkdtemp(prefix="dpro-mxnet-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    replaying = args.from_dir is not None
     rows, what_rows, opt_rows = [], [], []
     for network in args.networks.split(","):
-        if network != "loopback":
+        if replaying and not any(work.glob(f"{network}-*")):
+            continue
+        if network != "loopback" and not replaying:
             ok, why = testbed.testbed_available()
             if not ok:
                 print(f"{network}: skipped ({why})")
                 continue
-        cluster_cm = testbed.emulated_cluster(2, testbed.NetworkSpec(rate=network)) if network != "loopback" else None
+        cluster_cm = testbed.emulated_cluster(2, testbed.NetworkSpec(rate=network)) \
+            if network != "loopback" and not replaying else None
         cluster = cluster_cm.__enter__() if cluster_cm is not None else None
         try:
             for model in args.models.split(","):
@@ -176,13 +183,19 @@ def main() -> int:
                 for k in range(args.rounds):
                     for label in SETTINGS:
                         run_dir = work / f"{network}-{model}-{label.replace(' ', '').replace(',', '-')}-{k}"
-                        print(f"[{network} {model}] recording {label} ({k + 1}/{args.rounds})", flush=True)
-                        record(cluster, model, *SETTINGS[label], run_dir, args)
+                        if replaying:
+                            if not run_dir.is_dir():
+                                continue
+                        else:
+                            print(f"[{network} {model}] recording {label} ({k + 1}/{args.rounds})", flush=True)
+                            record(cluster, model, *SETTINGS[label], run_dir, args)
                         a = analyze_path(run_dir)
                         runs[label].append(run_dir)
                         measured[label].append(a.measured_step_ms)
                         rows.append((network, model, label, a.measured_step_ms, a.predicted_step_ms, a.error_pct))
                 for source, target, knobs in WHATIFS:
+                    if not measured[source] or not measured[target]:
+                        continue
                     target_ms = statistics.median(measured[target])
                     source_ms = statistics.median(measured[source])
                     for run_dir, recorded_ms in zip(runs[source], measured[source], strict=True):
@@ -191,8 +204,12 @@ def main() -> int:
                         ratio = 100 * ((predicted / replayed) / (target_ms / source_ms) - 1)
                         what_rows.append((network, model, f"{source} -> {target}", recorded_ms, predicted, target_ms,
                                           err, ratio))
-                if args.optimize:
-                    env = optimize_env(runs["2 servers"][0])
+                if args.optimize and runs["2 servers"]:
+                    ran = work / f"{network}-{model}-opt-dpro-0" / "run.json"
+                    env = optimize_env(runs["2 servers"][0]) if not replaying or not ran.exists() else {
+                        "DMLC_NUM_SERVER": str(json.loads(ran.read_text())["knobs"]["num_servers"]),
+                        "MXNET_KVSTORE_BIGARRAY_BOUND": str(
+                            json.loads(ran.read_text())["knobs"]["mxnet.kvstore.bigarray_bound"])}
                     chosen = {"DMLC_NUM_SERVER": env.get("DMLC_NUM_SERVER", "2"),
                               "MXNET_KVSTORE_BIGARRAY_BOUND": env.get("MXNET_KVSTORE_BIGARRAY_BOUND",
                                                                       str(DEFAULT_BOUND))}
@@ -202,9 +219,13 @@ def main() -> int:
                             run_dir = work / f"{network}-{model}-opt-{which}-{k}"
                             servers, bound = (2, DEFAULT_BOUND) if which == "defaults" else (
                                 int(chosen["DMLC_NUM_SERVER"]), int(chosen["MXNET_KVSTORE_BIGARRAY_BOUND"]))
-                            record(cluster, model, servers, bound, run_dir, args)
+                            if not replaying:
+                                record(cluster, model, servers, bound, run_dir, args)
+                            elif not run_dir.is_dir():
+                                continue
                             bucket.append(analyze_path(run_dir).measured_step_ms)
-                    opt_rows.append((network, model, chosen, defaults, tuned))
+                    if defaults and tuned:
+                        opt_rows.append((network, model, chosen, defaults, tuned))
         finally:
             if cluster_cm is not None:
                 cluster_cm.__exit__(None, None, None)
@@ -235,7 +256,7 @@ def main() -> int:
             change = 100 * (statistics.median(t) / statistics.median(d) - 1)
             print(f"| {network} | {model} | {chosen} | {statistics.median(d):.2f} ({spread(d)}) | "
                   f"{statistics.median(t):.2f} ({spread(t)}) | {change:+.1f}% |")
-    if not args.keep:
+    if not args.keep and not replaying:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
