@@ -2,7 +2,8 @@
 
 For each bundled model x DDP bucket size x network, a 2-rank gloo DDP job is recorded for real,
 then ``dpro analyze`` predicts its step time. Lightning (automatic and manual optimization, gradient
-accumulation), Horovod and Keras (MultiWorkerMirroredStrategy) jobs, unmodified scripts (bench/scripts/,
+accumulation), Horovod, Keras (MultiWorkerMirroredStrategy) and MXNet (Gluon on the kvstore parameter server, 2
+servers) jobs, unmodified scripts (bench/scripts/,
 tests/jobs/plain_hvd.py) recorded by ``dpro-launch --profile 10:30``, are recorded ``--repeat`` times each on
 loopback (cases alternate), each recording a row, and every case is summarised by its median and worst
 |error|. Networks: loopback (both ranks on this machine) and the emulated cluster network of ``dpro.testbed``
@@ -12,7 +13,7 @@ The PyTorch profiler traces in tests/data/kineto (real A100 / V100 runs) are rep
 table when present.
 
     python bench/accuracy.py [--models mlp,transformer,wide_mlp] [--buckets 1,25] [--networks loopback,1gbit]
-                             [--frameworks ddp,lightning,horovod,keras] [--repeat 3]
+                             [--frameworks ddp,lightning,horovod,keras,mxnet] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ KERAS_CASES = {
     "keras cnn wide": (SCRIPTS / "keras_train.py", ["--width", "32"]),
     "keras cnn, TF's threads": (SCRIPTS / "keras_train.py", ["--threads", "0"]),
 }
+MXNET_CASES = {  # dist_sync on ps-lite, 2 workers and 2 servers; run by .venv-mxnet's interpreter
+    "mxnet-ps mlp (gluon_train)": (SCRIPTS / "gluon_train.py", ["--model", "mlp"]),
+    "mxnet-ps cnn (gluon_train)": (SCRIPTS / "gluon_train.py", ["--model", "cnn"]),
+}
+MXNET_PYTHON = Path(__file__).resolve().parents[1] / ".venv-mxnet" / "bin" / "python"
 HOROVOD_CASES = {
     "horovod mlp (plain_hvd)": (JOBS / "plain_hvd.py", ["--width", "512"]),
     "horovod gru (hvd_train)": (SCRIPTS / "hvd_train.py", []),
@@ -71,9 +77,11 @@ def record_with_launcher(script: Path, script_args: list[str], run_dir: Path, st
 
 def _launch(script: Path, script_args: list[str], run_dir: Path, steps: int, window: str, kind: str) -> None:
     launcher = Path(sys.executable).with_name("dpro-launch")
-    engine = {"horovod": ["--gloo"], "keras": ["--engine", "tf"]}.get(kind, [])
+    engine = {"horovod": ["--gloo"], "keras": ["--engine", "tf"],
+              "mxnet": ["--engine", "mxnet", "--num-servers", "2"]}.get(kind, [])
+    python = str(MXNET_PYTHON) if kind == "mxnet" else sys.executable
     cmd = [str(launcher), "-np", "2", "-H", "localhost:2", *engine, "--profile", window,
-           "--run-dir", str(run_dir), sys.executable, str(script), "--steps", str(steps), *script_args]
+           "--run-dir", str(run_dir), python, str(script), "--steps", str(steps), *script_args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=run_dir.parent)
@@ -124,7 +132,7 @@ def main() -> int:
     parser.add_argument("--networks", default="loopback,1gbit", help="loopback and/or tc rates such as 1gbit")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--profile", default="8:20")
-    parser.add_argument("--frameworks", default="ddp,lightning,horovod,keras")
+    parser.add_argument("--frameworks", default="ddp,lightning,horovod,keras,mxnet")
     parser.add_argument("--repeat", type=int, default=3, help="recordings of each Lightning and Horovod case")
     parser.add_argument("--lightning-steps", type=int, default=40, help="steps of each Lightning / Horovod job")
     parser.add_argument("--lightning-profile", default="10:30", help="the window dpro-launch records (A:B)")
@@ -146,10 +154,11 @@ def main() -> int:
             cases = [(c, "lightning") for c in LIGHTNING_CASES if "lightning" in frameworks]
             cases += [(c, "horovod") for c in HOROVOD_CASES if "horovod" in frameworks]
             cases += [(c, "keras") for c in KERAS_CASES if "keras" in frameworks]
+            cases += [(c, "mxnet") for c in MXNET_CASES if "mxnet" in frameworks and MXNET_PYTHON.exists()]
             for case, kind in cases:
                 run_dir = Path(tmp) / f"{kind}-{len(by_case.get(case, []))}-{abs(hash(case))}"
                 script, script_args = {"lightning": LIGHTNING_CASES, "horovod": HOROVOD_CASES,
-                                       "keras": KERAS_CASES}[kind][case]
+                                       "keras": KERAS_CASES, "mxnet": MXNET_CASES}[kind][case]
                 run_dir = record_with_launcher(script, script_args, run_dir, args.lightning_steps,
                                                args.lightning_profile, kind)
                 a = analyze_path(run_dir)
