@@ -16,6 +16,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +68,9 @@ class ServerModel:
     us_per_byte * b`` on its host's queue (servers of one host share its CPUs). A push or an answer that crosses
     from one host to another: ``link_us_per_byte * b`` on the connection between the two hosts, which carries the
     pushes and the answers one after another (on the emulated 1 Gbit/s network a server on one host answered a
-    remote worker's pushes about as slowly as if pushes and answers shared one direction: ``bench/mxnet_ps.py``);
-    between processes of one host: nothing beyond the server's work."""
+    remote worker's pushes about as slowly as if pushes and answers shared one direction: ``bench/mxnet_ps.py``),
+    slowed by the other connections on its hosts' links (``link_sharing``); between processes of one host: nothing
+    beyond the server's work."""
 
     fixed_us: float
     us_per_byte: float
@@ -221,27 +223,52 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
     elements = _elements(ctx)
     hosts, workers = server_hosts(ctx.run), worker_hosts(ctx.run)
     ranks = sorted(ctx.base.ops)
-    out = copy.deepcopy(ctx.base)
+    layout = []
     for name, args in _key_ops(ctx).items():
         tensor = (args.get("tensors") or [""])[0]
         count = elements.get(tensor) or max(1, int(args.get("bytes", 0)) // 4)
-        parts = []
-        for k, share in key_servers(int(args["key"]), count, servers, bound):
-            nbytes = share * float(args.get("bytes", 0)) * scale
-            at = server_host(k, hosts, workers)
+        layout.append((name, [(k, share * float(args.get("bytes", 0)) * scale, server_host(k, hosts, workers))
+                              for k, share in key_servers(int(args["key"]), count, servers, bound)]))
+    sharing = link_sharing(layout, [workers[r] if r < len(workers) else None for r in ranks])
+    out = copy.deepcopy(ctx.base)
+    for name, parts in layout:
+        priced = []
+        for k, nbytes, at in parts:
             push, pull = {}, {}
             for rank in ranks:
                 mine = workers[rank] if rank < len(workers) else None
                 if at is None or mine is None or mine == at:
                     push[rank] = pull[rank] = (0.0, ())
-                else:
-                    us = server.link_us(nbytes, world, bandwidth)
-                    connection = (f"link@{mine}~{at}",)  # the pushes and the answers between the two hosts
-                    push[rank] = (us, connection)
-                    pull[rank] = (us, connection)
-            parts.append(ExchangePart(server_queue(k, hosts, workers), server.server_us(nbytes, world), push, pull))
-        out.exchanges[name] = parts
+                    continue
+                us = server.link_us(nbytes, world, bandwidth) * sharing[(mine, at)]
+                connection = (f"link@{mine}~{at}",)  # the pushes and the answers between the two hosts
+                push[rank] = (us, connection)
+                pull[rank] = (us, connection)
+            priced.append(ExchangePart(server_queue(k, hosts, workers), server.server_us(nbytes, world), push, pull))
+        out.exchanges[name] = priced
     return out
+
+
+def link_sharing(layout: list[tuple[str, list[tuple[int, float, str | None]]]],
+                 workers: list[str | None]) -> dict[tuple[str, str], float]:
+    """How much slower each worker-server connection between two hosts runs for the other connections on its hosts'
+    links, in a layout ((name, [(server, bytes, its host)])).
+
+    A connection carries its pushes and answers one after another, so it uses each direction of its hosts' links
+    about half of the time; a connection that carries as many bytes on the same links slows it by half, one that
+    carries few by little: ``1 + min(1, others' bytes / its bytes) / 2`` on the busier of its two hosts."""
+    carried: dict[tuple[str, str], float] = defaultdict(float)
+    for _, parts in layout:
+        for _, nbytes, at in parts:
+            for w in workers:
+                if at is not None and w is not None and w != at:
+                    carried[(w, at)] += nbytes
+    on_host: dict[str, float] = defaultdict(float)
+    for (w, at), nbytes in carried.items():
+        on_host[w] += nbytes
+        on_host[at] += nbytes
+    return {(w, at): 1.0 + min(1.0, max(on_host[w], on_host[at]) / nbytes - 1.0) / 2 if nbytes > 0 else 1.0
+            for (w, at), nbytes in carried.items()}
 
 
 def server_model(ctx: Any) -> ServerModel:
