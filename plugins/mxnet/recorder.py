@@ -8,9 +8,10 @@ array's pending writes are done.
   cached graph): a forward pre-hook waits for the block's parameters (their pull from the servers) and stamps the
   start; the forward hook waits for the outputs and stamps the end. The forward therefore runs block by block,
   which is also what it does on one CPU device.
-- **BW**: ``loss.backward()`` (or ``autograd.backward``) is issued as usual; helper threads wait for the
-  gradients in backward order and stamps when each one is ready. A block's backward runs from the previous block's
-  gradients to its own. MXNet bulks backward operators into segments (``MXNET_EXEC_BULK_EXEC_*``) and writes a
+- **BW**: ``loss.backward()`` (or ``autograd.backward``) is issued as usual, and right after it a one-element copy
+  of every gradient, which the engine runs once the gradient is written; helper threads stamp when each copy is
+  done (waiting on the gradient itself would also wait for the pushpull that later writes into its buffer). A
+  block's backward runs from the previous block's gradients to its own. MXNet bulks backward operators into segments (``MXNET_EXEC_BULK_EXEC_*``) and writes a
   segment's gradients together; the blocks of one segment share its time in proportion to their forward times
   (``args.estimated``), and the segment's gradients are ready at its end (the last block's ``grads``).
 - **COMM**: ``gluon.Trainer.step`` on a ``dist_*`` kvstore issues one ``pushpull`` per parameter (key = its index
