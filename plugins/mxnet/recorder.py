@@ -11,9 +11,10 @@ array's pending writes are done.
 - **BW**: ``loss.backward()`` (or ``autograd.backward``) is issued as usual, and right after it a one-element copy
   of every gradient, which the engine runs once the gradient is written; helper threads stamp when each copy is
   done (waiting on the gradient itself would also wait for the pushpull that later writes into its buffer). A
-  block's backward runs from the previous block's gradients to its own. MXNet bulks backward operators into segments (``MXNET_EXEC_BULK_EXEC_*``) and writes a
-  segment's gradients together; the blocks of one segment share its time in proportion to their forward times
-  (``args.estimated``), and the segment's gradients are ready at its end (the last block's ``grads``).
+  block's backward runs from the previous block's gradients to its own. MXNet bulks backward operators into
+  segments (``MXNET_EXEC_BULK_EXEC_*``) and writes a segment's gradients together; the blocks of one segment share
+  its time in proportion to their forward times (``args.estimated``), and the segment's gradients are ready at its
+  end (the last block's ``grads``).
 - **COMM**: ``gluon.Trainer.step`` on a ``dist_*`` kvstore issues one ``pushpull`` per parameter (key = its index
   in the trainer): one ps-lite request carrying the gradient to the key's server(s) and the servers' answer, sent
   once every worker's push of that key has arrived (and, with ``update_on_kvstore``, the optimizer has run on the
