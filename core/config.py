@@ -206,6 +206,22 @@ def _env(value: Any, source: str, key: str) -> dict[str, str]:
     return env
 
 
+def _check_env_allowed(env: Mapping[str, str], engine: str, source: str) -> None:
+    """A config's env may set only the variables its engine's knobs are applied through (``Engine.env_variables``):
+    a config travels between people and must not put anything else into a job's environment."""
+    if not env:
+        return
+    from dpro.engines import get_engine  # the engine modules import this one
+
+    allowed = get_engine(engine).env_variables
+    for name in env:
+        if name not in allowed:
+            owned = ", ".join(allowed) if allowed else "none"
+            raise ConfigError(source, f"a config may set only the environment variables its engine's knobs own "
+                              f"(engine {engine or '?'}: {owned}); {name} is not one of them",
+                              f"knobs.env[{name!r}]")
+
+
 def _positive_number(value: Any, source: str, key: str) -> float:
     return _number(value, source, key, positive=True, what="a positive number")
 
@@ -388,6 +404,7 @@ class Config:
                               "schema")
         self.fingerprint = Fingerprint.coerce(self.fingerprint, source)
         self.knobs = _knobs(self.knobs, source)
+        _check_env_allowed(self.knobs.get("env") or {}, self.fingerprint.engine, source)
         self.baseline = None if self.baseline is None else Baseline.coerce(self.baseline, source)
         self.predicted = None if self.predicted is None else Predicted.coerce(self.predicted, source)
         self.explain = [Explanation.coerce(e, source, f"explain[{i}]")

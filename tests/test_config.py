@@ -40,7 +40,6 @@ def full_doc() -> dict:
             "tensor_groups": [["fc3.weight", "fc3.bias"], ["fc2.weight", "fc2.bias", "fc1.weight", "fc1.bias"]],
             "recompute": ["encoder.layers.3"],
             "gradient_compression": "fp16",
-            "env": {"HOROVOD_FUSION_THRESHOLD": "8388608", "HOROVOD_CYCLE_TIME": "2.5"},
         },
         "explain": [{"knob": "torch.ddp.bucket_cap_mb", "why": "overlap the allreduce of fc3 with fc2's backward",
                      "predicted_gain_ms": 40.0},
@@ -250,3 +249,19 @@ def test_readme_knob_table_is_the_generated_one() -> None:
     start = readme.index("<!-- knob-table")
     table = readme[readme.index("\n", start) + 1:readme.index("<!-- /knob-table -->")].strip()
     assert table == knob_table_markdown()
+
+
+@pytest.mark.parametrize(("engine", "env", "refused"), [
+    ("horovod", {"HOROVOD_FUSION_THRESHOLD": "8388608", "HOROVOD_CYCLE_TIME": "2.5"}, None),
+    ("mxnet-ps", {"DMLC_NUM_SERVER": "3"}, None),
+    ("horovod", {"LD_PRELOAD": "/tmp/x.so"}, "LD_PRELOAD"),
+    ("torch-ddp", {"HOROVOD_CYCLE_TIME": "2.5"}, "HOROVOD_CYCLE_TIME"),
+    ("mxnet-ps", {"PYTHONPATH": "/tmp"}, "PYTHONPATH"),
+])
+def test_a_configs_env_sets_only_what_its_engines_knobs_own(engine, env, refused):
+    doc = {"schema": CONFIG_SCHEMA, "fingerprint": {**FINGERPRINT, "engine": engine}, "knobs": {"env": env}}
+    if refused is None:
+        assert Config.from_json(doc, "c.json").knobs["env"] == env
+        return
+    with pytest.raises(ConfigError, match=f"only the environment variables its engine's knobs own.*{refused}"):
+        Config.from_json(doc, "c.json")

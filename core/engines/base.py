@@ -68,6 +68,9 @@ class Engine:
         transfer_queues: ``(run, COMM args) -> queue names``: the queues a collective's transfer occupies, one
             request after another (a parameter server's servers, ``args.servers``); empty: none (the default
             names ``server<k>`` for each of ``args.servers``).
+        env_variables: the environment variables an applied config's ``env`` may set for a job of this engine
+            (what its knobs are applied through); a config naming any other is refused, since a config is passed
+            around and must not reach a job's environment with anything else (``LD_PRELOAD``, ``PYTHONPATH``).
         describe_model: ``(ctx) -> str | None``: the engine's own communication model in one line, for
             ``dpro whatif`` (None: the common fitted ``CommModel``).
         comm_after_backward: the gradients' collectives are launched only once the whole backward is done
@@ -90,6 +93,7 @@ class Engine:
     comm_after_backward: bool = False  # gradient collectives start after the whole backward (dag.graph, whatif)
     transfer_queues: Callable[[Any, dict[str, Any]], tuple[str, ...]] = _server_queues  # (run, COMM args) -> queues
     describe_model: Callable[[Any], str | None] = _no_model  # (ctx) -> the engine's cost model in words
+    env_variables: tuple[str, ...] = ()  # what a config's env may set (the variables the engine's knobs own)
 
     def knob_names(self) -> list[str]:
         return [k.name for k in self.knobs]

@@ -416,6 +416,7 @@ ENGINE = Engine(
     notes=_notes,
     transfer_queues=_transfer_queues,
     describe_model=_describe,
+    env_variables=(NUM_SERVERS_ENV, BIGARRAY_BOUND_ENV),
     apply="environment (DMLC_NUM_SERVER: dpro-launch starts that many servers; MXNET_KVSTORE_BIGARRAY_BOUND) set by "
           "dpro-launch --apply",
 )

@@ -103,6 +103,7 @@ ENGINE = Engine(
     ),
     predict=_predict,
     prepare_run=_prepare_run,
+    env_variables=(THRESHOLD, CYCLE, CACHE),
     notes=_notes,
     apply="environment (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME) set by dpro-launch --apply; tensor_groups as "
           "hvd.DistributedOptimizer(groups=) by dpro-launch's auto-attach",
