@@ -271,9 +271,10 @@ def _engine_notes(run: Run) -> list[str]:
 
 def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Analysis:
     """Analyze a run directory, and write ``analysis/replay.json`` (measured and replayed timelines)."""
+    from dpro.record.trace import analysis_file
     from dpro.report.perfetto import write_replay_trace
 
     run = load_run(path)
     result = analyze_run(run, iterations)
-    write_replay_trace(Path(path) / "analysis" / "replay.json", run, result.alignment, result.graph, result.schedule)
+    write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule)
     return result.analysis

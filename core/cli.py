@@ -183,7 +183,9 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     ctx = context(load_run(args.run))
     result = optimize(ctx, memory_budget_bytes=budget, allow_compression=args.allow_compression)
     doc = config_document(result, ctx)
-    out = Path(args.output) if args.output else Path(args.run) / "analysis" / "config.json"
+    from dpro.record.trace import analysis_file
+
+    out = Path(args.output) if args.output else analysis_file(args.run, "config.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     _write_config(out, doc)
     if args.json:

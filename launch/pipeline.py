@@ -26,7 +26,7 @@ from dpro.launch.env import applied_env, horovod_env
 from dpro.launch.settings import LaunchConfig
 from dpro.logs import get_logger
 from dpro.record.protocol import claim_run_dir
-from dpro.record.trace import RUN_FILE, write_json_atomic
+from dpro.record.trace import RUN_FILE, analysis_file, write_json_atomic
 
 __all__ = ["collect_remote", "find_recorded_run", "measured_step_ms", "optimize_run", "run", "run_job"]
 
@@ -108,7 +108,7 @@ def optimize_run(run_dir: Path, *, memory_budget_bytes: int | None = None, allow
 
     ctx = context(load_run(run_dir))
     result = optimize(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
-    path = out or run_dir / "analysis" / CONFIG_FILE
+    path = out or analysis_file(run_dir, CONFIG_FILE)
     write_config(path, Config.from_json(config_document(result, ctx)))
     config = read_config(path)
     _print_optimize(result, path)

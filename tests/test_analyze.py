@@ -123,3 +123,21 @@ def test_straggler_figures_add_up_per_step_for_three_ranks():
     # rank 1 waits 1.0..9.0 ms (a and c, then b): one union, charged to whoever holds each instant longest
     assert rows[1]["waits_ms_per_step"] == pytest.approx(8.0)
     assert rows[0]["waits_ms_per_step"] == pytest.approx(9.0)   # 0..9 ms within its step (c), not 14 ms
+
+
+def test_nothing_is_written_through_a_linked_analysis_folder(run_dir, tmp_path):
+    """``dpro analyze`` / ``optimize`` write only inside the run directory: an ``analysis`` link elsewhere is
+    refused (naming it), and so is a folder where a file goes."""
+    from dpro.errors import UsageError
+    from dpro.record.trace import analysis_file
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run_dir / "analysis").symlink_to(elsewhere)
+    with pytest.raises(UsageError, match="is a link to .*elsewhere.*only inside the run directory"):
+        analyze_path(run_dir)
+    assert not any(elsewhere.iterdir())
+    (run_dir / "analysis").unlink()
+    (run_dir / "analysis" / "replay.json").mkdir(parents=True)
+    with pytest.raises(UsageError, match="replay.json is a folder"):
+        analysis_file(run_dir, "replay.json")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ANALYSIS_DIR",
     "CATEGORIES",
     "MODEL_FILE",
     "MODEL_SCHEMA",
@@ -24,6 +25,7 @@ __all__ = [
     "RUN_FILE",
     "RUN_SCHEMA",
     "TRACE_SCHEMA",
+    "analysis_file",
     "event_row",
     "busy_file",
     "journal_file",
@@ -45,6 +47,33 @@ QUEUE_ID = {name: i for i, name in enumerate(QUEUES)}
 
 RUN_FILE = "run.json"
 MODEL_FILE = "model.json"
+
+
+ANALYSIS_DIR = "analysis"
+
+
+def analysis_file(run_dir: str | Path, name: str) -> Path:
+    """``RUN/analysis/<name>``, where core writes what it derives from a run (replay.json, config.json); the folder
+    is made if needed. Nothing is written outside the run directory: a symlinked ``analysis`` folder, one that
+    resolves elsewhere, or a ``<name>`` that is a folder is refused (``-o`` chooses another place).
+
+    Raises:
+        UsageError: naming the path and what is wrong with it.
+    """
+    from dpro.errors import UsageError
+
+    run_dir = Path(run_dir)
+    folder = run_dir / ANALYSIS_DIR
+    if folder.is_symlink() or (folder.exists() and not folder.resolve().is_relative_to(run_dir.resolve())):
+        raise UsageError(f"{folder} is a link to {os.path.realpath(folder)}; dpro writes only inside the run "
+                         "directory (remove the link, or give -o to write elsewhere)")
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{folder} is not a folder; dpro writes its analysis there (move it away, or give -o)")
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    if path.is_dir() and not path.is_symlink():
+        raise UsageError(f"{path} is a folder; dpro writes a file there (move it away, or give -o)")
+    return path
 
 
 def rank_file(rank: int) -> str:
