@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import ConfigError
+from dpro.io.limits import parse_bounded_json
 from dpro.record.trace import write_json_atomic
 
 __all__ = [
@@ -485,7 +486,7 @@ def read_config(path: str | Path) -> Config:
     if not text.strip():
         raise ConfigError(path, "the file is empty, not JSON")
     try:
-        doc = json.loads(text, parse_constant=_reject_constant)
+        doc = parse_bounded_json(text, path, ConfigError, parse_constant=_reject_constant)
     except json.JSONDecodeError as err:
         raise ConfigError(path, f"not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from err
     except ValueError as err:

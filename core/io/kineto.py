@@ -47,6 +47,7 @@ import numpy as np
 from dpro.analyze import Analysis, critical_ops, error_pct, overlap_length, total_length, union_intervals
 from dpro.dag.graph import Graph, GraphBuilder
 from dpro.errors import GraphError, TraceError, UsageError
+from dpro.io.limits import parse_bounded_json
 from dpro.sim.replay import Schedule, plan_levels, replay
 
 __all__ = [
@@ -201,7 +202,7 @@ def _parse_json(path: Path, raw: bytes) -> Any:
     if not text.strip():
         raise TraceError(path, "not JSON: the file is empty")
     try:
-        return json.loads(text)
+        return parse_bounded_json(text, path, TraceError)
     except json.JSONDecodeError as err:
         at = f"line {err.lineno}, column {err.colno}"
         if not text[err.pos:].strip() or err.msg.startswith("Unterminated string"):

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
+from dpro.io.limits import parse_bounded_json
 from dpro.record.trace import (
     CATEGORIES,
     MODEL_FILE,
@@ -146,7 +147,7 @@ def _read_text(path: Path) -> str:
 
 def _parse_json(path: Path, text: str, where: str | None = None) -> Any:
     try:
-        return json.loads(text)
+        return parse_bounded_json(text, path, TraceError)
     except json.JSONDecodeError as err:
         at = where or f"line {err.lineno}, column {err.colno}"
         raise TraceError(path, _json_problem(text, err), at) from err
@@ -379,7 +380,7 @@ def _journal_events(path: Path, record: dict[str, Any], rank: int, n: int) -> An
 
 def _journal_line(path: Path, line: str, n: int, *, last: bool, problems: list[str]) -> dict[str, Any] | None:
     try:
-        record = json.loads(line)
+        record = parse_bounded_json(line, path, lambda p, problem: TraceError(p, problem, f"line {n}"))
     except json.JSONDecodeError as err:
         if not last:
             raise TraceError(path, f"{_json_problem(line, err)} in the middle of the journal",

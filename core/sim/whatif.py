@@ -28,6 +28,7 @@ from dpro.dag.align import align
 from dpro.dag.graph import OpStats, StepModel, graph_from_steps, step_model
 from dpro.engines import get_engine
 from dpro.errors import ConfigError, UsageError
+from dpro.io.limits import parse_bounded_json
 from dpro.io.load import Run
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
 from dpro.sim.replay import plan_levels, replay
@@ -71,7 +72,8 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
         if key not in known:
             raise UsageError(f"--set {key}: unknown knob; known: {', '.join(known)}")
         try:
-            value: Any = json.loads(raw)
+            value: Any = parse_bounded_json(raw, f"--set {key}",
+                                            lambda where, problem: UsageError(f"{where}: {problem}"))
         except json.JSONDecodeError:
             value = raw
         if key == "recompute" and isinstance(value, str):

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
+from dpro.io.limits import parse_bounded_json
 
 __all__ = [
     "TIMELINE_FILE",
@@ -176,7 +177,7 @@ def parse_timeline_text(text: str, path: str | Path = "<timeline>") -> tuple[lis
         raise TraceError(path, "the Horovod timeline is empty (Horovod opens it in hvd.init() and writes "
                                "the first event when a tensor is negotiated)")
     try:
-        doc = json.loads(stripped)
+        doc = parse_bounded_json(stripped, path, TraceError)
     except json.JSONDecodeError:
         doc = None
     if doc is not None:

@@ -1,0 +1,60 @@
+"""Bounds on what a reader accepts, so hostile or broken input ends in a clear error instead of a traceback or a
+machine out of memory. Each limit is documented and overridable through the environment.
+
+- ``json_depth_limit()``: how deeply a JSON document may nest (``$DPRO_MAX_JSON_DEPTH``, default 64; dpro's own
+  files nest at most 6 deep, a Kineto trace's ``args`` a few more).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_JSON_DEPTH", "JSON_DEPTH_ENV", "json_depth", "json_depth_limit", "parse_bounded_json"]
+
+JSON_DEPTH_ENV = "DPRO_MAX_JSON_DEPTH"
+DEFAULT_JSON_DEPTH = 64
+
+
+def json_depth_limit() -> int:
+    """The deepest nesting a reader accepts (``$DPRO_MAX_JSON_DEPTH``, else ``DEFAULT_JSON_DEPTH``)."""
+    try:
+        return max(1, int(os.environ.get(JSON_DEPTH_ENV, DEFAULT_JSON_DEPTH)))
+    except ValueError:
+        return DEFAULT_JSON_DEPTH
+
+
+def json_depth(doc: Any, stop_at: int) -> int:
+    """How deeply ``doc`` nests (a scalar: 0), counted without recursion; stops counting past ``stop_at``."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > stop_at:
+            return deepest
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def parse_bounded_json(text: str | bytes, source: str | Path, error: Callable[[str | Path, str], Exception],
+                       **loads: Any) -> Any:
+    """``json.loads(text, **loads)`` that refuses a document nested deeper than ``json_depth_limit()`` with
+    ``error(source, problem)`` (a ``TraceError`` or ``ConfigError``); ``json.JSONDecodeError`` is the caller's."""
+    limit = json_depth_limit()
+    try:
+        doc = json.loads(text, **loads)
+    except RecursionError:
+        raise error(source, f"JSON nested deeper than Python's parser goes (dpro reads at most {limit} levels; "
+                            f"${JSON_DEPTH_ENV} raises the limit)") from None
+    if json_depth(doc, limit) > limit:
+        raise error(source, f"JSON nested more than {limit} levels deep (${JSON_DEPTH_ENV} raises the limit)")
+    return doc
