@@ -94,15 +94,20 @@ SERVER_HOSTS_ENV = "DPRO_MXNET_SERVER_HOSTS"  # the host of each server, by serv
 def server_hosts(run: Any) -> list[str]:
     """The host of each recorded server, by server rank (run.json's ``mxnet.server_hosts``); empty when not
     known."""
-    hosts = ((run.meta or {}).get("mxnet") or {}).get("server_hosts") if run is not None else None
-    return [str(h) for h in hosts] if isinstance(hosts, list) else []
+    hosts = _section(run).get("server_hosts")
+    return [h for h in hosts if isinstance(h, str)] if isinstance(hosts, list) else []
+
+
+def _section(run: Any) -> dict[str, Any]:
+    section = ((run.meta or {}) if run is not None else {}).get("mxnet")
+    return section if isinstance(section, dict) else {}
 
 
 def worker_hosts(run: Any) -> list[str]:
     """The host of each worker, by rank (run.json's ``mxnet.worker_hosts``, else its ``hosts``)."""
     meta = (run.meta or {}) if run is not None else {}
-    hosts = (meta.get("mxnet") or {}).get("worker_hosts") or meta.get("hosts") or []
-    return [str(h) for h in hosts]
+    hosts = _section(run).get("worker_hosts") or meta.get("hosts") or []
+    return [h for h in hosts if isinstance(h, str)] if isinstance(hosts, list) else []
 
 
 def server_host(server: int, recorded: list[str], workers: list[str]) -> str | None:

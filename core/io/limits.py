@@ -3,6 +3,8 @@ machine out of memory. Each limit is documented and overridable through the envi
 
 - ``json_depth_limit()``: how deeply a JSON document may nest (``$DPRO_MAX_JSON_DEPTH``, default 64; dpro's own
   files nest at most 6 deep, a Kineto trace's ``args`` a few more).
+- ``world_size_limit()``: the most ranks a run may say it has (``$DPRO_MAX_WORLD_SIZE``, default 65,536): readers
+  walk every rank, so a run.json claiming 10^12 would otherwise run for hours.
 """
 
 from __future__ import annotations
@@ -13,18 +15,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_JSON_DEPTH", "JSON_DEPTH_ENV", "json_depth", "json_depth_limit", "parse_bounded_json"]
+__all__ = ["DEFAULT_JSON_DEPTH", "DEFAULT_WORLD_SIZE", "JSON_DEPTH_ENV", "WORLD_SIZE_ENV", "json_depth",
+           "json_depth_limit", "parse_bounded_json", "world_size_limit"]
 
 JSON_DEPTH_ENV = "DPRO_MAX_JSON_DEPTH"
 DEFAULT_JSON_DEPTH = 64
+WORLD_SIZE_ENV = "DPRO_MAX_WORLD_SIZE"
+DEFAULT_WORLD_SIZE = 65_536
+
+
+def _limit(variable: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(variable, default)))
+    except ValueError:
+        return default
+
+
+def world_size_limit() -> int:
+    """The most ranks a run may have (``$DPRO_MAX_WORLD_SIZE``, else ``DEFAULT_WORLD_SIZE``)."""
+    return _limit(WORLD_SIZE_ENV, DEFAULT_WORLD_SIZE)
 
 
 def json_depth_limit() -> int:
     """The deepest nesting a reader accepts (``$DPRO_MAX_JSON_DEPTH``, else ``DEFAULT_JSON_DEPTH``)."""
-    try:
-        return max(1, int(os.environ.get(JSON_DEPTH_ENV, DEFAULT_JSON_DEPTH)))
-    except ValueError:
-        return DEFAULT_JSON_DEPTH
+    return _limit(JSON_DEPTH_ENV, DEFAULT_JSON_DEPTH)
 
 
 def json_depth(doc: Any, stop_at: int) -> int:

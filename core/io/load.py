@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
-from dpro.io.limits import parse_bounded_json
+from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, world_size_limit
 from dpro.record.trace import (
     CATEGORIES,
     MODEL_FILE,
@@ -409,7 +409,7 @@ def _rank_trace(
         host=header.get("host") if isinstance(header.get("host"), str) else None,
         clock=clock if isinstance(clock, dict) else {},
         header=header,
-        world_size=world_size if _is_int(world_size) else None,
+        world_size=world_size if _is_int(world_size) and 0 < world_size <= world_size_limit() else None,
         note=str(header.get("note") or ""),
     )
 
@@ -425,12 +425,35 @@ def load_run_json(path: str | Path) -> dict[str, Any]:
     world_size = _need(path, doc, "world_size", int)
     if world_size < 1:
         raise TraceError(path, f"'world_size' must be at least 1, found {world_size}")
+    if world_size > world_size_limit():
+        raise TraceError(path, f"'world_size' {world_size} is above the {world_size_limit():,} ranks dpro reads "
+                               f"(${WORLD_SIZE_ENV} raises the limit)")
     if "hosts" in doc and not isinstance(doc["hosts"], list):
         raise TraceError(path, f"'hosts' must be a list (one host per rank), found {_kind(doc['hosts'])}")
     _steps_list(path, doc.get("profiled_steps", []), "profiled_steps")
     if "knobs" in doc and not isinstance(doc["knobs"], dict):
         raise TraceError(path, f"'knobs' must be an object, found {_kind(doc['knobs'])}")
+    _check_clocks(path, doc.get("clocks", {}))
     return doc
+
+
+def _check_clocks(path: Path, clocks: Any) -> None:
+    """``clocks.pingpong_us``: rank -> a list of [t0, t1, t2, t3] exchanges of finite numbers (alignment reads them)."""
+    if not isinstance(clocks, dict):
+        raise TraceError(path, f"'clocks' must be an object, found {_kind(clocks)}")
+    pingpong = clocks.get("pingpong_us", {})
+    if not isinstance(pingpong, dict):
+        raise TraceError(path, f"must be an object of rank -> exchanges, found {_kind(pingpong)}", "clocks.pingpong_us")
+    for rank, rounds in pingpong.items():
+        where = f"clocks.pingpong_us[{rank!r}]"
+        if not (isinstance(rank, str) and rank.isdigit()):
+            raise TraceError(path, "keys must be rank numbers", where)
+        if not isinstance(rounds, list):
+            raise TraceError(path, f"must be a list of [t0, t1, t2, t3] exchanges, found {_kind(rounds)}", where)
+        for i, exchange in enumerate(rounds):
+            if not (isinstance(exchange, list) and len(exchange) == 4 and all(_is_number(t) for t in exchange)):
+                raise TraceError(path, "an exchange must be [t0, t1, t2, t3], four finite numbers (µs)",
+                                 f"{where}[{i}]")
 
 
 def load_model_json(path: str | Path) -> dict[str, Any]:
@@ -449,6 +472,13 @@ def load_model_json(path: str | Path) -> dict[str, Any]:
                 raise TraceError(path, f"an entry must be an object, found {_kind(item)}", f"{key}[{i}]")
             for name, kind in needs:
                 _need(path, item, name, kind, f"{key}[{i}]")
+            if key == "gradients":
+                shape = item.get("shape", [])
+                if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+                    raise TraceError(path, f"'shape' must be a list of sizes, found {str(shape)[:40]}",
+                                     f"gradients[{i}]")
+                if item["bytes"] < 0:
+                    raise TraceError(path, f"'bytes' must not be negative, found {item['bytes']}", f"gradients[{i}]")
     return doc
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dpro.config import knob_table
@@ -44,6 +45,7 @@ __all__ = [
     "parse_settings",
     "predict",
     "recorded_groups",
+    "recorded_knobs",
     "regroup",
     "replay_model",
     "transformed_model",
@@ -133,9 +135,29 @@ def context(run: Run) -> Context:
                 transfers.append((float(op.args.get("bytes", 0)), base.transfer[op.name]))
     probe = (run.meta or {}).get("comm_probe", {}).get("samples", [])
     comm = fit_comm_model(transfers, probe, run.world_size)
-    knobs = dict((run.meta or {}).get("knobs", {}))
+    knobs = recorded_knobs(run)
     grads = [(g["name"], int(g["bytes"])) for g in run.model["gradients"]]
     return calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs))
+
+
+def recorded_knobs(run: Run) -> dict[str, Any]:
+    """run.json's ``knobs``, each one dpro can change checked as a config's would be (a recorder's other notes,
+    such as the optimizer's name, pass as they are).
+
+    Raises:
+        TraceError: naming run.json and the knob whose value is of the wrong kind or out of range.
+    """
+    from dpro.errors import TraceError
+
+    table = knob_table()
+    knobs = dict((run.meta or {}).get("knobs", {}))
+    for name, value in knobs.items():
+        if name in table and value is not None:
+            try:
+                knobs[name] = table[name].check(value, "run.json", name)
+            except ConfigError as err:
+                raise TraceError(Path(run.path) / "run.json", err.problem, f"knobs.{name}") from None
+    return knobs
 
 
 def calibrate(ctx: Context) -> Context:

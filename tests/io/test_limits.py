@@ -46,3 +46,42 @@ def test_every_reader_refuses_deep_json(run_dir, tmp_path):
         load_kineto(trace)
     with pytest.raises(UsageError, match="--set tensor_groups: JSON nested"):
         parse_settings(["tensor_groups=" + DEEP])
+
+
+def _edit(path, change):
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+def test_a_huge_world_size_is_refused_at_once(run_dir, monkeypatch):
+    _edit(run_dir / "run.json", lambda d: d.update(world_size=10**12))
+    with pytest.raises(TraceError, match="run.json.*'world_size' 1000000000000 is above the 65,536 ranks"):
+        load_run(run_dir)
+    monkeypatch.setenv("DPRO_MAX_WORLD_SIZE", "1")
+    _edit(run_dir / "run.json", lambda d: d.update(world_size=2))
+    with pytest.raises(TraceError, match="above the 1 ranks"):  # the limit is the environment's
+        load_run(run_dir)
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda d: d.update(clocks=5), "'clocks' must be an object"),
+    (lambda d: d["clocks"].update(pingpong_us={"1": [[1, 2, [3], 4]]}), "four finite numbers"),
+    (lambda d: d["clocks"].update(pingpong_us={"1": [[1, 2, 3, float("nan")]]}), "four finite numbers"),
+    (lambda d: d["clocks"].update(pingpong_us={"x": []}), "keys must be rank numbers"),
+])
+def test_clock_exchanges_are_checked_when_run_json_is_read(run_dir, change, says):
+    _edit(run_dir / "run.json", change)
+    with pytest.raises(TraceError, match=says):
+        load_run(run_dir)
+
+
+def test_a_gradient_shape_and_a_recorded_knob_of_the_wrong_kind_name_their_file(run_dir):
+    from dpro.sim.whatif import context
+
+    _edit(run_dir / "run.json", lambda d: d.setdefault("knobs", {}).update(world_size="two"))
+    with pytest.raises(TraceError, match=r"run.json \(knobs.world_size\)"):
+        context(load_run(run_dir))
+    _edit(run_dir / "model.json", lambda d: d["gradients"][0].update(shape="x"))
+    with pytest.raises(TraceError, match=r"model.json \(gradients\[0\]\): 'shape' must be a list of sizes"):
+        load_run(run_dir)
