@@ -74,14 +74,16 @@ def test_load_config_refuses_another_job(tmp_path):
 
 def test_load_config_warns_about_env_knobs_not_in_force(tmp_path, monkeypatch):
     model = mlp()
-    path = write_config(tmp_path / "config.json", make_config(model, env={"DPRO_TEST_KNOB": "1"}))
-    monkeypatch.delenv("DPRO_TEST_KNOB", raising=False)
-    with pytest.warns(UserWarning, match="not in force here: DPRO_TEST_KNOB"):
-        load_config(path, model=model)
-    monkeypatch.setenv("DPRO_TEST_KNOB", "1")
+    made = Config(fingerprint={"framework": "torch", "engine": "horovod", "world_size": 1, "model": fingerprint(model)},
+                  knobs={"env": {"HOROVOD_CYCLE_TIME": "2.5"}})  # a Horovod job's config (env: its knobs)
+    path = write_config(tmp_path / "config.json", made)
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
+    with pytest.warns(UserWarning, match="not in force here: HOROVOD_CYCLE_TIME"):
+        load_config(path, model=model, engine="horovod")
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2.5")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_config(path, model=model)
+        load_config(path, model=model, engine="horovod")
 
 
 # ---- ddp_kwargs ----------------------------------------------------------------------------------------
