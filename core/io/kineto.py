@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import math
 import re
 import statistics
 import zlib
@@ -47,7 +48,7 @@ import numpy as np
 from dpro.analyze import Analysis, critical_ops, error_pct, overlap_length, total_length, union_intervals
 from dpro.dag.graph import Graph, GraphBuilder
 from dpro.errors import GraphError, TraceError, UsageError
-from dpro.io.limits import parse_bounded_json
+from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, world_size_limit
 from dpro.sim.replay import Schedule, plan_levels, replay
 
 __all__ = [
@@ -167,11 +168,22 @@ def load_kineto(path: str | Path) -> KinetoTrace:
         raise TraceError(path, "no traceEvents list: not a PyTorch profiler (Kineto) trace")
     trace = _sort_events(path, doc["traceEvents"])
     dist = doc.get("distributedInfo") or {}
+    if not isinstance(dist, dict):
+        raise TraceError(path, f"'distributedInfo' must be an object, found {type(dist).__name__}")
     trace.rank = _opt_int(dist.get("rank"))
     trace.world_size = _opt_int(dist.get("world_size"))
-    trace.backend = dist.get("backend")
+    if trace.rank is not None and not 0 <= trace.rank < world_size_limit():
+        raise TraceError(path, f"distributedInfo.rank {trace.rank} is not a rank")
+    if trace.world_size is not None and not 0 < trace.world_size <= world_size_limit():
+        raise TraceError(path, f"distributedInfo.world_size {trace.world_size} is not a world size (1.."
+                               f"{world_size_limit():,}, ${WORLD_SIZE_ENV})")
+    backend = dist.get("backend")
+    trace.backend = backend if isinstance(backend, str) else None
     trace.base_time_ns = _opt_int(doc.get("baseTimeNanoseconds"))
-    trace.devices = list(doc.get("deviceProperties") or [])
+    devices = doc.get("deviceProperties") or []
+    if not isinstance(devices, list):
+        raise TraceError(path, f"'deviceProperties' must be a list of devices, found {type(devices).__name__}")
+    trace.devices = [d for d in devices if isinstance(d, dict)]
     return trace
 
 
@@ -215,7 +227,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _opt_int(value: Any) -> int | None:
-    return int(value) if _is_number(value) else None
+    return int(value) if _is_number(value) and math.isfinite(value) else None
 
 
 def _sort_events(path: Path, events: list[Any]) -> KinetoTrace:

@@ -374,6 +374,9 @@ def _journal_events(path: Path, record: dict[str, Any], rank: int, n: int) -> An
     for i, row in enumerate(rows):
         if not (isinstance(row, list) and len(row) == 6 and isinstance(row[5], dict)):
             raise TraceError(path, "a row must be [name, cat, tid, ts_ns, dur_ns, args]", f"line {n}, row {i}")
+        if not (_is_number(row[3]) and _is_number(row[4])):
+            raise TraceError(path, f"ts_ns and dur_ns must be numbers of nanoseconds, found {row[3]!r:.20}, "
+                                   f"{row[4]!r:.20}", f"line {n}, row {i}")
         events.append(row_event(row, rank))
     return events
 
