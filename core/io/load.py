@@ -260,6 +260,27 @@ def _check_x_event(path: Path, ev: dict[str, Any], rank: int, at: str) -> None:
         raise TraceError(path, f"args.step must be the integer step index, found {found!r}", at)
     if ev["cat"] == "COMM" and "bytes" in args and not (_is_number(args["bytes"]) and args["bytes"] >= 0):
         raise TraceError(path, f"COMM args.bytes must be a non-negative number, found {args['bytes']!r}", at)
+    _check_list_args(path, args, at)
+
+
+# args the core reads, with what each must hold (a list of ...)
+_LIST_ARGS: dict[str, tuple[str, Any]] = {
+    "tensors": ("gradient names", lambda v: isinstance(v, str)),
+    "grads": ("gradient names", lambda v: isinstance(v, str)),
+    "grads_ready_us": ("times in µs", lambda v: _is_number(v)),
+    "servers": ("server numbers", lambda v: _is_int(v) and v >= 0),
+    "part_bytes": ("byte counts", lambda v: _is_number(v) and v >= 0),
+}
+
+
+def _check_list_args(path: Path, args: dict[str, Any], at: str) -> None:
+    for key, (what, ok) in _LIST_ARGS.items():
+        if key in args and not (isinstance(args[key], list) and all(ok(v) for v in args[key])):
+            raise TraceError(path, f"args.{key} must be a list of {what}, found {str(args[key])[:40]}", at)
+    if "grads_ready_us" in args and len(args["grads_ready_us"]) != len(args.get("grads") or []):
+        raise TraceError(path, "args.grads_ready_us must hold one time per name in args.grads", at)
+    if "key" in args and not _is_int(args["key"]):
+        raise TraceError(path, f"args.key must be an integer kvstore key, found {args['key']!r:.40}", at)
 
 
 def _is_number(value: Any) -> bool:
@@ -436,6 +457,9 @@ def load_run_json(path: str | Path) -> dict[str, Any]:
     _steps_list(path, doc.get("profiled_steps", []), "profiled_steps")
     if "knobs" in doc and not isinstance(doc["knobs"], dict):
         raise TraceError(path, f"'knobs' must be an object, found {_kind(doc['knobs'])}")
+    for key in ("engine", "framework"):
+        if key in doc and not isinstance(doc[key], str):
+            raise TraceError(path, f"'{key}' must be a name, found {_kind(doc[key])}")
     _check_clocks(path, doc.get("clocks", {}))
     return doc
 

@@ -49,3 +49,29 @@ def test_a_nan_rank_in_a_kineto_header_is_no_rank(tmp_path):
     path.write_text(json.dumps(trace))
     loaded = load_kineto(path)
     assert loaded.rank is None and loaded.world_size is None
+
+
+@pytest.mark.parametrize(("name", "args", "says"), [
+    ("COMM.bucket0.allreduce", {"tensors": "fc2.weight"}, r"args.tensors must be a list of gradient names"),
+    ("COMM.bucket0.allreduce", {"servers": ["a"]}, r"args.servers must be a list of server numbers"),
+    ("COMM.bucket0.allreduce", {"part_bytes": [float("nan")]}, r"args.part_bytes must be a list of byte counts"),
+    ("COMM.bucket0.allreduce", {"key": "k"}, r"args.key must be an integer kvstore key"),
+    ("BW.fc2", {"grads": 5}, r"args.grads must be a list of gradient names"),
+    ("BW.fc2", {"grads": ["fc2.weight"], "grads_ready_us": [1.0, 2.0]}, r"one time per name in args.grads"),
+])
+def test_event_args_the_core_reads_are_checked(run_dir, name, args, says):
+    path = run_dir / "rank-1.json"
+    doc = json.loads(path.read_text())
+    event = next(e for e in doc["traceEvents"] if e.get("name") == name)
+    event["args"].update(args)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=r"rank-1\.json.*" + says):
+        load_run(run_dir)
+
+
+def test_run_json_engine_must_be_a_name(run_dir):
+    doc = json.loads((run_dir / "run.json").read_text())
+    doc["engine"] = ["torch-ddp"]
+    (run_dir / "run.json").write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=r"run\.json.*'engine' must be a name"):
+        load_run(run_dir)
