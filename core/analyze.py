@@ -276,5 +276,6 @@ def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Anal
 
     run = load_run(path)
     result = analyze_run(run, iterations)
-    write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule)
+    write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule,
+                       steps=result.model.steps)
     return result.analysis

@@ -141,3 +141,16 @@ def test_nothing_is_written_through_a_linked_analysis_folder(run_dir, tmp_path):
     (run_dir / "analysis" / "replay.json").mkdir(parents=True)
     with pytest.raises(UsageError, match="replay.json is a folder"):
         analysis_file(run_dir, "replay.json")
+
+
+def test_the_perfetto_trace_shows_the_last_steps_measured(tmp_path):
+    from run_builder import make_run
+
+    from dpro.report.perfetto import DEFAULT_MEASURED_STEPS
+
+    run_dir = make_run(tmp_path / "run", steps=range(3, 43))
+    analyze_path(run_dir)
+    trace = json.loads((run_dir / "analysis" / "replay.json").read_text())
+    measured = {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] < 1000}
+    assert measured == set(range(43 - DEFAULT_MEASURED_STEPS, 43))
+    assert any(e["pid"] >= 1000 for e in trace["traceEvents"] if e["ph"] == "X")

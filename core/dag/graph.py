@@ -337,6 +337,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         raise GraphError(f"{run.path}: the ranks have no profiled step in common "
                          f"({', '.join(f'rank {r}: {format_steps(t.steps)}' for r, t in sorted(run.ranks.items()))}); "
                          "record the same window on every rank")
+    wanted = set(steps)
     per_op: dict[tuple[int, str], list[tuple[float, float, float, dict]]] = defaultdict(list)
     step_us: dict[int, list[float]] = defaultdict(list)
     tail_us: dict[int, list[float]] = defaultdict(list)
@@ -350,7 +351,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         shift = alignment.offset_us.get(rank, 0.0)
         by_step: dict[int, list[dict]] = defaultdict(list)
         for e in trace.events:
-            if e["args"].get("step") in steps:
+            if e["args"].get("step") in wanted:
                 by_step[e["args"]["step"]].append(e)
         for step in steps:
             events = by_step[step]

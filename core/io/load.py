@@ -361,6 +361,7 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
     header.update(first.get("header") or {})
     problems: list[str] = []
     steps: list[int] = []
+    seen: set[int] = set()
     events: list[dict[str, Any]] = []
     marks: dict[int, str] = {}
     for n, line in enumerate(lines[1:], start=2):
@@ -368,7 +369,7 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
         if record is None:
             continue
         step = _need(path, record, "step", int, f"line {n}")
-        if step in steps:
+        if step in seen:
             raise TraceError(path, f"step {step} is journaled twice", f"line {n}")
         raw = _journal_events(path, record, file_rank, n)
         step_events, _ = validate_events(path, raw, rank=file_rank, where=f"line {n}",
@@ -378,6 +379,7 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
                 raise TraceError(path, f"event of step {ev['args']['step']} on the line of step {step}",
                                  f"line {n}, event {ev['name']!r}")
         steps.append(step)
+        seen.add(step)
         events.extend(step_events)
     queues = _default_queues()
     _check_queues(path, events, queues)

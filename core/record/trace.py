@@ -130,7 +130,7 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a trace is an ordinary file
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, separators=(",", ":"))
+            f.write(json.dumps(obj, separators=(",", ":")))  # dumps runs json's C encoder, dump the Python one
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

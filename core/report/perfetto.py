@@ -1,8 +1,12 @@
 """The Perfetto view: ``write_replay_trace`` writes one Chrome trace holding the measured timeline
-(aligned clocks) beside the replayed one, to open in Perfetto (ui.perfetto.dev)."""
+(aligned clocks) beside the replayed one, to open in Perfetto (ui.perfetto.dev).
+
+The measured side holds the last ``measured_steps`` steps the model was built from (default 20): the replayed
+side spans a few steps, and a recording of thousands of steps would make a trace Perfetto cannot open."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +23,28 @@ __all__ = [
 
 
 REPLAY_PID_BASE = 1000
+DEFAULT_MEASURED_STEPS = 20
 
 
-def write_replay_trace(path: Path, run: Run, alignment: Alignment, g: Graph, sched: Schedule) -> Path:
-    """One Chrome trace: measured events (pid = rank) and replayed ones (pid = 1000 + rank)."""
+def write_replay_trace(path: Path, run: Run, alignment: Alignment, g: Graph, sched: Schedule,
+                       steps: Iterable[int] | None = None, measured_steps: int = DEFAULT_MEASURED_STEPS) -> Path:
+    """One Chrome trace: measured events (pid = rank) and replayed ones (pid = 1000 + rank).
+
+    Args:
+        steps: the steps the model was built from (default: every step in the traces); the measured side shows
+            the last ``measured_steps`` of them.
+    """
     events: list[dict[str, Any]] = []
     origin = None
+    shown = _shown_steps(run, steps, measured_steps)
     for rank, trace in sorted(run.ranks.items()):
         shift = alignment.offset_us.get(rank, 0.0)
         events.append(_meta("process_name", rank, 0, {"name": f"rank {rank} measured"}))
         for tid, name in trace.queues.items():
             events.append(_meta("thread_name", rank, tid, {"name": name}))
         for e in trace.events:
+            if e["args"].get("step") not in shown:
+                continue
             aligned = dict(e, ts=e["ts"] - shift)
             events.append(aligned)
             if e["cat"] == "STEP" and (origin is None or aligned["ts"] < origin):
@@ -63,3 +77,10 @@ def write_replay_trace(path: Path, run: Run, alignment: Alignment, g: Graph, sch
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+
+def _shown_steps(run: Run, steps: Iterable[int] | None, limit: int) -> set[int | None]:
+    if steps is None:
+        steps = {e["args"].get("step") for trace in run.ranks.values() for e in trace.events}
+        steps.discard(None)
+    return set(sorted(steps)[-limit:])
