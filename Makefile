@@ -24,7 +24,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0" tensorflow-cpu keras pytorch-lightning lightning numpy networkx pytest ruff
+	$(PY) -m pip install -q "torch==2.13.0" tensorflow-cpu keras pytorch-lightning lightning numpy networkx orjson hypothesis pytest ruff
 	$(PY) -m pip install -q --no-deps "tf_keras~=2.21.0"
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
@@ -49,7 +49,7 @@ mxnet: $(MXNET_STAMP)
 $(MXNET_STAMP): setup.cfg pyproject.toml
 	test -x $(MXNET_VENV)/bin/python || $(PYTHON) -m venv $(MXNET_VENV)
 	$(MXNET_VENV)/bin/python -m pip install -q --upgrade pip
-	$(MXNET_VENV)/bin/python -m pip install -q "mxnet==1.9.1" "numpy<1.24" networkx pytest
+	$(MXNET_VENV)/bin/python -m pip install -q "mxnet==1.9.1" "numpy<1.24" networkx hypothesis pytest
 	$(MXNET_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(MXNET_STAMP)
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import ConfigError
-from dpro.io.limits import parse_bounded_json
+from dpro.io.limits import parse_bounded_json, read_bounded
 from dpro.record.trace import write_json_atomic
 
 __all__ = [
@@ -476,7 +476,7 @@ def read_config(path: str | Path) -> Config:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, ConfigError).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(path, "no such file; pass the config.json that `dpro optimize` wrote") from None
     except UnicodeDecodeError as err:

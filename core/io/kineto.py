@@ -32,12 +32,10 @@ This module imports no framework: json, gzip and numpy only.
 from __future__ import annotations
 
 import bisect
-import gzip
 import json
 import math
 import re
 import statistics
-import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +46,7 @@ import numpy as np
 from dpro.analyze import Analysis, critical_ops, error_pct, overlap_length, total_length, union_intervals
 from dpro.dag.graph import Graph, GraphBuilder
 from dpro.errors import GraphError, TraceError, UsageError
-from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, world_size_limit
+from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
 from dpro.sim.replay import Schedule, plan_levels, replay
 
 __all__ = [
@@ -63,7 +61,6 @@ __all__ = [
     "short_name",
 ]
 
-GZIP_MAGIC = b"\x1f\x8b"
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 NO_STEPS = ("cannot find the training steps: no ProfilerStep#N annotations; record with "
             "torch.profiler.profile(schedule=...) and call prof.step()")
@@ -163,7 +160,7 @@ def load_kineto(path: str | Path) -> KinetoTrace:
             without numeric ``ts``/``dur``, or no ``ProfilerStep#N`` annotation.
     """
     path = Path(path)
-    doc = _parse_json(path, _decompress(path, _read_bytes(path)))
+    doc = _parse_json(path, _read_bytes(path))
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise TraceError(path, "no traceEvents list: not a PyTorch profiler (Kineto) trace")
     trace = _sort_events(path, doc["traceEvents"])
@@ -189,21 +186,9 @@ def load_kineto(path: str | Path) -> KinetoTrace:
 
 def _read_bytes(path: Path) -> bytes:
     try:
-        return path.read_bytes()
+        return read_bounded(path, TraceError)  # gunzipped
     except OSError as err:
         raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
-
-
-def _decompress(path: Path, raw: bytes) -> bytes:
-    if not (path.name.endswith(".gz") or raw[:2] == GZIP_MAGIC):
-        return raw
-    try:
-        return gzip.decompress(raw)
-    except EOFError as err:
-        raise TraceError(path, "truncated gzip: the file ends before the compressed stream does "
-                               "(copied while still being written?)") from err
-    except (OSError, zlib.error) as err:
-        raise TraceError(path, f"corrupt gzip: {err}") from err
 
 
 def _parse_json(path: Path, raw: bytes) -> Any:

@@ -5,23 +5,45 @@ machine out of memory. Each limit is documented and overridable through the envi
   files nest at most 6 deep, a Kineto trace's ``args`` a few more).
 - ``world_size_limit()``: the most ranks a run may say it has (``$DPRO_MAX_WORLD_SIZE``, default 65,536): readers
   walk every rank, so a run.json claiming 10^12 would otherwise run for hours.
+- ``file_size_limit()``: the most bytes a reader takes from one file, after gunzip (``$DPRO_MAX_FILE_MB``, default
+  256 MB): a path to /dev/zero or a gzip bomb stops there instead of filling the machine's memory.
+- ``json_values_limit()``: the most values one JSON document may hold (``$DPRO_MAX_JSON_VALUES``, default 16
+  million; a 200 MB rank file holds about 10 million), counted before parsing: ``[0,0,0,...]`` within the size
+  limit would otherwise become gigabytes of Python objects.
+
+``read_bounded(path, error)`` reads a file under the size limit (gunzipping it when it is gzip);
+``parse_bounded_json`` parses under the depth and value limits, with orjson where it is installed (several times
+faster on big traces) and the standard library otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_JSON_DEPTH", "DEFAULT_WORLD_SIZE", "JSON_DEPTH_ENV", "WORLD_SIZE_ENV", "json_depth",
-           "json_depth_limit", "parse_bounded_json", "world_size_limit"]
+try:  # a maintained, fast parser where installed; the standard library's otherwise
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+
+__all__ = ["DEFAULT_FILE_MB", "DEFAULT_JSON_DEPTH", "DEFAULT_JSON_VALUES", "DEFAULT_WORLD_SIZE", "FILE_SIZE_ENV",
+           "JSON_DEPTH_ENV", "JSON_VALUES_ENV", "WORLD_SIZE_ENV", "file_size_limit", "json_depth", "json_depth_limit",
+           "json_values_limit", "parse_bounded_json", "read_bounded", "world_size_limit"]
 
 JSON_DEPTH_ENV = "DPRO_MAX_JSON_DEPTH"
 DEFAULT_JSON_DEPTH = 64
 WORLD_SIZE_ENV = "DPRO_MAX_WORLD_SIZE"
 DEFAULT_WORLD_SIZE = 65_536
+FILE_SIZE_ENV = "DPRO_MAX_FILE_MB"
+DEFAULT_FILE_MB = 256
+JSON_VALUES_ENV = "DPRO_MAX_JSON_VALUES"
+DEFAULT_JSON_VALUES = 16_000_000
+GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK = 1 << 22
 
 
 def _limit(variable: str, default: int) -> int:
@@ -39,6 +61,70 @@ def world_size_limit() -> int:
 def json_depth_limit() -> int:
     """The deepest nesting a reader accepts (``$DPRO_MAX_JSON_DEPTH``, else ``DEFAULT_JSON_DEPTH``)."""
     return _limit(JSON_DEPTH_ENV, DEFAULT_JSON_DEPTH)
+
+
+def file_size_limit() -> int:
+    """The most bytes read from one file, after gunzip (``$DPRO_MAX_FILE_MB`` MB, else ``DEFAULT_FILE_MB``)."""
+    return _limit(FILE_SIZE_ENV, DEFAULT_FILE_MB) * 1_000_000
+
+
+def json_values_limit() -> int:
+    """The most values one JSON document may hold (``$DPRO_MAX_JSON_VALUES``, else ``DEFAULT_JSON_VALUES``)."""
+    return _limit(JSON_VALUES_ENV, DEFAULT_JSON_VALUES)
+
+
+def read_bounded(path: str | Path, error: Callable[[str | Path, str], Exception]) -> bytes:
+    """The bytes of ``path``, gunzipped when they are gzip, refused with ``error(path, problem)`` past
+    ``file_size_limit()`` (read in chunks, so an endless device or a gzip bomb stops at the limit).
+
+    Raises:
+        OSError: the file cannot be opened or read (the caller words it).
+    """
+    limit = file_size_limit()
+    with open(path, "rb") as f:
+        head = f.read(_CHUNK)
+        if head[:2] == GZIP_MAGIC:
+            return _gunzip_bounded(path, head, f, limit, error)
+        parts = [head]
+        size = len(head)
+        while size <= limit and (chunk := f.read(_CHUNK)):
+            parts.append(chunk)
+            size += len(chunk)
+    if size > limit:
+        raise error(path, f"larger than {limit // 1_000_000} MB, the most dpro reads from one file "
+                          f"(${FILE_SIZE_ENV} raises the limit)")
+    return b"".join(parts)
+
+
+def _gunzip_bounded(path: str | Path, head: bytes, f: Any, limit: int,
+                    error: Callable[[str | Path, str], Exception]) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    inflate = zlib.decompressobj(wbits=31)
+    pending = head
+    while True:
+        try:
+            out = inflate.decompress(pending, limit + 1 - size)
+        except zlib.error as err:
+            raise error(path, f"corrupt gzip: {err}") from None
+        parts.append(out)
+        size += len(out)
+        if size > limit:
+            raise error(path, f"decompresses to more than {limit // 1_000_000} MB, the most dpro reads from one "
+                              f"file (${FILE_SIZE_ENV} raises the limit)")
+        if inflate.eof:  # a member ended; gzip files may hold several
+            rest = inflate.unused_data
+            if not rest:
+                rest = f.read(_CHUNK)
+                if not rest:
+                    return b"".join(parts)
+            inflate = zlib.decompressobj(wbits=31)
+            pending = rest
+            continue
+        pending = inflate.unconsumed_tail or f.read(_CHUNK)
+        if not pending:
+            raise error(path, "truncated gzip: the file ends before the compressed stream does "
+                              "(copied while still being written?)")
 
 
 def json_depth(doc: Any, stop_at: int) -> int:
@@ -62,14 +148,30 @@ def json_depth(doc: Any, stop_at: int) -> int:
 
 def parse_bounded_json(text: str | bytes, source: str | Path, error: Callable[[str | Path, str], Exception],
                        **loads: Any) -> Any:
-    """``json.loads(text, **loads)`` that refuses a document nested deeper than ``json_depth_limit()`` with
-    ``error(source, problem)`` (a ``TraceError`` or ``ConfigError``); ``json.JSONDecodeError`` is the caller's."""
+    """``json.loads(text, **loads)`` that refuses, with ``error(source, problem)`` (a ``TraceError`` or
+    ``ConfigError``), a document holding more than ``json_values_limit()`` values (counted by its commas, before
+    parsing) or nested deeper than ``json_depth_limit()``. orjson parses when installed and no ``loads`` options
+    are given; what it refuses (NaN, which Python's json writes) goes to the standard library, whose
+    ``json.JSONDecodeError`` is the caller's."""
     limit = json_depth_limit()
-    try:
-        doc = json.loads(text, **loads)
-    except RecursionError:
-        raise error(source, f"JSON nested deeper than Python's parser goes (dpro reads at most {limit} levels; "
-                            f"${JSON_DEPTH_ENV} raises the limit)") from None
+    separators = text.count(b"," if isinstance(text, bytes) else ",")
+    if separators >= json_values_limit():
+        raise error(source, f"JSON of more than {json_values_limit():,} values (${JSON_VALUES_ENV} raises the limit)")
+    doc = _NOT_PARSED
+    if _orjson is not None and not loads:
+        try:
+            doc = _orjson.loads(text)
+        except _orjson.JSONDecodeError:
+            pass  # NaN/Infinity, or broken JSON: the standard library decides, with its messages
+    if doc is _NOT_PARSED:
+        try:
+            doc = json.loads(text, **loads)
+        except RecursionError:
+            raise error(source, f"JSON nested deeper than Python's parser goes (dpro reads at most {limit} levels; "
+                                f"${JSON_DEPTH_ENV} raises the limit)") from None
     if json_depth(doc, limit) > limit:
         raise error(source, f"JSON nested more than {limit} levels deep (${JSON_DEPTH_ENV} raises the limit)")
     return doc
+
+
+_NOT_PARSED = object()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
-from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, world_size_limit
+from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
 from dpro.record.trace import (
     CATEGORIES,
     MODEL_FILE,
@@ -138,7 +138,7 @@ def read_json(path: str | Path) -> dict[str, Any]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return read_bounded(path, TraceError).decode("utf-8")
     except UnicodeDecodeError as err:
         raise TraceError(path, f"not UTF-8 text (byte {err.start}); is this a JSON file?") from err
     except OSError as err:

@@ -85,3 +85,63 @@ def test_a_gradient_shape_and_a_recorded_knob_of_the_wrong_kind_name_their_file(
     _edit(run_dir / "model.json", lambda d: d["gradients"][0].update(shape="x"))
     with pytest.raises(TraceError, match=r"model.json \(gradients\[0\]\): 'shape' must be a list of sizes"):
         load_run(run_dir)
+
+
+# ---- size and value counts -----------------------------------------------------------------------------------
+
+
+def test_a_file_over_the_size_limit_is_refused_naming_it(run_dir, monkeypatch):
+    from dpro.io.limits import FILE_SIZE_ENV
+
+    doc = json.loads((run_dir / "rank-1.json").read_text())
+    doc["note"] = "x" * 1_500_000
+    (run_dir / "rank-1.json").write_text(json.dumps(doc))
+    monkeypatch.setenv(FILE_SIZE_ENV, "1")
+    with pytest.raises(TraceError, match=r"rank-1\.json: larger than 1 MB.*DPRO_MAX_FILE_MB"):
+        load_run(run_dir)
+    monkeypatch.setenv(FILE_SIZE_ENV, "2")
+    assert load_run(run_dir).ranks[1].header["note"] == "x" * 1_500_000
+
+
+def test_an_endless_device_stops_at_the_limit(monkeypatch):
+    from dpro.io.limits import FILE_SIZE_ENV
+
+    monkeypatch.setenv(FILE_SIZE_ENV, "4")
+    with pytest.raises(ConfigError, match=r"/dev/zero: larger than 4 MB"):
+        read_config("/dev/zero")
+
+
+def test_a_gzip_bomb_stops_at_the_limit_and_a_cut_gzip_is_named(tmp_path, monkeypatch):
+    import gzip
+
+    from dpro.io.limits import FILE_SIZE_ENV, read_bounded
+
+    monkeypatch.setenv(FILE_SIZE_ENV, "2")
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b" " * 50_000_000))  # 50 MB from ~50 kB
+    with pytest.raises(TraceError, match=r"bomb\.json\.gz: decompresses to more than 2 MB"):
+        load_kineto(bomb)
+    good = gzip.compress(b'{"a": 1}') + gzip.compress(b"  ")  # two members, as gzip allows
+    assert read_bounded(_write(tmp_path / "two.gz", good), TraceError) == b'{"a": 1}  '
+    with pytest.raises(TraceError, match="truncated gzip"):
+        read_bounded(_write(tmp_path / "cut.gz", good[:12]), TraceError)
+    with pytest.raises(TraceError, match="corrupt gzip"):
+        read_bounded(_write(tmp_path / "bad.gz", good[:10] + b"\xff" * 20), TraceError)
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def test_a_document_of_too_many_values_is_refused_before_parsing(monkeypatch):
+    from dpro.io.limits import JSON_VALUES_ENV
+
+    monkeypatch.setenv(JSON_VALUES_ENV, "1000")
+    with pytest.raises(TraceError, match=r"x\.json: JSON of more than 1,000 values"):
+        parse_bounded_json("[" + ",".join(["0"] * 5000) + "]", "x.json", TraceError)
+    assert len(parse_bounded_json("[" + ",".join(["0"] * 500) + "]", "x.json", TraceError)) == 500
+
+
+def test_nan_written_by_python_still_parses():
+    assert parse_bounded_json('{"a": NaN}', "x.json", TraceError)["a"] != 0

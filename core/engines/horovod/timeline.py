@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
-from dpro.io.limits import parse_bounded_json
+from dpro.io.limits import parse_bounded_json, read_bounded
 
 __all__ = [
     "TIMELINE_FILE",
@@ -340,7 +340,7 @@ def read_timeline(path: str | Path) -> Timeline:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_bounded(path, TraceError).decode("utf-8", errors="replace")
     except OSError as err:
         raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
     events, truncated = parse_timeline_text(text, path)
