@@ -2,7 +2,8 @@
 
 Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its arguments and
 ``_cmd_<name>(args) -> int`` runs it; ``SUBCOMMANDS`` lists the declarers in the order ``--help``
-shows them. A ``DproError`` becomes ``dpro: error: <message>`` on stderr and exit status 2; argument
+shows them. A ``DproError`` (or a file that cannot be read or written) becomes one line,
+``dpro: error: <message>``, on stderr and exit status 2; ``-v`` adds the traceback, for bug reports. Argument
 mistakes are reported by argparse (also status 2).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +23,7 @@ from dpro.logs import set_verbosity
 __all__ = [
     "EXIT_ERROR",
     "build_parser",
+    "report_error",
     "parse_size",
 ]
 
@@ -251,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
         add(subparsers)
+    for sub in subparsers.choices.values():  # -v/-q after the subcommand too (dpro analyze RUN -v)
+        sub.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more diagnostics")
+        sub.add_argument("-q", "--quiet", action="count", default=argparse.SUPPRESS, help="fewer diagnostics")
     return parser
 
 
@@ -264,6 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_verbosity(args.verbose, args.quiet)
     try:
         return args.func(args)
-    except DproError as err:
-        print(f"dpro: error: {err}", file=sys.stderr)
-        return EXIT_ERROR
+    except (DproError, OSError) as err:
+        return report_error("dpro", err, verbose=args.verbose > 0)
+
+
+def report_error(program: str, err: BaseException, *, verbose: bool) -> int:
+    """``<program>: error: <message>`` on stderr (the traceback before it with ``verbose``); ``EXIT_ERROR``."""
+    if verbose:
+        traceback.print_exception(err, file=sys.stderr)
+    print(f"{program}: error: {err}", file=sys.stderr)
+    return EXIT_ERROR

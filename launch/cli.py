@@ -134,6 +134,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -308,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(config)
     except DproError as err:
+        if args.verbose:
+            traceback.print_exception(err, file=sys.stderr)
         print(f"dpro-launch: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -141,3 +141,12 @@ def test_format_table_aligns_columns() -> None:
 )
 def test_format_bytes(n: int, text: str) -> None:
     assert format_bytes(n) == text
+
+
+def test_verbose_adds_the_traceback_for_bug_reports(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run_dir / "rank-0.json").write_text('{"schema": "dpro.trace/1", "traceEvents": [')
+    assert main(["info", str(run_dir), "-v"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.splitlines()[-1].startswith("dpro: error: ")
+    assert "rank-0.json" in err.splitlines()[-1]
+
