@@ -8,6 +8,7 @@ __all__ = [
     "GraphError",
     "ConfigError",
     "DproError",
+    "RecordingRefused",
     "TraceError",
     "UsageError",
 ]
@@ -20,6 +21,15 @@ class DproError(Exception):
 
 class UsageError(DproError, ValueError):
     """A wrong argument to a dpro API or command (steps, run_dir, model, ...)."""
+
+
+class RecordingRefused(UsageError, SystemExit):
+    """A recording that cannot start (its run directory holds a run): a ``UsageError`` to code that catches it;
+    uncaught, the process ends with exit status 2 and no traceback (rank 0 has printed the reason, once)."""
+
+    def __init__(self, message: str) -> None:
+        UsageError.__init__(self, message)
+        self.code = 2
 
 
 class TraceError(DproError):

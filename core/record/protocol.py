@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from dpro.errors import UsageError
+from dpro.errors import RecordingRefused, UsageError
 
 __all__ = [
     "Clock",
@@ -233,19 +234,23 @@ class LocalTransport:
 
 def agree_run_dir(transport: Transport, run_dir: str | Path | None, who: str,
                   claim: Callable[[str | Path | None], Path] = claim_run_dir) -> Path:
-    """Rank 0 claims the run directory; the other ranks learn its name (or rank 0's error, raised on every
-    rank as ``UsageError``). Each host creates its own copy: no shared filesystem is needed."""
-    if transport.world_size == 1:
-        return claim(run_dir)
+    """Rank 0 claims the run directory; the other ranks learn its name. A refusal is printed once, by rank 0, and
+    raised on every rank as ``RecordingRefused`` (a ``UsageError``; uncaught, exit status 2 without a traceback).
+    Each host creates its own copy: no shared filesystem is needed."""
     answer = ""
     if transport.rank == 0:
         try:
-            answer = "ok:" + str(claim(run_dir).resolve())
+            claimed = claim(run_dir)
+            if transport.world_size == 1:
+                return claimed
+            answer = "ok:" + str(claimed.resolve())
         except UsageError as err:
             answer = "error:" + str(err)
-    kind, _, text = transport.broadcast_text(answer).partition(":")
+    kind, _, text = (transport.broadcast_text(answer) if transport.world_size > 1 else answer).partition(":")
     if kind == "error":
-        raise UsageError(f"{who}: {text}")
+        if transport.rank == 0:  # one line for the whole job, not a traceback from every rank
+            print(f"dpro: error: {who}: {text}", file=sys.stderr, flush=True)
+        raise RecordingRefused(f"{who}: {text}")
     path = Path(text)
     path.mkdir(parents=True, exist_ok=True)
     return path

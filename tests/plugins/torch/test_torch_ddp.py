@@ -114,5 +114,6 @@ def test_existing_run_is_never_overwritten(tmp_path):
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     proc = torchrun("ddp_job.py", "--steps", "3", "--profile", "1:2", "--run-dir", str(run_dir), check=False)
     assert proc.returncode != 0 and "never overwrites" in proc.stderr
+    assert proc.stderr.count("dpro: error:") == 1  # said once, by rank 0, not by every rank
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     json.loads((run_dir / "rank-0.json").read_text())
