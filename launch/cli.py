@@ -27,7 +27,7 @@ Engines (``--engine``)
                (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT;
                OMP_NUM_THREADS=1 unless set). The rendezvous store is hosted by dpro's agent on host 0 on
                a port it binds itself, so a taken port never stops a job. Other hosts are reached with
-               ``ssh`` (``-p``, ``-i``; no password prompts, no host-key questions): each runs the agent
+               ``ssh`` (``-p``, ``-i``; no prompts; host keys checked, see below): each runs the agent
                with this interpreter (its absolute path) in this directory, with dpro's environment and the
                local DPRO_*, HOROVOD_*, NCCL_*, GLOO_*, TORCH_*, OMP_*, MKL_*, CUDA_*, PYTHON*, PATH,
                LD_LIBRARY_PATH and VIRTUAL_ENV variables. localhost, 127.0.0.1, ::1 and this machine's
@@ -94,14 +94,20 @@ horovodrun options (same names and meaning; Horovod's knobs reach the job as env
 The table is ``dpro.launch.env.HOROVOD_KNOBS``. Any other option is an error (exit status 2).
 
 dpro options:
-    --engine {auto,torch,horovod,tf}  see above (default auto)
+    --engine {auto,torch,horovod,tf,mxnet}  see above (default auto)
+    --ssh-known-hosts FILE         the known-hosts file for every ssh dpro starts (default ssh's own,
+                                   ~/.ssh/known_hosts). Host keys are checked: a host seen for the first time
+                                   is added (StrictHostKeyChecking=accept-new), a changed key stops the job.
+                                   With --engine horovod, dpro logs in to each remote host this way before
+                                   horovodrun starts, since horovodrun's own ssh does not check keys.
+    --ssh-no-host-key-check        do not check host keys (what horovodrun does); a trusted network only
     --profile START:STOP           iterations to record (default 10:20, i.e. 10..19; START >= 1)
     --no-profile                   record nothing (e.g. to run with --apply only)
     --run-dir DIR                  the run directory (default a new ./dpro-runs/<timestamp>, or under
                                    $DPRO_RUN_DIR); a directory that holds a run is refused
     --optimize                     after a successful run: replay it, search bucket sizes, tensor groups and
                                    recomputation, write RUN/analysis/config.json and print the summary
-                                   (files of other hosts are copied here first with scp)
+                                   (files of other hosts are copied here first, as a tar stream over ssh)
     --memory-budget SIZE           peak memory per rank for --optimize, e.g. 2GiB (enables recomputation)
     --allow-compression            --optimize may choose fp16 gradient compression (changes numerics)
     --apply FILE|auto              apply a dpro config: its "env" knobs are set for every process and
@@ -179,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--hostfile", metavar="FILE", help="one 'HOST slots=N' per line")
     procs.add_argument("-p", "--ssh-port", type=int, metavar="PORT", help="ssh port on every host")
     procs.add_argument("-i", "--ssh-identity-file", metavar="KEY", help="ssh private key")
+    procs.add_argument("--ssh-known-hosts", metavar="FILE",
+                       help="known-hosts file that host keys are checked against (default ssh's ~/.ssh/known_hosts)")
+    procs.add_argument("--ssh-no-host-key-check", dest="ssh_host_key_check", action="store_false",
+                       help="do not check host keys (what horovodrun does); only on a network you trust")
     controller = procs.add_mutually_exclusive_group()
     controller.add_argument("--gloo", dest="controller", action="store_const", const="gloo",
                             help="Horovod's Gloo controller")
@@ -281,7 +291,8 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
         apply = "auto" if args.apply == "auto" else Path(args.apply)
     return LaunchConfig(
         command=command, np=args.np, hosts=hosts, engine=engine, ssh_port=args.ssh_port,
-        ssh_identity_file=args.ssh_identity_file, controller=args.controller or controller, horovod=horovod,
+        ssh_identity_file=args.ssh_identity_file, ssh_known_hosts=args.ssh_known_hosts,
+        ssh_host_key_check=args.ssh_host_key_check, controller=args.controller or controller, horovod=horovod,
         start_timeout=args.start_timeout, network_interfaces=args.network_interfaces,
         output_filename=args.output_filename, verbose=args.verbose, disable_cache=args.disable_cache,
         horovod_config_file=args.config_file, profile=None if args.no_profile else parse_window(args.profile),

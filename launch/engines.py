@@ -39,8 +39,8 @@ from dpro.launch.node import DEFAULT_GRACE_S, PORT_LINE, exit_status, rank_outpu
 from dpro.launch.settings import Host, LaunchConfig
 from dpro.logs import get_logger
 
-__all__ = ["ENGINES", "HorovodEngine", "TFEngine", "TorchEngine", "free_ports", "ssh_argv", "remote_env", "tf_cluster",
-           "tf_config"]
+__all__ = ["ENGINES", "HorovodEngine", "TFEngine", "TorchEngine", "check_host_keys", "free_ports", "ssh_argv",
+           "ssh_options", "remote_env", "tf_cluster", "tf_config"]
 
 PORT_PLACEHOLDER = "{master_port}"
 _FORWARDED_PREFIXES = ("DPRO_", "HOROVOD_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "MKL_", "CUDA_", "PYTHON")
@@ -55,12 +55,49 @@ _say = logger.info  # what the launcher tells its user
 
 
 def ssh_options(config: LaunchConfig) -> list[str]:
-    """Options shared by ssh and scp: no password prompts, no host-key questions, -p/-i from the command line."""
-    opts = ["-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-            "-o", "LogLevel=ERROR"]
+    """Options of every ssh dpro starts: no prompts (BatchMode), -i from the command line, and host keys checked.
+
+    A host seen for the first time has its key added to the known-hosts file (``accept-new``, ssh's own
+    ``~/.ssh/known_hosts`` unless ``--ssh-known-hosts``); a host whose key changed is refused by ssh.
+    ``--ssh-no-host-key-check`` turns checking off (what horovodrun always does).
+    """
+    opts = ["-o", "BatchMode=yes", "-o", "PasswordAuthentication=no", "-o", "LogLevel=ERROR"]
+    if config.ssh_host_key_check:
+        opts += ["-o", "StrictHostKeyChecking=accept-new"]
+        if config.ssh_known_hosts:
+            # ssh reads the value as a config line: %-tokens expand and blanks split, hence %% and the quotes
+            opts += ["-o", f'UserKnownHostsFile="{config.ssh_known_hosts.replace("%", "%%")}"']
+    else:
+        opts += ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
     if config.ssh_identity_file:
         opts += ["-i", config.ssh_identity_file]
     return opts
+
+
+def check_host_keys(config: LaunchConfig, *, timeout_s: float = 60.0) -> None:
+    """Log in to every remote host once with dpro's checked options (``ssh HOST true``).
+
+    horovodrun turns host-key checking off in its own ssh commands; this check runs first, so a host whose key
+    changed stops the job before horovodrun connects to it.
+
+    Raises:
+        UsageError: a host that refuses, whose key does not match, or that cannot be reached; ssh's own words.
+    """
+    if not config.ssh_host_key_check:
+        return
+    port = ["-p", str(config.ssh_port)] if config.ssh_port else []
+    for host in config.hosts:
+        if host.local:
+            continue
+        argv = ["ssh", *port, *ssh_options(config), "--", host.name, "true"]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise UsageError(f"host {host.name}: ssh did not answer in {timeout_s:.0f} s") from None
+        if proc.returncode != 0:
+            words = " ".join(proc.stderr.split())[-400:] or f"ssh exited with status {proc.returncode}"
+            raise UsageError(f"host {host.name}: ssh refused ({words}); if its host key changed on purpose, remove "
+                             f"the old key (ssh-keygen -R {host.name}), or pass --ssh-no-host-key-check")
 
 
 def remote_env(added: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -400,6 +437,7 @@ class HorovodEngine:
 
     def launch(self, config: LaunchConfig) -> int:
         (argv,) = self.command(config)
+        check_host_keys(config)
         if config.verbose:
             _say(shlex.join(argv))
         proc = subprocess.Popen(argv, env={**os.environ, **job_env(config)}, start_new_session=True, cwd=config.cwd)

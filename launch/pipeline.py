@@ -3,7 +3,7 @@
 - ``run(config)`` is the whole command: one job, then ``--optimize`` or the ``--auto`` loop.
 - ``run_job(config)`` claims the run directory, starts the engine, writes ``RUN/launch.json`` and says
   where the recording is.
-- ``collect_remote(config, run_dir)`` copies the run files of the other hosts here (scp).
+- ``collect_remote(config, run_dir)`` copies the run files of the other hosts here (tar over ssh).
 - ``optimize_run(run_dir, ...)`` is ``dpro optimize``: context -> optimize -> ``RUN/analysis/config.json``.
 - ``measured_step_ms(run_dir)`` is dpro's measured step (median STEP of the slowest rank).
 """
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import shutil
 import subprocess
+import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dpro.config import CONFIG_FILE, Config, read_config, write_config
 from dpro.errors import DproError, UsageError
@@ -61,27 +63,53 @@ def find_recorded_run(run_dir: Path) -> Path | None:
 
 
 def collect_remote(config: LaunchConfig, run_dir: Path) -> None:
-    """Copy the files each remote host wrote into its own ``run_dir`` here (scp, the job's ssh options).
+    """Copy the files each remote host wrote into its own ``run_dir`` here: ``ssh HOST tar -C RUN -cf - .``.
 
-    A file already here is kept (a host that shares this filesystem wrote it here already).
+    The archive is read as a stream and unpacked with tarfile's ``data`` filter (no absolute paths, no links
+    leading out, no devices); no shell glob is involved. A file already here is kept (a host that shares this
+    filesystem wrote it here already). A host that cannot be copied from is reported and skipped.
     """
     for host, _ in config.placement():
         if host.local:
             continue
         with tempfile.TemporaryDirectory(prefix="dpro-collect-") as tmp:
-            port = ["-P", str(config.ssh_port)] if config.ssh_port else []
-            for protocol in ([], ["-O"]):  # SFTP (OpenSSH >= 9 default), then the legacy scp protocol
-                argv = ["scp", "-q", "-r", *protocol, *port, *ssh_options(config), f"{host.name}:{run_dir}/*", tmp]
-                proc = subprocess.run(argv, capture_output=True, text=True)
-                if proc.returncode == 0:
-                    break
-            else:
-                _say(f"could not copy the run files of host {host.name}: {proc.stderr.strip() or proc.returncode}")
+            problem = fetch_remote_dir(config, host.name, run_dir, Path(tmp))
+            if problem:
+                _say(f"could not copy the run files of host {host.name}: {problem}")
                 continue
             for item in Path(tmp).iterdir():
                 target = run_dir / item.name
                 if not target.exists():
                     shutil.move(str(item), str(target))
+
+
+def fetch_remote_dir(config: LaunchConfig, host: str, remote_dir: Path, into: Path) -> str | None:
+    """Unpack ``remote_dir`` of ``host`` into ``into`` (a tar stream over ssh); None, or what went wrong."""
+    port = ["-p", str(config.ssh_port)] if config.ssh_port else []
+    remote = shlex.join(["tar", "-C", str(remote_dir), "-cf", "-", "."])
+    argv = ["ssh", *port, *ssh_options(config), "--", host, remote]
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors)
+        problem = None
+        try:
+            unpack_tar_stream(proc.stdout, into)
+        except (tarfile.TarError, OSError) as err:
+            problem = f"the archive it sent is not readable ({err})"
+        finally:
+            proc.stdout.close()
+            status = proc.wait()
+        errors.seek(0)
+        said = " ".join(errors.read().decode("utf-8", "replace").split())[-400:]
+    if status != 0:
+        return said or f"ssh exited with status {status}"
+    return problem
+
+
+def unpack_tar_stream(stream: IO[bytes], into: Path) -> None:
+    """Unpack a tar stream into ``into`` with tarfile's ``data`` filter: leading slashes are dropped, members
+    that lead out of ``into`` (``..``, links pointing out) and devices raise ``tarfile.TarError``."""
+    with tarfile.open(fileobj=stream, mode="r|") as archive:
+        archive.extractall(into, filter="data")
 
 
 def measured_step_ms(run_dir: Path) -> float:

@@ -78,7 +78,7 @@ class Host:
 def _host_slots(item: str, where: str, example: str) -> Host:
     name, sep, slots = item.strip().rpartition(":")
     if not sep:  # "node1": one slot, as with mpirun
-        return Host(item.strip(), 1)
+        return _host(item.strip(), 1, where)
     if not name:
         raise UsageError(f"{where} {item!r}: the host name is missing; write HOST:SLOTS, e.g. {example}")
     try:
@@ -87,7 +87,15 @@ def _host_slots(item: str, where: str, example: str) -> Host:
         raise UsageError(f"{where} {item!r}: slots must be an integer, e.g. {name}:4") from None
     if count < 1:
         raise UsageError(f"{where} {item!r}: slots must be at least 1, e.g. {name}:1")
-    return Host(name, count)
+    return _host(name, count, where)
+
+
+def _host(name: str, slots: int, where: str) -> Host:
+    """``Host(name, slots)`` with ``where`` (the option, or the file and line) in front of its message."""
+    try:
+        return Host(name, slots)
+    except UsageError as err:
+        raise UsageError(f"{where} {err}") from None
 
 
 def parse_hosts(text: str) -> list[Host]:
@@ -124,9 +132,10 @@ def parse_hostfile(path: str | Path) -> list[Host]:
         if len(parts) != 2 or not parts[1].startswith("slots="):
             raise UsageError(f"{where} {line!r}: expected 'HOST slots=N', e.g. node1 slots=4")
         try:
-            hosts.append(Host(parts[0], int(parts[1][len("slots="):])))
+            slots = int(parts[1][len("slots="):])
         except ValueError:
             raise UsageError(f"{where} {line!r}: slots must be an integer, e.g. {parts[0]} slots=4") from None
+        hosts.append(_host(parts[0], slots, where))
     if not hosts:
         raise UsageError(f"--hostfile {path}: no hosts in the file; write one 'HOST slots=N' per line")
     _check_unique(hosts, f"--hostfile {path}")
@@ -327,6 +336,8 @@ class LaunchConfig:
     engine: str = "torch"
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
+    ssh_known_hosts: str | None = None
+    ssh_host_key_check: bool = True
     controller: str | None = None
     horovod: HorovodSettings = field(default_factory=HorovodSettings)
     start_timeout: float | None = None
@@ -388,6 +399,18 @@ class LaunchConfig:
             if not key.is_file():
                 raise UsageError(f"--ssh-identity-file {self.ssh_identity_file}: no such file")
             self.ssh_identity_file = str(key.resolve())
+        if self.ssh_known_hosts is not None:
+            if not self.ssh_host_key_check:
+                raise UsageError("--ssh-known-hosts names where host keys are checked, --ssh-no-host-key-check turns "
+                                 "checking off; give one of them")
+            known = Path(self.ssh_known_hosts).expanduser()
+            if not known.parent.is_dir():
+                raise UsageError(f"--ssh-known-hosts {self.ssh_known_hosts}: the folder {known.parent} does not exist")
+            if '"' in str(known):  # ssh reads the option as a config line, where a double quote cannot be escaped
+                raise UsageError(f"--ssh-known-hosts {self.ssh_known_hosts}: a path with a double quote in it")
+            if known.is_dir():
+                raise UsageError(f"--ssh-known-hosts {self.ssh_known_hosts}: a directory, not a known-hosts file")
+            self.ssh_known_hosts = str(known.resolve())
         if self.start_timeout is None:
             env = os.environ.get("HOROVOD_START_TIMEOUT")
             try:

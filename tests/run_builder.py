@@ -129,3 +129,73 @@ def make_run_of(root: Path, events_of: Callable[[int, int], list[dict[str, Any]]
         doc["traceEvents"] += [e for s in steps for e in events_of(rank, s)]
         write_json(root / f"rank-{rank}.json", doc)
     return root
+
+
+# ---- a hand-written Horovod run: per-tensor COMM events and rank 0's timeline ---------------------------
+
+HOROVOD_TIMELINE_FILE = "horovod-timeline.json"
+OFFSET = 990_000.0   # rank 0's clock minus timeline time in the hand-written run
+SHAPES = {"fc2.bias": "[4]", "fc2.weight": "[4, 255]", "fc1.bias": "[255]", "fc1.weight": "[1793]"}
+BYTES = {"fc2.bias": 16, "fc2.weight": 4080, "fc1.bias": 1020, "fc1.weight": 7172}
+
+
+def horovod_timeline_events(steps: list[int]) -> list[dict[str, Any]]:
+    """Rank 0's timeline of a run whose steps each fuse (fc2.bias, fc2.weight) and (fc1.bias, fc1.weight)."""
+    pids = {name: i + 1 for i, name in enumerate(["broadcast.fc2.bias", *(f"allreduce.{n}" for n in SHAPES)])}
+    ev: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
+                                 "args": {"start_time_since_epoch_in_micros": 1_700_000_000_000_000}}]
+    for name, pid in pids.items():
+        ev.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+    b = pids["broadcast.fc2.bias"]
+    ev += [{"ph": "B", "name": "NEGOTIATE_BROADCAST", "ts": 100, "pid": b}, {"ph": "E", "ts": 110, "pid": b},
+           {"ph": "B", "name": "BROADCAST", "ts": 120, "pid": b}, {"ph": "E", "ts": 130, "pid": b}]
+    for step in steps:
+        t0 = 1_000_000.0 + step * 10_000 - OFFSET
+        for names, at in ((["fc2.bias", "fc2.weight"], 4120), (["fc1.bias", "fc1.weight"], 6120)):
+            p = [pids[f"allreduce.{n}"] for n in names]
+            for i, pid in enumerate(p):
+                ev += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": t0 + at + i, "pid": pid},
+                       {"ph": "X", "name": "0", "ts": t0 + at + i, "pid": pid, "dur": 0}]
+            ev += [{"ph": "E", "ts": t0 + at + 80, "pid": pid} for pid in p]
+            ev += [{"ph": "B", "name": "ALLREDUCE", "ts": t0 + at + 90 + i, "pid": pid} for i, pid in enumerate(p)]
+            for phase, start, end in (("MEMCPY_IN_FUSION_BUFFER", 100, 180), ("GLOO_ALLREDUCE", 180, 1280),
+                                      ("MEMCPY_OUT_FUSION_BUFFER", 1280, 1370)):
+                ev += [{"ph": "B", "name": phase, "ts": t0 + at + start, "pid": pid} for pid in p]
+                ev += [{"ph": "E", "ts": t0 + at + end, "pid": pid} for pid in p]
+            ev += [{"ph": "E", "ts": t0 + at + 1380, "pid": pid,
+                    "args": {"dtype": "float32", "shape": SHAPES[n]}} for pid, n in zip(p, names, strict=True)]
+    return ev
+
+
+def horovod_timeline_text(events: list[dict[str, Any]]) -> str:
+    """Horovod's layout: '[' then one event per line, comma-separated, closed by ']'."""
+    return "[\n" + ",\n".join(json.dumps(e) for e in events) + "]"
+
+
+def horovod_comm_events(rank: int, step: int) -> list[dict[str, Any]]:
+    """What record_horovod writes: one COMM event per tensor, launch to completion."""
+    t0 = 1_000_000.0 + step * 10_000 + rank * 50
+    out = []
+    for names, launch, done in ((["fc2.bias", "fc2.weight"], 4100, 5600), (["fc1.bias", "fc1.weight"], 6100, 7600)):
+        for i, n in enumerate(names):
+            out.append({"name": f"COMM.{n}.allreduce", "cat": "COMM", "ph": "X", "ts": t0 + launch + 10 * i,
+                        "dur": done - launch - 10 * i, "pid": rank, "tid": 1,
+                        "args": {"step": step, "bytes": BYTES[n], "tensors": [n], "op": "allreduce",
+                                 "phase": "allreduce", "hvd_name": n}})
+    return out
+
+
+def make_horovod_run(root: Path, timeline: str | None, steps: tuple[int, ...] = (3, 4)) -> Path:
+    make_run(root, steps=steps)
+    meta = json.loads((root / "run.json").read_text())
+    meta.update(engine="horovod", knobs={"HOROVOD_FUSION_THRESHOLD": 48 * 2**20, "HOROVOD_CYCLE_TIME": 5.0})
+    (root / "run.json").write_text(json.dumps(meta))
+    for rank in (0, 1):
+        path = root / f"rank-{rank}.json"
+        doc = json.loads(path.read_text())
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "COMM"]
+        doc["traceEvents"] += [e for s in steps for e in horovod_comm_events(rank, s)]
+        path.write_text(json.dumps(doc))
+    if timeline is not None:
+        (root / HOROVOD_TIMELINE_FILE).write_text(timeline)
+    return root

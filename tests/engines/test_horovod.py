@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 from jobrunner import JOBS, job_env, run_job
-from run_builder import make_run
+from run_builder import (
+    BYTES,
+    OFFSET,
+    SHAPES,
+    horovod_timeline_events,
+    horovod_timeline_text,
+    make_horovod_run,
+    make_run,
+)
 
 from dpro.engines.horovod.search import HVD_CYCLES_MS, HVD_THRESHOLDS_MB, horovod_cycles, horovod_fusion
 from dpro.engines.horovod.timeline import (
@@ -33,78 +41,8 @@ HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
 needs_horovod = pytest.mark.skipif(
     not HAVE_HOROVOD, reason="horovod is not installed in this venv (make horovod / scripts/build_horovod.sh)")
 
-OFFSET = 990_000.0   # rank 0's clock minus timeline time in the hand-written run
-SHAPES = {"fc2.bias": "[4]", "fc2.weight": "[4, 255]", "fc1.bias": "[255]", "fc1.weight": "[1793]"}
-BYTES = {"fc2.bias": 16, "fc2.weight": 4080, "fc1.bias": 1020, "fc1.weight": 7172}
-
-
-# ---- a hand-written Horovod timeline -------------------------------------------------------------
-
-
-def _timeline_events(steps: list[int]) -> list[dict[str, Any]]:
-    """Rank 0's timeline of a run whose steps each fuse (fc2.bias, fc2.weight) and (fc1.bias, fc1.weight)."""
-    pids = {name: i + 1 for i, name in enumerate(["broadcast.fc2.bias", *(f"allreduce.{n}" for n in SHAPES)])}
-    ev: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
-                                 "args": {"start_time_since_epoch_in_micros": 1_700_000_000_000_000}}]
-    for name, pid in pids.items():
-        ev.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
-    b = pids["broadcast.fc2.bias"]
-    ev += [{"ph": "B", "name": "NEGOTIATE_BROADCAST", "ts": 100, "pid": b}, {"ph": "E", "ts": 110, "pid": b},
-           {"ph": "B", "name": "BROADCAST", "ts": 120, "pid": b}, {"ph": "E", "ts": 130, "pid": b}]
-    for step in steps:
-        t0 = 1_000_000.0 + step * 10_000 - OFFSET
-        for names, at in ((["fc2.bias", "fc2.weight"], 4120), (["fc1.bias", "fc1.weight"], 6120)):
-            p = [pids[f"allreduce.{n}"] for n in names]
-            for i, pid in enumerate(p):
-                ev += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": t0 + at + i, "pid": pid},
-                       {"ph": "X", "name": "0", "ts": t0 + at + i, "pid": pid, "dur": 0}]
-            ev += [{"ph": "E", "ts": t0 + at + 80, "pid": pid} for pid in p]
-            ev += [{"ph": "B", "name": "ALLREDUCE", "ts": t0 + at + 90 + i, "pid": pid} for i, pid in enumerate(p)]
-            for phase, start, end in (("MEMCPY_IN_FUSION_BUFFER", 100, 180), ("GLOO_ALLREDUCE", 180, 1280),
-                                      ("MEMCPY_OUT_FUSION_BUFFER", 1280, 1370)):
-                ev += [{"ph": "B", "name": phase, "ts": t0 + at + start, "pid": pid} for pid in p]
-                ev += [{"ph": "E", "ts": t0 + at + end, "pid": pid} for pid in p]
-            ev += [{"ph": "E", "ts": t0 + at + 1380, "pid": pid,
-                    "args": {"dtype": "float32", "shape": SHAPES[n]}} for pid, n in zip(p, names, strict=True)]
-    return ev
-
-
-def _timeline_text(events: list[dict[str, Any]]) -> str:
-    """Horovod's layout: '[' then one event per line, comma-separated, closed by ']'."""
-    return "[\n" + ",\n".join(json.dumps(e) for e in events) + "]"
-
-
-def _hvd_comm_events(rank: int, step: int) -> list[dict[str, Any]]:
-    """What record_horovod writes: one COMM event per tensor, launch to completion."""
-    t0 = 1_000_000.0 + step * 10_000 + rank * 50
-    out = []
-    for names, launch, done in ((["fc2.bias", "fc2.weight"], 4100, 5600), (["fc1.bias", "fc1.weight"], 6100, 7600)):
-        for i, n in enumerate(names):
-            out.append({"name": f"COMM.{n}.allreduce", "cat": "COMM", "ph": "X", "ts": t0 + launch + 10 * i,
-                        "dur": done - launch - 10 * i, "pid": rank, "tid": 1,
-                        "args": {"step": step, "bytes": BYTES[n], "tensors": [n], "op": "allreduce",
-                                 "phase": "allreduce", "hvd_name": n}})
-    return out
-
-
-def _horovod_run(root: Path, timeline: str | None, steps: tuple[int, ...] = (3, 4)) -> Path:
-    make_run(root, steps=steps)
-    meta = json.loads((root / "run.json").read_text())
-    meta.update(engine="horovod", knobs={"HOROVOD_FUSION_THRESHOLD": 48 * 2**20, "HOROVOD_CYCLE_TIME": 5.0})
-    (root / "run.json").write_text(json.dumps(meta))
-    for rank in (0, 1):
-        path = root / f"rank-{rank}.json"
-        doc = json.loads(path.read_text())
-        doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "COMM"]
-        doc["traceEvents"] += [e for s in steps for e in _hvd_comm_events(rank, s)]
-        path.write_text(json.dumps(doc))
-    if timeline is not None:
-        (root / TIMELINE_FILE).write_text(timeline)
-    return root
-
-
 def test_timeline_phases_and_fused_groups() -> None:
-    events, truncated = parse_timeline_text(_timeline_text(_timeline_events([3])))
+    events, truncated = parse_timeline_text(horovod_timeline_text(horovod_timeline_events([3])))
     assert not truncated
     ops, start_epoch, incomplete, _ = tensor_ops(events)
     assert start_epoch == 1_700_000_000_000_000 and incomplete == 0
@@ -126,7 +64,7 @@ def test_timeline_phases_and_fused_groups() -> None:
 
 @pytest.mark.parametrize("cut", ["no-bracket", "trailing-comma", "mid-event"])
 def test_truncated_timeline_is_read_up_to_the_cut(cut: str, tmp_path: Path) -> None:
-    text = _timeline_text(_timeline_events([3, 4]))
+    text = horovod_timeline_text(horovod_timeline_events([3, 4]))
     body = text[:-1]  # without the closing ']'
     cuts = {"no-bracket": body, "trailing-comma": body + ",\n",
             "mid-event": body[: body.rindex('{"ph": "E"') + 15]}
@@ -140,7 +78,7 @@ def test_truncated_timeline_is_read_up_to_the_cut(cut: str, tmp_path: Path) -> N
 
 
 def test_broken_timeline_is_refused_with_the_file(tmp_path: Path) -> None:
-    lines = _timeline_text(_timeline_events([3])).split("\n")
+    lines = horovod_timeline_text(horovod_timeline_events([3])).split("\n")
     lines[5] = lines[5][:10]  # corruption in the middle, complete events after it
     path = tmp_path / TIMELINE_FILE
     path.write_text("\n".join(lines))
@@ -152,7 +90,7 @@ def test_broken_timeline_is_refused_with_the_file(tmp_path: Path) -> None:
 
 
 def test_load_run_merges_the_timeline_into_fused_comm_events(tmp_path: Path) -> None:
-    run = load_run(_horovod_run(tmp_path / "run", _timeline_text(_timeline_events([3, 4]))))
+    run = load_run(make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4]))))
     assert run.problems == []
     merged = run.meta["horovod"]["merged"]
     assert merged["fused_groups"] == 5 and merged["steps"] == [3, 4]  # 4 fused allreduces + the broadcast
@@ -179,14 +117,14 @@ def test_load_run_merges_the_timeline_into_fused_comm_events(tmp_path: Path) -> 
 
 
 def test_truncated_timeline_merges_and_says_so(tmp_path: Path) -> None:
-    text = _timeline_text(_timeline_events([3, 4]))[:-1]
-    run = load_run(_horovod_run(tmp_path / "run", text))
+    text = horovod_timeline_text(horovod_timeline_events([3, 4]))[:-1]
+    run = load_run(make_horovod_run(tmp_path / "run", text))
     assert any("cut off" in p for p in run.problems)
     assert all("buffer" in e["args"] for e in run.ranks[0].events if e["cat"] == "COMM")
 
 
 def test_unreadable_timeline_keeps_the_per_tensor_events(tmp_path: Path) -> None:
-    run = load_run(_horovod_run(tmp_path / "run", "{not a timeline"))
+    run = load_run(make_horovod_run(tmp_path / "run", "{not a timeline"))
     assert any("not a Horovod timeline" in p for p in run.problems)
     assert any(e["name"] == "COMM.fc2.bias.allreduce" for e in run.ranks[0].events)
     assert merge_horovod_timeline(load_run(make_run(tmp_path / "plain"))) is None  # no timeline: nothing to do
@@ -219,7 +157,7 @@ def _fusion_timeline(fusions: dict[int, list[tuple[list[str], int]]]) -> str:
             ev += [{"ph": "E", "ts": t0 + at + OPERATION - 10, "pid": pid} for pid in p]
             ev += [{"ph": "E", "ts": t0 + at + OPERATION, "pid": pid, "args": {"dtype": "float32", "shape": SHAPES[n]}}
                    for pid, n in zip(p, names, strict=True)]
-    return _timeline_text(ev)
+    return horovod_timeline_text(ev)
 
 
 def _fusion_comm_events(rank: int, step: int, groups: list[tuple[list[str], int]]) -> list[dict[str, Any]]:
@@ -239,7 +177,7 @@ def _fusion_comm_events(rank: int, step: int, groups: list[tuple[list[str], int]
 
 
 def _fusion_run(root: Path, fusions: dict[int, list[tuple[list[str], int]]] = FUSIONS) -> Path:
-    root = _horovod_run(root, _fusion_timeline(fusions), steps=tuple(fusions))
+    root = make_horovod_run(root, _fusion_timeline(fusions), steps=tuple(fusions))
     for rank in (0, 1):
         path = root / f"rank-{rank}.json"
         doc = json.loads(path.read_text())
@@ -358,7 +296,7 @@ def test_the_loop_is_calibrated_from_the_timeline_buffers(tmp_path: Path) -> Non
 
 
 def test_horovod_fusion_picks_a_setting_and_optimize_writes_env_knobs(tmp_path: Path) -> None:
-    run = load_run(_horovod_run(tmp_path / "run", _timeline_text(_timeline_events([3, 4]))))
+    run = load_run(make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4]))))
     ctx = context(run)
     results = horovod_fusion(ctx)
     # autotune's space: thresholds 0 (no fusion) .. 256 MB, cycles up to 50 ms; and the setting in force (48 MB)
@@ -495,14 +433,19 @@ def test_dynamic_timeline_is_written_into_the_run_dir(tmp_path: Path) -> None:
 def test_whatif_prices_horovod_knobs_and_refuses_them_on_another_engine(tmp_path: Path) -> None:
     """Horovod's knobs are in the knob table: `dpro whatif --set HOROVOD_CYCLE_TIME=...` on a Horovod run is the
     search's own price of that setting; on a DDP run the knob is refused naming its engine."""
-    from run_builder import make_run
+    from run_builder import (
+        horovod_timeline_events,
+        horovod_timeline_text,
+        make_horovod_run,
+        make_run,
+    )
 
     from dpro.cli import main
     from dpro.engines.horovod.search import horovod_predict
     from dpro.errors import UsageError
     from dpro.sim.whatif import parse_settings, predict
 
-    ctx = context(load_run(_horovod_run(tmp_path / "run", _timeline_text(_timeline_events([3, 4])))))
+    ctx = context(load_run(make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4])))))
     knobs = parse_settings(["HOROVOD_CYCLE_TIME=25", "HOROVOD_FUSION_THRESHOLD=0"])
     assert knobs == {"HOROVOD_CYCLE_TIME": 25.0, "HOROVOD_FUSION_THRESHOLD": 0}
     baseline = predict(ctx, {}).predicted_step_ms

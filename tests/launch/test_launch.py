@@ -471,14 +471,153 @@ def sshd(tmp_path_factory):
 def test_a_host_over_ssh_records_and_is_collected(tmp_path, sshd):
     port, key = sshd
     proc = run_job(launcher("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", str(port), "-i", str(key),
-                            "--profile", "2:6", "--run-dir", "run", "--optimize", "--verbose", "python",
+                            "--ssh-known-hosts", str(tmp_path / "known_hosts"), "--profile", "2:6", "--run-dir", "run",
+                            "--optimize", "--verbose", "python",
                             str(JOBS / "plain_ddp.py"), "--print-env"),
                    env=env_for_jobs(), cwd=tmp_path, timeout=240)
     assert "ssh -p" in proc.stderr and "127.0.0.2" in proc.stderr  # rank 0 went through ssh
     assert "could not copy" not in proc.stderr
+    assert _known(tmp_path / "known_hosts", port)  # the host key was checked and written down
     run = load_run(tmp_path / "run")
     assert run.meta["world_size"] == 2 and sorted(run.ranks) == [0, 1] and not run.problems
     for rank in (0, 1):
         assert [e["args"]["step"] for e in _events(run, rank, "STEP")] == [2, 3, 4, 5]
     assert "MASTER_ADDR=127.0.0.2" in proc.stdout
     assert (tmp_path / "run" / "analysis" / "config.json").is_file()
+
+
+# ---- ssh: host keys, hostfile messages, remote copy ------------------------------------------------------------
+
+
+def _options(config: LaunchConfig) -> dict[str, str]:
+    opts = engines.ssh_options(config)
+    return dict(opts[i + 1].split("=", 1) for i in range(len(opts) - 1) if opts[i] == "-o")
+
+
+def test_ssh_checks_host_keys_unless_told_not_to(tmp_path):
+    default = _options(parse("-np", "2", "-H", "a:1,b:1", "--engine", "torch", "python", "x.py"))
+    assert default["StrictHostKeyChecking"] == "accept-new" and "UserKnownHostsFile" not in default
+    assert default["BatchMode"] == "yes" and default["PasswordAuthentication"] == "no"
+    known = tmp_path / "my hosts"
+    own = _options(parse("-np", "2", "-H", "a:1,b:1", "--ssh-known-hosts", str(known), "python", "x.py"))
+    assert own["StrictHostKeyChecking"] == "accept-new" and own["UserKnownHostsFile"] == f'"{known}"'
+    off = _options(parse("-np", "2", "-H", "a:1,b:1", "--ssh-no-host-key-check", "python", "x.py"))
+    assert off["StrictHostKeyChecking"] == "no" and off["UserKnownHostsFile"] == "/dev/null"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--ssh-known-hosts", "k", "--ssh-no-host-key-check"], "give one of them"),
+    (["--ssh-known-hosts", "no/such/folder/k"], "does not exist"),
+    (["--ssh-known-hosts", "."], "a directory, not a known-hosts file"),
+])
+def test_bad_ssh_options_are_explained(tmp_path, argv, message):
+    with pytest.raises(UsageError, match=message):
+        parse("-np", "2", *argv, "python", "x.py", cwd=tmp_path)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("-oProxyCommand=x slots=2", r"line 2: host name '-oProxyCommand=x' is not valid"),
+    ("-oProxyCommand=x", r"line 2: host name '-oProxyCommand=x' is not valid"),
+    ("node2 slots=many", r"line 2: 'node2 slots=many': slots must be an integer"),
+    ("node2 slots=0", r"line 2: host 'node2': slots must be a positive integer"),
+    ("node2 cores=2", r"line 2: 'node2 cores=2': expected 'HOST slots=N'"),
+    ("node1 slots=1", r"listed twice"),
+])
+def test_hostfile_lines_are_explained_exactly(tmp_path, line, message):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"node1 slots=2\n{line}\n")
+    with pytest.raises(UsageError, match=message) as exc:
+        parse("-np", "2", "--hostfile", str(hostfile), "python", "x.py")
+    assert str(hostfile) in str(exc.value)
+
+
+def _known(known_hosts: Path, port: int) -> bool:
+    """Whether the known-hosts file holds 127.0.0.2 on ``port`` (ssh may store the name hashed)."""
+    found = subprocess.run(["ssh-keygen", "-F", f"[127.0.0.2]:{port}", "-f", str(known_hosts)], capture_output=True)
+    return found.returncode == 0
+
+
+def test_a_new_host_key_is_recorded_and_a_changed_one_refused(tmp_path, sshd):
+    port, key = sshd
+    known = tmp_path / "known_hosts"
+    config = parse("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", str(port), "-i", str(key),
+                   "--ssh-known-hosts", str(known), "python", "x.py")
+    engines.check_host_keys(config)  # first contact: accepted and written down
+    assert (key.parent / "host_key.pub").read_text().split()[1] in known.read_text() and _known(known, port)
+    engines.check_host_keys(config)  # the same key again: fine
+    other = tmp_path / "other"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    known.write_text(f"[127.0.0.2]:{port} {' '.join(other.with_suffix('.pub').read_text().split()[:2])}\n")
+    with pytest.raises(UsageError, match=r"host 127\.0\.0\.2: ssh refused .*ssh-keygen -R 127\.0\.0\.2"):
+        engines.check_host_keys(config)
+    unchecked = parse("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", str(port), "-i", str(key),
+                      "--ssh-no-host-key-check", "python", "x.py")
+    engines.check_host_keys(unchecked)  # checking off: nothing is asked
+    assert engines.ssh_options(unchecked)  # and the job's own ssh would log in
+    probe = ["ssh", "-p", str(port), *engines.ssh_options(unchecked), "--", "127.0.0.2", "true"]
+    assert subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+
+
+def test_a_remote_directory_is_copied_as_a_tar_stream(tmp_path, sshd):
+    from dpro.launch.pipeline import fetch_remote_dir
+
+    port, key = sshd
+    remote = tmp_path / "remote run"  # a blank in the path: no shell glob or word splitting on the way
+    (remote / "rank1").mkdir(parents=True)
+    (remote / "rank1" / "journal.jsonl").write_text('{"step": 1}\n')
+    (remote / "run.json").write_text("{}")
+    config = parse("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", str(port), "-i", str(key),
+                   "--ssh-known-hosts", str(tmp_path / "known_hosts"), "python", "x.py")
+    into = tmp_path / "here"
+    into.mkdir()
+    assert fetch_remote_dir(config, "127.0.0.2", remote, into) is None
+    assert (into / "rank1" / "journal.jsonl").read_text() == '{"step": 1}\n' and (into / "run.json").is_file()
+    problem = fetch_remote_dir(config, "127.0.0.2", tmp_path / "missing", tmp_path / "empty")
+    assert problem and "missing" in problem
+
+
+@pytest.mark.parametrize("member", ["../outside", "rank0/../../outside", "link-out"])
+def test_a_tar_stream_cannot_write_outside_the_run(tmp_path, member):
+    import io
+    import tarfile
+
+    from dpro.launch.pipeline import unpack_tar_stream
+
+    payload = io.BytesIO()
+    with tarfile.open(fileobj=payload, mode="w") as archive:
+        archive.addfile(_tar_member("rank0/ok.jsonl", b"{}"), io.BytesIO(b"{}"))
+        info = _tar_member(member, b"evil")
+        if member == "link-out":
+            info.type, info.linkname, info.size = tarfile.SYMTYPE, "../../outside", 0
+        archive.addfile(info, io.BytesIO(b"evil"))
+        archive.addfile(_tar_member("/abs/file", b"abs"), io.BytesIO(b"abs"))
+    payload.seek(0)
+    into = tmp_path / "run" / "copy"
+    into.mkdir(parents=True)
+    with pytest.raises(tarfile.TarError):
+        unpack_tar_stream(payload, into)
+    assert (into / "rank0" / "ok.jsonl").read_bytes() == b"{}"  # what came before the bad member is kept
+    assert not (tmp_path / "run" / "outside").exists() and not (tmp_path / "outside").exists()
+    assert not (into / "link-out").exists()
+
+
+def test_a_tar_stream_with_absolute_names_stays_inside(tmp_path):
+    import io
+    import tarfile
+
+    from dpro.launch.pipeline import unpack_tar_stream
+
+    payload = io.BytesIO()
+    with tarfile.open(fileobj=payload, mode="w") as archive:
+        archive.addfile(_tar_member("/abs/file", b"abs"), io.BytesIO(b"abs"))
+    payload.seek(0)
+    unpack_tar_stream(payload, tmp_path)
+    assert (tmp_path / "abs" / "file").read_bytes() == b"abs"
+
+
+def _tar_member(name: str, data: bytes):
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info

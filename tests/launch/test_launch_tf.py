@@ -63,7 +63,7 @@ def test_the_engine_is_offered_and_registered():
     assert "tf" in build_parser().format_help()
     import dpro.launch.cli as cli
 
-    assert "--engine {auto,torch,horovod,tf}" in cli.__doc__ and "TF_CONFIG" in cli.__doc__
+    assert "--engine {auto,torch,horovod,tf,mxnet}" in cli.__doc__ and "TF_CONFIG" in cli.__doc__
 
 
 def test_command_gives_each_worker_its_tf_config_in_rank_order(tmp_path):
