@@ -2,6 +2,7 @@
 #   make example   profile a 2-rank DDP job of a bundled model; show what was recorded, analyze and optimize it
 #   make test      run the test suite (real multi-process jobs)
 #   make test-fast the tests that run no multi-process job (the inner loop; make test still runs everything)
+#   make fuzz      the fuzz campaign over every reader (bench/fuzz.py; FUZZ_INPUTS=1000)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,7 +15,7 @@ RUNS := dpro-runs
 CORE_TESTS := tests/dag tests/sim tests/optimize tests/record tests/io tests/test_config.py tests/test_core_imports.py \
 	tests/engines/test_mxnet_ps.py tests/plugins/mxnet/test_mxnet_units.py
 
-.PHONY: example test test-fast lint venv horovod mxnet sshd
+.PHONY: example test test-fast fuzz lint venv horovod mxnet sshd
 
 venv: $(STAMP)
 
@@ -63,6 +64,10 @@ sshd:
 test: $(STAMP) $(HVD_STAMP) $(MXNET_STAMP) sshd
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 	OMP_NUM_THREADS=1 $(MXNET_VENV)/bin/python -m pytest -q -m "not slow" $(CORE_TESTS)
+
+# the fuzz campaign: mutated inputs to the real commands, each in its own process (1 GB, 30 s); a table per seed
+fuzz: $(STAMP) $(HVD_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/fuzz.py --inputs $${FUZZ_INPUTS:-1000}
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests

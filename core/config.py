@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import ConfigError
-from dpro.io.limits import parse_bounded_json, read_bounded
+from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
 from dpro.record.trace import write_json_atomic
 
 __all__ = [
@@ -78,7 +78,10 @@ def _kind(value: Any) -> str:
 
 
 def _shown(value: Any) -> str:
-    text = f"{_kind(value)} {value!r}"
+    try:
+        text = f"{_kind(value)} {value!r}"
+    except ValueError:  # an int of more than 4300 digits has no repr
+        text = f"{_kind(value)} of {value.bit_length()} bits"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -94,7 +97,10 @@ def _number(value: Any, source: str, key: str, *, positive: bool = False, what: 
     """A finite int or float (never a bool), >= 0, or > 0 when ``positive``; returned as float."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ConfigError(source, f"must be {what}, found {_shown(value)}", key)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range
+        raise ConfigError(source, f"must be {what}, found {_shown(value)}", key) from None
     if not math.isfinite(value):
         raise ConfigError(source, f"must be {what}, found {value}", key)
     if value < 0 or (positive and value == 0):
@@ -109,7 +115,12 @@ def _count(value: Any, source: str, key: str, *, positive: bool = False) -> int:
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (positive and value == 0):
         raise ConfigError(source, f"must be {what}, found {_shown(value)}", key)
+    if value > INT64_MAX:  # what frameworks store a count or size in; beyond it float() overflows downstream
+        raise ConfigError(source, f"must be {what} up to 2^63 - 1, found {_shown(value)}", key)
     return value
+
+
+INT64_MAX = 2**63 - 1
 
 
 def _optional(check: Callable[..., Any]) -> Callable[..., Any]:
@@ -203,6 +214,8 @@ def _env(value: Any, source: str, key: str) -> dict[str, str]:
         if not isinstance(setting, str):
             raise ConfigError(source, f"must be a string (environment values are text), found {_shown(setting)}",
                               at)
+        if "\0" in setting:  # the operating system cannot pass it
+            raise ConfigError(source, "an environment value cannot hold a NUL character", at)
         env[name] = setting
     return env
 
@@ -228,7 +241,11 @@ def _positive_number(value: Any, source: str, key: str) -> float:
 
 
 def _world_size(value: Any, source: str, key: str) -> int:
-    return _count(value, source, key, positive=True)
+    size = _count(value, source, key, positive=True)
+    if size > world_size_limit():
+        raise ConfigError(source, f"{size} ranks is above the {world_size_limit():,} dpro models "
+                                  f"(${WORLD_SIZE_ENV} raises the limit)", key)
+    return size
 
 
 COMMON_KNOBS: tuple[Knob, ...] = (

@@ -169,6 +169,11 @@ def parse_bounded_json(text: str | bytes, source: str | Path, error: Callable[[s
         except RecursionError:
             raise error(source, f"JSON nested deeper than Python's parser goes (dpro reads at most {limit} levels; "
                                 f"${JSON_DEPTH_ENV} raises the limit)") from None
+        except ValueError as err:
+            if isinstance(err, json.JSONDecodeError) or "integer string conversion" not in str(err):
+                raise
+            # Python refuses integers of more than 4300 digits (sys.set_int_max_str_digits)
+            raise error(source, f"a number too long to read ({str(err).split(':')[0]})") from None
     if json_depth(doc, limit) > limit:
         raise error(source, f"JSON nested more than {limit} levels deep (${JSON_DEPTH_ENV} raises the limit)")
     return doc

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,9 +181,30 @@ def _need(
     value = doc.get(key)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = " or ".join(k.__name__ for k in kinds)
-        found = "nothing" if key not in doc else f"{_kind(value)} {value!r}"[:60]
+        found = "nothing" if key not in doc else _shown(value)
         raise TraceError(path, f"'{key}' must be {names}, found {found}", where)
     return value
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    """``"<kind> <repr>"`` cut to ``width`` (an int of more than 4300 digits has no repr)."""
+    try:
+        text = f"{_kind(value)} {value!r}"
+    except ValueError:
+        text = f"{_kind(value)} of {value.bit_length()} bits"
+    return text[:width]
+
+
+def _optional_field(path: Path, item: dict[str, Any], key: str, check: Callable[[Any], bool], what: str,
+                    where: str) -> None:
+    """Refuse ``item[key]`` when it is present, not null, and fails ``check``."""
+    value = item.get(key)
+    if value is not None and not check(value):
+        raise TraceError(path, f"'{key}' must be {what}, found {_shown(value)}", where)
+
+
+def _is_size(value: Any) -> bool:
+    return _is_int(value) and value >= 0
 
 
 def _is_int(value: Any) -> bool:
@@ -463,7 +484,20 @@ def load_run_json(path: str | Path) -> dict[str, Any]:
         if key in doc and not isinstance(doc[key], str):
             raise TraceError(path, f"'{key}' must be a name, found {_kind(doc[key])}")
     _check_clocks(path, doc.get("clocks", {}))
+    _check_comm_probe(path, doc.get("comm_probe", {}))
     return doc
+
+
+def _check_comm_probe(path: Path, probe: Any) -> None:
+    """``comm_probe.samples``: a list of [bytes, µs] pairs of finite numbers >= 0 (the comm model fits them)."""
+    if not isinstance(probe, dict):
+        raise TraceError(path, f"must be an object, found {_kind(probe)}", "comm_probe")
+    samples = probe.get("samples", [])
+    if not isinstance(samples, list):
+        raise TraceError(path, f"must be a list of [bytes, µs] pairs, found {_kind(samples)}", "comm_probe.samples")
+    for i, sample in enumerate(samples):
+        if not (isinstance(sample, list) and len(sample) == 2 and all(_is_number(v) and v >= 0 for v in sample)):
+            raise TraceError(path, "a sample must be [bytes, µs], two finite numbers >= 0", f"comm_probe.samples[{i}]")
 
 
 def _check_clocks(path: Path, clocks: Any) -> None:
@@ -508,7 +542,32 @@ def load_model_json(path: str | Path) -> dict[str, Any]:
                                      f"gradients[{i}]")
                 if item["bytes"] < 0:
                     raise TraceError(path, f"'bytes' must not be negative, found {item['bytes']}", f"gradients[{i}]")
+            _check_model_entry(path, key, item, f"{key}[{i}]")
+    _optional_field(path, doc, "param_bytes", _is_size, "a byte count", "param_bytes")
+    names = {g["name"] for g in doc.get("gradients", [])}
+    for i, bucket in enumerate(doc.get("buckets", []) if names else []):
+        unknown = [t for t in bucket["tensors"] if t not in names]
+        if unknown:
+            raise TraceError(path, f"names {unknown[0]!r:.60}, which is not one of the gradients", f"buckets[{i}]")
     return doc
+
+
+def _check_model_entry(path: Path, key: str, item: dict[str, Any], where: str) -> None:
+    """The optional fields of a model.json entry that analysis reads: byte counts, names, flags."""
+    is_name = lambda v: isinstance(v, str)  # noqa: E731
+    if key == "gradients":
+        for name in ("module", "computed_by", "dtype"):
+            _optional_field(path, item, name, is_name, "a name", where)
+    elif key == "buckets":
+        _optional_field(path, item, "index", _is_size, "a bucket number", where)
+        if not all(isinstance(t, str) for t in item["tensors"]):
+            raise TraceError(path, "'tensors' must be a list of gradient names", where)
+    else:
+        _optional_field(path, item, "parent", is_name, "a module name", where)
+        _optional_field(path, item, "type", is_name, "a type name", where)
+        _optional_field(path, item, "param_bytes", _is_size, "a byte count", where)
+        _optional_field(path, item, "activation_bytes", _is_size, "a byte count", where)
+        _optional_field(path, item, "recorded", lambda v: isinstance(v, bool), "true or false", where)
 
 
 # ---- a run ---------------------------------------------------------------------------------------

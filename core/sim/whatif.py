@@ -136,7 +136,7 @@ def context(run: Run) -> Context:
     probe = (run.meta or {}).get("comm_probe", {}).get("samples", [])
     comm = fit_comm_model(transfers, probe, run.world_size)
     knobs = recorded_knobs(run)
-    grads = [(g["name"], int(g["bytes"])) for g in run.model["gradients"]]
+    grads = [(g["name"], int(g["bytes"])) for g in run.model.get("gradients", [])]
     return calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs))
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -183,7 +184,7 @@ def parse_timeline_text(text: str, path: str | Path = "<timeline>") -> tuple[lis
     if doc is not None:
         if not isinstance(doc, list) or not all(isinstance(e, dict) for e in doc):
             raise TraceError(path, "a Horovod timeline must be a JSON array of event objects")
-        return doc, False
+        return _checked(doc, path), False
     if not stripped.startswith("["):
         raise TraceError(path, "not a Horovod timeline: it must start with '[' (a JSON array of events)")
     decoder = json.JSONDecoder()
@@ -193,11 +194,11 @@ def parse_timeline_text(text: str, path: str | Path = "<timeline>") -> tuple[lis
         while pos < n and stripped[pos] in " \t\r\n,":
             pos += 1
         if pos >= n:
-            return events, True           # no closing bracket
+            return _checked(events, path), True           # no closing bracket
         if stripped[pos] == "]":
             if stripped[pos + 1:].strip():
                 raise TraceError(path, "text after the end of the event array", f"character {pos + 1}")
-            return events, False
+            return _checked(events, path), False
         try:
             event, end = decoder.raw_decode(stripped, pos)
         except json.JSONDecodeError as err:
@@ -205,11 +206,40 @@ def parse_timeline_text(text: str, path: str | Path = "<timeline>") -> tuple[lis
             if _parses_later(decoder, rest):
                 raise TraceError(path, f"broken event in the middle of the timeline: {err.msg}",
                                  f"line {err.lineno}, column {err.colno}") from err
-            return events, True           # cut inside the last event
+            return _checked(events, path), True           # cut inside the last event
         if not isinstance(event, dict):
             raise TraceError(path, f"an event must be an object, found {type(event).__name__}", f"event {len(events)}")
         events.append(event)
         pos = end
+
+
+def _checked(events: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """The events, once each field the reader uses has its type: ``pid`` an integer or a name, ``ph`` and
+    ``name`` text, ``ts``/``dur`` finite numbers, ``args`` an object, ``start_time_since_epoch_in_micros``
+    a finite number.
+
+    Raises:
+        TraceError: naming the event and the field.
+    """
+    for i, ev in enumerate(events):
+        where = f"event {i}"
+        pid = ev.get("pid")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (int, str))):
+            raise TraceError(path, f"'pid' must be an integer, found {pid!r:.40}", where)
+        for key in ("ph", "name"):
+            if key in ev and not isinstance(ev[key], str):
+                raise TraceError(path, f"{key!r} must be text, found {ev[key]!r:.40}", where)
+        for key in ("ts", "dur"):
+            if key in ev and not (_num(ev[key]) and math.isfinite(ev[key])):
+                raise TraceError(path, f"{key!r} must be a finite number of µs, found {ev[key]!r:.40}", where)
+        args = ev.get("args")
+        if args is not None and not isinstance(args, dict):
+            raise TraceError(path, f"'args' must be an object, found {type(args).__name__}", where)
+        start = (args or {}).get("start_time_since_epoch_in_micros")
+        if start is not None and not (_num(start) and math.isfinite(start)):
+            raise TraceError(path, f"args.start_time_since_epoch_in_micros must be a finite number, found "
+                                   f"{start!r:.40}", where)
+    return events
 
 
 def _parses_later(decoder: json.JSONDecoder, rest: str) -> bool:
@@ -296,7 +326,7 @@ def _nbytes(args: dict[str, Any]) -> int | None:
     shape = args.get("shape")
     if size is None or not isinstance(shape, str):
         return None
-    dims = [int(d) for d in re.findall(r"-?\d+", shape)]
+    dims = [int(d) for d in re.findall(r"-?\d{1,18}", shape)]  # int() refuses over 4300 digits
     count = 1
     for d in dims:
         count *= max(d, 0)
