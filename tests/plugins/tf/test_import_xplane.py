@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
-from jobrunner import job_env
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jobrunner import JOBS, job_env
 
 pytest.importorskip("tensorflow")
 
@@ -17,42 +21,6 @@ from dpro.plugins.tf.importer import _numbered, default_output, profile_files  #
 
 WEIGHTED = ("conv1", "bn1", "fc1", "fc2")
 PROFILED = [3, 4, 5, 6]
-
-# What TensorBoard(profile_batch=(3, 6)) does (TensorBoard itself is not installed here, and its callback fails
-# writing summaries without it): start the profiler at the start of batch 3, stop it at the end of batch 6.
-FIT = """
-import os, sys
-os.environ["TF_USE_LEGACY_KERAS"] = "1"
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-import tensorflow as tf
-import tf_keras as keras
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
-logdir = sys.argv[1]
-
-class Profile(keras.callbacks.Callback):
-    def on_train_batch_begin(self, batch, logs=None):
-        if batch == 3:
-            tf.profiler.experimental.start(logdir)
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == 6:
-            tf.profiler.experimental.stop()
-
-model = keras.Sequential([
-    keras.Input(shape=(12, 12, 3)),
-    keras.layers.Conv2D(4, 3, activation="relu", name="conv1"),
-    keras.layers.BatchNormalization(name="bn1"),
-    keras.layers.Flatten(name="flat"),
-    keras.layers.Dense(16, activation="relu", name="fc1"),
-    keras.layers.Dense(4, name="fc2"),
-], name="convnet")
-model.compile(optimizer=keras.optimizers.SGD(0.01),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-x = tf.random.uniform((128, 12, 12, 3), seed=1)
-y = tf.random.uniform((128,), maxval=4, dtype=tf.int32, seed=2)
-ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
-model.fit(ds, steps_per_epoch=9, epochs=1, verbose=0, callbacks=[Profile()])
-"""
 
 
 def _dpro(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -64,12 +32,9 @@ def _dpro(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real TensorBoard log dir of a 1-thread tf_keras fit, batches 3..6 profiled (recorded once)."""
-    root = tmp_path_factory.mktemp("tb")
-    script = root / "fit.py"
-    script.write_text(FIT)
-    logs = root / "logs"
-    proc = subprocess.run([sys.executable, str(script), str(logs)], capture_output=True, text=True, timeout=240,
-                          env=job_env(CUDA_VISIBLE_DEVICES=""))
+    logs = tmp_path_factory.mktemp("tb") / "logs"
+    proc = subprocess.run([sys.executable, str(JOBS / "tf_profiled_fit.py"), str(logs)], capture_output=True,
+                          text=True, timeout=240, env=job_env(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stderr[-6000:]
     return logs
 
@@ -188,3 +153,72 @@ def test_the_cli_entry_needs_no_framework_until_it_runs() -> None:
 def test_default_output_is_next_to_the_profile(tmp_path: Path) -> None:
     assert default_output(tmp_path / "logs") == (tmp_path / "logs-dpro").resolve()
     assert default_output(tmp_path / "vm.xplane.pb") == (tmp_path / "vm-dpro").resolve()
+
+
+# ---- fuzzing: a mutated profile imports or is refused naming the file --------------------------------------
+
+
+def _mutated_space(raw: bytes, rng: random.Random) -> bytes:
+    """A real XSpace with one thing changed: bytes cut or flipped, or one event, stat or line of a plane given a
+    hostile value (huge or negative times, NaN, a metadata id that names nothing, a 10k-character name)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    kind = rng.choice(("truncate", "flip", "event", "stat", "line", "metadata"))
+    if kind == "truncate":
+        return raw[: rng.randrange(len(raw))]
+    if kind == "flip":
+        out = bytearray(raw)
+        out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
+        return bytes(out)
+    space = xplane_pb2.XSpace.FromString(raw)
+    plane = rng.choice([p for p in space.planes if p.lines] or list(space.planes))
+    lines = [line for line in plane.lines if line.events]
+    if kind in ("event", "metadata") and lines:
+        event = rng.choice(rng.choice(lines).events)
+        if kind == "metadata":
+            event.metadata_id = rng.choice((0, 999_999, 2**62))
+        else:
+            setattr(event, rng.choice(("offset_ps", "duration_ps")), rng.choice((0, 2**63 - 1, -(2**63), -1)))
+    elif kind == "line" and plane.lines:
+        line = rng.choice(plane.lines)
+        choice = rng.randrange(3)
+        if choice == 0:
+            line.timestamp_ns = rng.choice((0, 2**63 - 1, -(2**63)))
+        elif choice == 1:
+            line.name = "x" * 10_000
+        else:
+            line.display_name = rng.choice(("", "python", "tf_Compute/1"))
+    else:
+        stats = [s for s in plane.stats] + [s for line in plane.lines for e in line.events for s in e.stats]
+        if stats:
+            stat = rng.choice(stats)
+            field = rng.choice(("int64_value", "uint64_value", "double_value", "str_value", "ref_value"))
+            value = {"int64_value": rng.choice((-(2**63), 2**63 - 1)), "uint64_value": rng.choice((0, 2**64 - 1)),
+                     "double_value": rng.choice((float("nan"), float("inf"), -1e308)),
+                     "str_value": rng.choice(("", "x" * 10_000, "\u0000")), "ref_value": 999_999}[field]
+            setattr(stat, field, value)
+    return space.SerializeToString()
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False))
+def test_a_mutated_profile_imports_or_is_refused_naming_it(logdir: Path, tmp_path: Path, rng: random.Random) -> None:
+    from dpro.analyze import analyze_path
+    from dpro.errors import DproError
+    from dpro.plugins.tf.importer import import_xplane
+
+    case = tmp_path / uuid.uuid4().hex
+    case.mkdir()
+    pb = case / "vm.xplane.pb"
+    pb.write_bytes(_mutated_space(profile_files(logdir)[0].read_bytes(), rng))
+    try:
+        run = import_xplane(pb, case / "run")
+    except DproError as err:
+        assert str(pb) in str(err), str(err)
+        return
+    try:
+        analyze_path(run)
+    except DproError as err:
+        assert str(run) in str(err), str(err)
