@@ -4,7 +4,8 @@ process, under a memory limit and a timeout, in a sandbox whose every file is ch
 
 Seeds: the hand-written runs of tests/run_builder.py (torch, a crashed rank's journal, Horovod with its
 timeline), the recorded MXNet run and the Kineto trace in tests/data, an applied config, and (unless
-``--no-record``) a 2-rank plain DDP job and a 2-rank Horovod job recorded here by ``dpro-launch``.
+``--no-record``) a 2-rank plain DDP job and a 2-rank Horovod job recorded here by ``dpro-launch`` and a
+TensorFlow profile (``dpro import-xplane``) of a tf_keras fit.
 
 Outcomes, per seed: ``ok`` (accepted), ``refused`` (one ``dpro: error:`` line, exit 2), and the failures:
 ``traceback``, ``hang`` (over ``--timeout``), ``memory`` (MemoryError or killed at ``--memory-mb``),
@@ -35,7 +36,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fuzzing import SEEDS, Mutation, Seed, apply_mutation, cli_argv, random_mutation, tree_state  # noqa: E402
+from fuzzing import (  # noqa: E402
+    SEEDS,
+    Mutation,
+    Seed,
+    apply_mutation,
+    cli_argv,
+    imported_run,
+    random_mutation,
+    tree_state,
+)
 
 # Runs the command under an address-space limit and writes its peak RSS (KB). The command is forked from this small
 # process, not from the campaign's: a child's peak RSS starts at its parent's size when it is forked.
@@ -81,6 +91,14 @@ def record_seeds(work: Path, python: str) -> dict[str, Path]:
             out[name] = run
         else:
             print(f"# could not record {name} (left out): {proc.stderr.strip()[-300:]}", file=sys.stderr)
+    logs = work / "tf-logs"
+    proc = subprocess.run([python, str(jobs / "tf_profiled_fit.py"), str(logs)], cwd=work, capture_output=True,
+                          env={**env, "CUDA_VISIBLE_DEVICES": ""}, text=True, timeout=300)
+    profiles = sorted(logs.rglob("*.xplane.pb"))
+    if proc.returncode == 0 and profiles:
+        out["recorded-xplane"] = profiles[0]
+    else:
+        print(f"# could not record a TensorFlow profile (left out): {proc.stderr.strip()[-300:]}", file=sys.stderr)
     return out
 
 
@@ -98,12 +116,14 @@ def run_one(seed: Seed, built: Path, mutation: Mutation, sandbox: Path, python: 
         folder.mkdir()
         seed_path = Path(shutil.copy(built, folder / built.name))
     extra = apply_mutation(seed_path, mutation, outside)
-    run_root = seed_path if seed.kind == "run" else None
+    run_root = seed_path if seed.kind == "run" else imported_run(seed_path) if seed.kind == "xplane" else None
     before = tree_state(sandbox, skip=run_root)
     argv = cli_argv(seed, seed_path, extra, python, pick)
     env = {"PATH": f"{Path(python).parent}{os.pathsep}/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp),
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "DPRO_RUN_DIR": str(cwd / "dpro-runs")}
+           "DPRO_RUN_DIR": str(cwd / "dpro-runs"),
+           # importing Keras (dpro import-xplane) writes its settings file, KERAS_HOME/keras.json, when there is none
+           "KERAS_HOME": str(sandbox.parent / "keras-home")}
     rss_file = sandbox.parent / f"{sandbox.name}.rss"
     capped = [python, "-c", CAPPED_RUN, str(memory_mb << 20), str(rss_file), *argv]
     start = time.perf_counter()
@@ -121,9 +141,12 @@ def run_one(seed: Seed, built: Path, mutation: Mutation, sandbox: Path, python: 
     err = b"".join(chunks)
     said = err.decode("utf-8", "replace")
     outcome = _outcome(proc.returncode, said, hung)
-    if outcome in ("ok", "refused") and tree_state(sandbox, skip=run_root) != before:
-        outcome = "wrote-outside"
     last = said.strip().splitlines()[-1] if said.strip() else ""
+    after = tree_state(sandbox, skip=run_root)
+    if outcome in ("ok", "refused") and after != before:
+        outcome = "wrote-outside"
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        last = f"changed {', '.join(changed[:5])}" + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
     return Result(seed.name, mutation, outcome, wall, rss_mb, last[:300])
 
 
@@ -176,8 +199,9 @@ def main() -> int:
             seeds[name] = (seed, seed.build(work / "seeds" / name))
         if not args.no_record:
             base = SEEDS["torch-run"]
-            for name, run in record_seeds(work, python).items():
-                seeds[name] = (Seed(name, base.build, "run", base.commands), run)
+            for name, path in record_seeds(work, python).items():
+                kind = "xplane" if name == "recorded-xplane" else "run"
+                seeds[name] = (Seed(name, base.build, kind, base.commands), path)
         plan = []
         names = sorted(seeds)
         for i in range(args.inputs):

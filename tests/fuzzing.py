@@ -44,14 +44,17 @@ HOSTILE_VALUES: tuple[Any, ...] = (
     [], {}, [1, 2], [[[]]], {"a": 1}, "../../outside", "/dev/zero", "\u0000", "x" * 10_000, [math.nan], [None],
     {"": None}, 2**63, -(2**63), 1e-300,
 )
+# values that make every object alike when one key is set to them everywhere (one correlation id, one step)
+DEGENERATE_VALUES: tuple[Any, ...] = (1, 3, 0, "X", "COMM", "STEP", "compute", 1000.0)
 # what the whatif knobs are set to on the command line
 SET_VALUES: tuple[str, ...] = (
     "x", "-1", "0", "NaN", "Infinity", "-Infinity", "1e400", "[]", "{}", "[1,2]", "null", "true", '"a"', "",
     "[[[[[[[[[[1]]]]]]]]]]", "1" * 400, "[" * 30_000 + "]" * 30_000, '{"a": [1, {"b": null}]}', "2.5", "1e18",
     "a,b,c", '["fc1"]', '[["fc1.weight"]]', "[1]",
 )
-FILE_OPS = ("set", "set", "set", "set", "delete", "delete", "nest", "repeat", "truncate", "flip", "empty",
-            "directory", "symlink", "remove", "gzip_bomb")
+FILE_OPS = ("set", "set", "set", "set", "set_all", "set_all", "delete", "delete", "nest", "repeat", "truncate", "flip",
+            "empty", "directory", "symlink", "remove", "gzip_bomb")
+BYTE_OPS = ("truncate", "truncate", "flip", "flip", "flip", "empty", "directory", "symlink", "remove")
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,9 @@ class Mutation:
 
     ``file`` is relative to the seed's folder ("" for a ``--set`` argument). ``op`` is one of ``FILE_OPS`` or
     ``"set_arg"``; ``path`` locates a JSON value (keys and indices; a journal's first index is its line);
-    ``value`` is the new value (set), the depth (nest), the copies (repeat), a position in [0, 1) (truncate,
-    flip), the link target ("/dev/zero" or "outside", symlink), or ``KNOB=VALUE`` (set_arg).
+    ``value`` is the new value (set; set_all: of key ``path[0]`` in every object), the depth (nest), the copies
+    (repeat), a position in [0, 1) (truncate, flip), the link target ("/dev/zero" or "outside", symlink), or
+    ``KNOB=VALUE`` (set_arg).
     """
 
     file: str
@@ -107,7 +111,7 @@ class Seed:
 
     name: str
     build: Callable[[Path], Path]
-    kind: str  # "run" (a run directory), "kineto" (a trace file) or "config" (an applied config)
+    kind: str  # "run" (a run directory), "kineto" (a trace file), "config" (an applied config), "xplane" (a profile)
     commands: tuple[tuple[str, ...], ...] = field(default=())
 
 
@@ -226,10 +230,17 @@ def random_mutation(rng: random.Random, seed_path: Path, seed: Seed) -> Mutation
     name = rng.choice(files)
     op = rng.choice(FILE_OPS)
     target = seed_path / name if seed_path.is_dir() else seed_path
-    if op in ("set", "delete", "nest", "repeat"):
+    if op in ("set", "delete", "nest", "repeat", "set_all"):
         paths = _sample_paths(rng, target)
-        if not paths:
-            return Mutation(name, "truncate", (), rng.random())
+        if not paths:  # not JSON (a protobuf, a cut file): its bytes
+            op = rng.choice(BYTE_OPS)
+            return Mutation(name, op, (), round(rng.random(), 6) if op in ("truncate", "flip") else
+                            rng.choice(("/dev/zero", "outside")) if op == "symlink" else None)
+        if op == "set_all":
+            keys = sorted({p[-1] for p in paths if isinstance(p[-1], str)})
+            if keys:
+                return Mutation(name, op, (rng.choice(keys),), rng.choice((*HOSTILE_VALUES, *DEGENERATE_VALUES)))
+            op = "set"
         path = rng.choice(paths)
         value = {"set": lambda: rng.choice(HOSTILE_VALUES), "delete": lambda: None,
                  "nest": lambda: rng.choice((100, 2_000, 100_000)), "repeat": lambda: rng.choice((2, 50, 5_000))}[op]()
@@ -266,7 +277,7 @@ def apply_mutation(seed_path: Path, mutation: Mutation, outside: Path) -> list[s
     base = seed_path if seed_path.is_dir() else seed_path.parent
     target = base / mutation.file
     op = mutation.op
-    if op in ("set", "delete", "nest", "repeat"):
+    if op in ("set", "delete", "nest", "repeat", "set_all"):
         gz = target.read_bytes()[:2] == b"\x1f\x8b"
         doc = read_doc(target)
         doc = _change(doc, list(mutation.path), op, mutation.value)
@@ -324,6 +335,9 @@ def _gzip_bomb(size: int) -> bytes:
 
 
 def _change(doc: Any, path: list[Any], op: str, value: Any) -> Any:
+    if op == "set_all":
+        _set_everywhere(doc, path[0], value)
+        return doc
     if not path:
         return _deep(value) if op == "nest" else value
     parent = doc
@@ -343,6 +357,18 @@ def _change(doc: Any, path: list[Any], op: str, value: Any) -> Any:
         else:
             parent[last] = [item] * int(value)
     return doc
+
+
+def _set_everywhere(doc: Any, key: str, value: Any) -> None:
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if key in node:
+                node[key] = value
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
 
 
 def _deep(depth: int) -> str:
@@ -391,10 +417,17 @@ def cli_argv(seed: Seed, seed_path: Path, extra: list[str], python: str, pick: i
     if seed.kind == "config":
         return [python, "-m", "dpro.launch", "--apply", str(seed_path), "--no-profile", "-np", "1",
                 python, "-c", "pass"]
+    if seed.kind == "xplane":
+        return [python, "-m", "dpro", "import-xplane", str(seed_path), "-o", str(imported_run(seed_path))]
     if extra:
         return [python, "-m", "dpro", "whatif", str(seed_path), *extra]
     command = seed.commands[pick % len(seed.commands)]
     return [python, "-m", "dpro", *(str(seed_path) if a == "{path}" else a for a in command)]
+
+
+def imported_run(seed_path: Path) -> Path:
+    """Where ``dpro import-xplane`` writes the run of a mutated profile (beside it)."""
+    return seed_path.parent / "imported-run"
 
 
 def tree_state(root: Path, skip: Path | None = None) -> dict[str, tuple[int, int]]:

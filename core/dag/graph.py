@@ -403,6 +403,9 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         ops[rank].append(OpStats(
             name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
             order=order, duration=duration, gap=None, args=args))
+    if not ops:
+        raise GraphError(f"{run.path}: the profiled steps ({format_steps(steps)}) hold no operation besides their STEP "
+                         "markers; nothing to replay")
     for rank in ops:
         ops[rank].sort(key=lambda o: o.order)
     _same_collective_order(ops)

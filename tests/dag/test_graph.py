@@ -159,3 +159,15 @@ def test_the_update_does_not_wait_for_a_reduction_of_the_step_outputs(tmp_path: 
     preds = {g.names[p] for p in g.preds(update)}
     assert not any(p.startswith("COMM.loss") for p in preds), preds
     assert abs(result.analysis.error_pct) < 2.0, result.analysis.error_pct
+
+
+def test_steps_that_hold_only_their_step_markers_are_refused_naming_the_run(tmp_path: Path) -> None:
+    import pytest
+
+    from dpro.errors import GraphError
+
+    root = make_run_of(tmp_path / "run", lambda rank, step: [
+        x_event("STEP", "STEP", 1_000_000.0 + step * 10_000, 9000.0, rank=rank, queue="host", step=step)])
+    with pytest.raises(GraphError, match=r"hold no operation besides their STEP markers") as err:
+        analyze_run(load_run(root))
+    assert str(root) in str(err.value)
