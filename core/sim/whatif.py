@@ -209,10 +209,18 @@ def regroup(ctx: Context, model: StepModel, groups: list[list[str]], bytes_scale
     """Replace the step's COMM ops by one allreduce per group, priced by the fitted ``CommModel``."""
     sizes = dict(ctx.gradients)
     known = set(sizes)
+    seen: set[str] = set()
     for group in groups:
         for name in group:
             if name not in known:
                 raise UsageError(f"tensor group names unknown gradient {name!r}")
+            if name in seen:
+                raise UsageError(f"tensor groups name gradient {name!r} twice; each gradient is in one group")
+            seen.add(name)
+    missing = [name for name, _ in ctx.gradients if name not in seen]
+    if missing and seen:  # a gradient in no group would not be communicated at all, and the step look faster
+        raise UsageError(f"tensor groups name {len(seen)} of the {len(known)} gradients; every gradient must be in "
+                         f"one group (missing: {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})")
     out = copy.deepcopy(model)
     # collectives that carry no gradient (reductions of the step's outputs: loss, metrics) stay as measured
     others = {op.name for ops in model.ops.values() for op in ops

@@ -145,3 +145,18 @@ def test_a_document_of_too_many_values_is_refused_before_parsing(monkeypatch):
 
 def test_nan_written_by_python_still_parses():
     assert parse_bounded_json('{"a": NaN}', "x.json", TraceError)["a"] != 0
+
+
+@pytest.mark.parametrize(("groups", "says"), [
+    ([["fc1.weight"]], r"tensor groups name 1 of the 4 gradients; .*missing: fc2.bias, fc2.weight, fc1.bias"),
+    ([["fc1.weight", "fc1.bias"], ["fc1.bias", "fc2.weight", "fc2.bias"]], r"'fc1.bias' appears twice"),
+    ([["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "conv9.weight"]], r"unknown gradient 'conv9.weight'"),
+])
+def test_tensor_groups_must_name_every_gradient_once(run_dir, groups, says):
+    from dpro.sim.whatif import context, predict
+
+    ctx = context(load_run(run_dir))
+    with pytest.raises(UsageError, match=says):
+        predict(ctx, parse_settings([f"tensor_groups={json.dumps(groups)}"]))
+    whole = [["fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"]]
+    assert predict(ctx, parse_settings([f"tensor_groups={json.dumps(whole)}"])).predicted_step_ms > 0
