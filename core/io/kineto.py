@@ -374,6 +374,7 @@ class _RankPlan:
     gpu_by_step: dict[int, list[_Node]]
     windows: list[StepWindow]
     skipped_threads: list[Any]
+    shared_correlations: int = 0  # correlation ids several runtime calls carry (left unlinked)
 
 
 class _StepOf:
@@ -399,6 +400,12 @@ def _rank_plan(trace: KinetoTrace, rank: int, windows: list[StepWindow]) -> _Ran
     for op in trace.gpu_ops:
         by_corr[_corr(op)].append(op)
     by_corr.pop(None, None)
+    # a correlation id names one runtime call; one shared by several cannot tell which launched what (and linking
+    # every sharer to every GPU op would take calls x ops): such ids link nothing
+    calls_per_id = Counter(_corr(r) for r in trace.runtime)
+    shared = [c for c in by_corr if calls_per_id.get(c, 0) > 1]
+    for c in shared:
+        del by_corr[c]
     host_tids, skipped = _host_threads(trace, by_corr)
     launch_ts = {_corr(r): r["ts"] for r in trace.runtime if r.get("tid") in host_tids and _corr(r) in by_corr}
     gpu_nodes, gpu_of = _gpu_nodes(trace, rank, step_of, launch_ts)
@@ -417,7 +424,8 @@ def _rank_plan(trace: KinetoTrace, rank: int, windows: list[StepWindow]) -> _Ran
         gpu_by_step[n.step].append(n)
     return _RankPlan(rank=rank, nodes=nodes, host_queues=[f"r{rank}/host{t}" for t in host_tids],
                      gpu_queues=sorted({n.queue for n in gpu_nodes}), begin=begin, end=end,
-                     gpu_by_step=dict(gpu_by_step), windows=windows, skipped_threads=skipped)
+                     gpu_by_step=dict(gpu_by_step), windows=windows, skipped_threads=skipped,
+                     shared_correlations=len(shared))
 
 
 def _host_threads(trace: KinetoTrace, by_corr: dict[Any, list]) -> tuple[list[Any], list[Any]]:
@@ -599,6 +607,9 @@ def graph_from_kineto(traces: list[KinetoTrace], steps: list[int] | None = None)
     plans = [_rank_plan(t, r, [w for w in t.steps if w.number in numbers]) for t, r in zip(traces, ranks, strict=True)]
     joined, coll_notes, coll_durs = _match_collectives(plans)
     notes += coll_notes
+    notes += [f"rank {p.rank}: {p.shared_correlations} correlation id(s) are carried by several runtime calls, so "
+              "which call launched which GPU op is unknown; those GPU ops are placed by their own times"
+              for p in plans if p.shared_correlations]
     try:
         g, info = _build(plans, joined)
         plan_levels(g)
