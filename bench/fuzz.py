@@ -3,7 +3,7 @@ each given to the real command (``dpro info/analyze/whatif/optimize``, ``dpro-la
 process, under a memory limit and a timeout, in a sandbox whose every file is checked afterwards.
 
 Seeds: the hand-written runs of tests/run_builder.py (torch, a crashed rank's journal, Horovod with its
-timeline), the recorded MXNet run and the Kineto trace in tests/data, an applied config, and (unless
+timeline), the recorded MXNet run and the two Kineto traces in tests/data, an applied config, and (unless
 ``--no-record``) a 2-rank plain DDP job and a 2-rank Horovod job recorded here by ``dpro-launch`` and a
 TensorFlow profile (``dpro import-xplane``) of a tf_keras fit.
 

@@ -139,6 +139,12 @@ def _kineto_trace(root: Path) -> Path:
     return Path(shutil.copy(DATA / "kineto" / "single_gpu_rank0.json.gz", root / "trace.pt.trace.json.gz"))
 
 
+def _kineto_ddp_trace(root: Path) -> Path:
+    """Rank 0 of a 2-GPU DDP job (NCCL kernels, 40k events): big enough for degenerate ids to show."""
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy(DATA / "kineto" / "ddp2_rank0_nccl.json.gz", root / "rank0.pt.trace.json.gz"))
+
+
 def _config(root: Path) -> Path:
     from dpro.config import write_config
     from dpro.io.load import load_run
@@ -162,6 +168,7 @@ SEEDS: dict[str, Seed] = {s.name: s for s in (
     Seed("horovod-run", _horovod_run, "run", RUN_COMMANDS),
     Seed("mxnet-run", _mxnet_run, "run", RUN_COMMANDS),
     Seed("kineto", _kineto_trace, "kineto", (("analyze", "{path}"),)),
+    Seed("kineto-ddp", _kineto_ddp_trace, "kineto", (("analyze", "{path}"),)),
     Seed("config", _config, "config", (("--apply", "{path}"),)),
 )}
 

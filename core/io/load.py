@@ -544,11 +544,19 @@ def load_model_json(path: str | Path) -> dict[str, Any]:
                     raise TraceError(path, f"'bytes' must not be negative, found {item['bytes']}", f"gradients[{i}]")
             _check_model_entry(path, key, item, f"{key}[{i}]")
     _optional_field(path, doc, "param_bytes", _is_size, "a byte count", "param_bytes")
-    names = {g["name"] for g in doc.get("gradients", [])}
-    for i, bucket in enumerate(doc.get("buckets", []) if names else []):
-        unknown = [t for t in bucket["tensors"] if t not in names]
-        if unknown:
-            raise TraceError(path, f"names {unknown[0]!r:.60}, which is not one of the gradients", f"buckets[{i}]")
+    names: set[str] = set()
+    for i, gradient in enumerate(doc.get("gradients", [])):
+        if gradient["name"] in names:
+            raise TraceError(path, f"the gradient {gradient['name']!r:.60} is listed twice", f"gradients[{i}]")
+        names.add(gradient["name"])
+    bucket_of: dict[str, int] = {}
+    for i, bucket in enumerate(doc.get("buckets", [])):
+        for t in bucket["tensors"]:
+            if names and t not in names:
+                raise TraceError(path, f"names {t!r:.60}, which is not one of the gradients", f"buckets[{i}]")
+            if t in bucket_of:  # a gradient is reduced once per step, in one bucket
+                raise TraceError(path, f"names {t!r:.60} again (it is in buckets[{bucket_of[t]}])", f"buckets[{i}]")
+            bucket_of[t] = i
     return doc
 
 

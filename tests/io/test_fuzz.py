@@ -51,15 +51,27 @@ def _read_mutated(seed_name: str, built: Path, mutation: Mutation, work: Path) -
             assert str(path) in said, f"{said!r} does not name {path}"
 
 
-@pytest.mark.parametrize("seed_name", sorted(SEEDS))
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ_SETTINGS = {"deadline": None, "derandomize": True,
+                 "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]}
+TRACE_SEEDS = sorted(name for name, seed in SEEDS.items() if seed.kind == "kineto")
+
+
+@pytest.mark.parametrize("seed_name", sorted(set(SEEDS) - set(TRACE_SEEDS)))
+@settings(max_examples=40, **FUZZ_SETTINGS)
 @given(rng=st.randoms(use_true_random=False))
 def test_a_mutated_input_is_read_or_refused_with_a_dpro_error(seed_name, rng: random.Random, built_seeds,
                                                               tmp_path):
     built = built_seeds[seed_name]
-    mutation = random_mutation(rng, built, SEEDS[seed_name])
-    _read_mutated(seed_name, built, mutation, tmp_path)
+    _read_mutated(seed_name, built, random_mutation(rng, built, SEEDS[seed_name]), tmp_path)
+
+
+@pytest.mark.parametrize("seed_name", TRACE_SEEDS)
+@settings(max_examples=15, **FUZZ_SETTINGS)  # a Kineto trace takes about 1 s to mutate and read
+@given(rng=st.randoms(use_true_random=False))
+def test_a_mutated_profiler_trace_is_read_or_refused_with_a_dpro_error(seed_name, rng: random.Random, built_seeds,
+                                                                      tmp_path):
+    built = built_seeds[seed_name]
+    _read_mutated(seed_name, built, random_mutation(rng, built, SEEDS[seed_name]), tmp_path)
 
 
 @pytest.mark.skipif(not CORPUS, reason="no corpus")
