@@ -552,7 +552,7 @@ def load_model_json(path: str | Path) -> dict[str, Any]:
     bucket_of: dict[str, int] = {}
     for i, bucket in enumerate(doc.get("buckets", [])):
         for t in bucket["tensors"]:
-            if names and t not in names:
+            if "gradients" in doc and t not in names:
                 raise TraceError(path, f"names {t!r:.60}, which is not one of the gradients", f"buckets[{i}]")
             if t in bucket_of:  # a gradient is reduced once per step, in one bucket
                 raise TraceError(path, f"names {t!r:.60} again (it is in buckets[{bucket_of[t]}])", f"buckets[{i}]")
