@@ -33,6 +33,7 @@ from run_builder import (
     make_horovod_run,
     make_run,
     write_journal,
+    write_rows_journal,
 )
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -126,6 +127,13 @@ def _journal_run(root: Path) -> Path:
     return run
 
 
+def _rows_journal_run(root: Path) -> Path:
+    run = make_run(root / "run")
+    (run / "rank-0.json").unlink()
+    write_rows_journal(run / "rank-0.partial.jsonl", 0, 2, range(3, 8))
+    return run
+
+
 def _horovod_run(root: Path) -> Path:
     return make_horovod_run(root / "run", horovod_timeline_text(horovod_timeline_events([3, 4])))
 
@@ -165,6 +173,7 @@ RUN_COMMANDS = (("info", "{path}"), ("analyze", "{path}"), ("whatif", "{path}", 
 SEEDS: dict[str, Seed] = {s.name: s for s in (
     Seed("torch-run", _torch_run, "run", RUN_COMMANDS),
     Seed("journal-run", _journal_run, "run", RUN_COMMANDS),
+    Seed("rows-journal-run", _rows_journal_run, "run", RUN_COMMANDS),
     Seed("horovod-run", _horovod_run, "run", RUN_COMMANDS),
     Seed("mxnet-run", _mxnet_run, "run", RUN_COMMANDS),
     Seed("kineto", _kineto_trace, "kineto", (("analyze", "{path}"),)),

@@ -103,6 +103,19 @@ def write_journal(path: Path, rank: int, world_size: int, steps: Iterable[int], 
     return path
 
 
+def write_rows_journal(path: Path, rank: int, world_size: int, steps: Iterable[int]) -> Path:
+    """A ``rank-<r>.partial.jsonl`` as the recorder writes it: a header line, then one line per finished step whose
+    events are compact rows ``[name, cat, tid, ts_ns, dur_ns, args]`` (a rank that died after its last step)."""
+    lines = [json.dumps({"schema": "dpro.trace/1", "rank": rank, "world_size": world_size,
+                         "header": rank_header(rank)})]
+    for s in steps:
+        rows = [[e["name"], e["cat"], e["tid"], round(e["ts"] * 1000), round(e["dur"] * 1000), e["args"]]
+                for e in step_events(rank, s)]
+        lines.append(json.dumps({"step": s, "rows": rows}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def make_run(root: Path, *, world_size: int = 2, steps: Iterable[int] = range(3, 8),
              ranks: Iterable[int] | None = None, meta: bool = True, model: bool = True) -> Path:
     """A run directory with finished traces for ``ranks`` (default: every rank)."""
