@@ -7,6 +7,7 @@ says how to fix the value ("--hosts 'a:x': slots must be an integer, e.g. a:4").
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass, field, fields
@@ -267,6 +268,25 @@ _CONFIG_FILE_KEYS = {
 }
 
 
+MAX_CONFIG_FILE_BYTES = 1_000_000  # PyYAML reads about a MB a second; horovodrun's own files are a few lines
+_SETTING_CHECKS: dict[str, tuple[str, Any]] = {
+    "float": ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+              and math.isfinite(v)),
+    "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("text", lambda v: isinstance(v, str)),
+}
+
+
+def _typed_setting(path: Path, key: str, name: str, value: Any) -> Any:
+    """A config-file value of the kind its ``HorovodSettings`` field holds, else a UsageError naming the key."""
+    kind = str(next(f.type for f in fields(HorovodSettings) if f.name == name)).split("|")[0].strip()
+    what, ok = _SETTING_CHECKS[kind]
+    if not ok(value):
+        raise UsageError(f"--config-file {path}: {key} must be {what}, found {value!r:.60}")
+    return value
+
+
 def read_horovod_config_file(path: str | Path) -> tuple[dict[str, Any], str | None]:
     """Read horovodrun's YAML ``--config-file``: (settings by ``HorovodSettings`` field, controller or None).
 
@@ -279,21 +299,32 @@ def read_horovod_config_file(path: str | Path) -> tuple[dict[str, Any], str | No
     except ImportError:
         raise UsageError(f"--config-file {path}: reading it needs PyYAML: pip install pyyaml") from None
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
     except OSError as err:
         raise UsageError(f"--config-file {path}: cannot be read ({err.strerror or err})") from err
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise UsageError(f"--config-file {path}: larger than {MAX_CONFIG_FILE_BYTES // 1_000_000} MB; a horovodrun "
+                         "config file is a few lines of YAML")
+    try:
+        doc = yaml.safe_load(raw.decode("utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--config-file {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
         raise UsageError(f"--config-file {path}: not valid YAML: {err}") from err
+    except RecursionError:
+        raise UsageError(f"--config-file {path}: YAML nested deeper than the parser goes") from None
     if not isinstance(doc, dict):
         raise UsageError(f"--config-file {path}: expected a YAML mapping with params, autotune, timeline, ... sections")
     settings: dict[str, Any] = {}
     for (section, key), name in _CONFIG_FILE_KEYS.items():
         part = doc.get(section)
         if isinstance(part, dict) and part.get(key) is not None:
-            settings[name] = part[key]
+            settings[name] = _typed_setting(path, f"{section}.{key}", name, part[key])
     stall = doc.get("stall_check")
     if isinstance(stall, dict) and "enabled" in stall:
-        settings["no_stall_check"] = not stall["enabled"]
+        settings["no_stall_check"] = not _typed_setting(path, "stall_check.enabled", "no_stall_check",
+                                                        stall["enabled"])
     controller = doc.get("controller")
     if controller is not None and str(controller).lower() not in ("gloo", "mpi"):
         raise UsageError(f"--config-file {path}: controller {controller!r} is not gloo or mpi")

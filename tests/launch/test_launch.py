@@ -17,6 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jobrunner import JOBS, job_env, run_job
 
 from dpro.config import read_config
@@ -621,3 +623,44 @@ def _tar_member(name: str, data: bytes):
     info = tarfile.TarInfo(name)
     info.size = len(data)
     return info
+
+
+# ---- horovodrun's --config-file and the hostfile, as files from elsewhere ----------------------------------
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("params: {fusion_threshold_mb: abc}", r"params.fusion_threshold_mb must be a finite number, found 'abc'"),
+    ("params: {fusion_threshold_mb: .nan}", r"params.fusion_threshold_mb must be a finite number, found nan"),
+    ("params: {cycle_time_ms: [1, 2]}", r"params.cycle_time_ms must be a finite number"),
+    ("params: {cache_capacity: 99999999999999999999999999}", r"params.cache_capacity must be a whole number"),
+    ("autotune: {enabled: 7}", r"autotune.enabled must be true or false, found 7"),
+    ("timeline: {filename: [1]}", r"timeline.filename must be text"),
+    ("stall_check: {enabled: maybe}", r"stall_check.enabled must be true or false"),
+    ("[" * 5000 + "]" * 5000, r"nested deeper than the parser goes"),
+    ("params: [1", r"not valid YAML"),
+])
+def test_a_bad_horovod_config_file_is_explained(tmp_path, text, message):
+    path = tmp_path / "hvd.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(UsageError, match=message) as err:
+        parse("-np", "2", "--config-file", str(path), "python", "x.py")
+    assert str(path) in str(err.value)
+
+
+def test_an_endless_horovod_config_file_stops_at_its_limit():
+    with pytest.raises(UsageError, match=r"/dev/zero: larger than 1 MB"):
+        parse("-np", "2", "--config-file", "/dev/zero", "python", "x.py")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=300))
+def test_any_text_as_a_hostfile_or_horovod_config_is_read_or_refused(tmp_path, text):
+    from dpro.launch.settings import parse_hostfile, read_horovod_config_file
+
+    path = tmp_path / "input"
+    path.write_text(text, encoding="utf-8")
+    for read in (parse_hostfile, read_horovod_config_file):
+        try:
+            read(path)
+        except UsageError as err:
+            assert str(path) in str(err)
