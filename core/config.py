@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpro.errors import ConfigError
+from dpro.errors import ConfigError, kind_of, shown
 from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
 from dpro.record.trace import write_json_atomic
 
@@ -73,21 +73,9 @@ COMPRESSIONS = (None, "fp16", "bf16")
 # ---- value checks: each returns the normalized value or raises ConfigError(source, problem, key) ----
 
 
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _shown(value: Any) -> str:
-    try:
-        text = f"{_kind(value)} {value!r}"
-    except ValueError:  # an int of more than 4300 digits has no repr
-        text = f"{_kind(value)} of {value.bit_length()} bits"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _string(value: Any, source: str, key: str, *, empty: bool = False) -> str:
     if not isinstance(value, str):
-        raise ConfigError(source, f"must be a string, found {_shown(value)}", key)
+        raise ConfigError(source, f"must be a string, found {shown(value)}", key)
     if not value and not empty:
         raise ConfigError(source, "must not be empty", key)
     return value
@@ -96,11 +84,11 @@ def _string(value: Any, source: str, key: str, *, empty: bool = False) -> str:
 def _number(value: Any, source: str, key: str, *, positive: bool = False, what: str = "a number") -> float:
     """A finite int or float (never a bool), >= 0, or > 0 when ``positive``; returned as float."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ConfigError(source, f"must be {what}, found {_shown(value)}", key)
+        raise ConfigError(source, f"must be {what}, found {shown(value)}", key)
     try:
         value = float(value)
     except OverflowError:  # an int beyond float's range
-        raise ConfigError(source, f"must be {what}, found {_shown(value)}", key) from None
+        raise ConfigError(source, f"must be {what}, found {shown(value)}", key) from None
     if not math.isfinite(value):
         raise ConfigError(source, f"must be {what}, found {value}", key)
     if value < 0 or (positive and value == 0):
@@ -114,9 +102,9 @@ def _count(value: Any, source: str, key: str, *, positive: bool = False) -> int:
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (positive and value == 0):
-        raise ConfigError(source, f"must be {what}, found {_shown(value)}", key)
+        raise ConfigError(source, f"must be {what}, found {shown(value)}", key)
     if value > INT64_MAX:  # what frameworks store a count or size in; beyond it float() overflows downstream
-        raise ConfigError(source, f"must be {what} up to 2^63 - 1, found {_shown(value)}", key)
+        raise ConfigError(source, f"must be {what} up to 2^63 - 1, found {shown(value)}", key)
     return value
 
 
@@ -132,14 +120,14 @@ def _optional(check: Callable[..., Any]) -> Callable[..., Any]:
 
 def _list(value: Any, source: str, key: str) -> list[Any]:
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(source, f"must be a list, found {_shown(value)}", key)
+        raise ConfigError(source, f"must be a list, found {shown(value)}", key)
     return list(value)
 
 
 def _mapping(value: Any, source: str, key: str, fields: tuple[str, ...], required: tuple[str, ...]) -> dict:
     """A JSON object with only ``fields``, holding at least ``required``."""
     if not isinstance(value, Mapping):
-        raise ConfigError(source, f"must be an object with {', '.join(fields)}, found {_shown(value)}", key)
+        raise ConfigError(source, f"must be an object with {', '.join(fields)}, found {shown(value)}", key)
     unknown = sorted(str(k) for k in value if k not in fields)
     if unknown:
         raise ConfigError(source, f"unknown key {unknown[0]!r}; expected {', '.join(fields)}", key)
@@ -199,20 +187,20 @@ def _recompute(value: Any, source: str, key: str) -> list[str]:
 
 def _compression(value: Any, source: str, key: str) -> str | None:
     if value not in COMPRESSIONS or isinstance(value, bool):
-        raise ConfigError(source, f"must be null, \"fp16\" or \"bf16\", found {_shown(value)}", key)
+        raise ConfigError(source, f"must be null, \"fp16\" or \"bf16\", found {shown(value)}", key)
     return value
 
 
 def _env(value: Any, source: str, key: str) -> dict[str, str]:
     if not isinstance(value, Mapping):
-        raise ConfigError(source, f"must be an object of environment variables, found {_shown(value)}", key)
+        raise ConfigError(source, f"must be an object of environment variables, found {shown(value)}", key)
     env = {}
     for name, setting in value.items():
         at = f"{key}[{name!r}]"
         if not isinstance(name, str) or not name or "=" in name or "\0" in name:
             raise ConfigError(source, f"{name!r} is not an environment variable name", at)
         if not isinstance(setting, str):
-            raise ConfigError(source, f"must be a string (environment values are text), found {_shown(setting)}",
+            raise ConfigError(source, f"must be a string (environment values are text), found {shown(setting)}",
                               at)
         if "\0" in setting:  # the operating system cannot pass it
             raise ConfigError(source, "an environment value cannot hold a NUL character", at)
@@ -278,7 +266,7 @@ def knob_table() -> dict[str, Knob]:
 
 def _knobs(value: Any, source: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
-        raise ConfigError(source, f"must be an object of knobs, found {_shown(value)}", "knobs")
+        raise ConfigError(source, f"must be an object of knobs, found {shown(value)}", "knobs")
     knobs = {}
     table = knob_table()
     for name, setting in value.items():
@@ -377,7 +365,7 @@ class Explanation:
         gain = raw.get("predicted_gain_ms")
         if gain is not None and (not isinstance(gain, (int, float)) or isinstance(gain, bool)
                                  or not math.isfinite(gain)):
-            raise ConfigError(source, f"must be a number of ms or null, found {_shown(gain)}",
+            raise ConfigError(source, f"must be a number of ms or null, found {shown(gain)}",
                               f"{key}.predicted_gain_ms")
         return cls(knob=_string(raw["knob"], source, f"{key}.knob"), why=_string(raw["why"], source, f"{key}.why",
                                                                                   empty=True),
@@ -449,7 +437,7 @@ class Config:
         """A config from its JSON document; ``source`` names it in errors (and becomes ``path``)."""
         src = str(source)
         if not isinstance(doc, Mapping):
-            raise ConfigError(src, f"must be a JSON object (a dpro config), found {_kind(doc)}")
+            raise ConfigError(src, f"must be a JSON object (a dpro config), found {kind_of(doc)}")
         if "schema" not in doc:
             raise ConfigError(src, f"no 'schema' key; this dpro reads {CONFIG_SCHEMA} — is this a dpro config?",
                               "schema")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "GraphError",
@@ -11,7 +12,23 @@ __all__ = [
     "RecordingRefused",
     "TraceError",
     "UsageError",
+    "kind_of",
+    "shown",
 ]
+
+
+def kind_of(value: Any) -> str:
+    """A JSON value's kind, as messages name it: ``null``, ``str``, ``list``, ..."""
+    return "null" if value is None else type(value).__name__
+
+
+def shown(value: Any, width: int = 80) -> str:
+    """``"<kind> <repr>"`` for a message, cut to ``width`` (an int of more than 4300 digits has no repr)."""
+    try:
+        text = f"{kind_of(value)} {value!r}"
+    except ValueError:
+        text = f"{kind_of(value)} of {value.bit_length()} bits"
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpro.errors import TraceError
+from dpro.errors import TraceError, kind_of, shown
 from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
 from dpro.record.trace import (
     CATEGORIES,
@@ -132,7 +132,7 @@ def read_json(path: str | Path) -> dict[str, Any]:
     text = _read_text(path)
     doc = _parse_json(path, text)
     if not isinstance(doc, dict):
-        raise TraceError(path, f"expected a JSON object at the top, found {_kind(doc)}")
+        raise TraceError(path, f"expected a JSON object at the top, found {kind_of(doc)}")
     return doc
 
 
@@ -161,10 +161,6 @@ def _json_problem(text: str, err: json.JSONDecodeError) -> str:
     return f"invalid JSON: {err.msg}"
 
 
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
 def _check_schema(path: Path, doc: dict[str, Any], expected: str, what: str) -> None:
     schema = doc.get("schema")
     if schema is None:
@@ -181,18 +177,9 @@ def _need(
     value = doc.get(key)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = " or ".join(k.__name__ for k in kinds)
-        found = "nothing" if key not in doc else _shown(value)
+        found = "nothing" if key not in doc else shown(value, 60)
         raise TraceError(path, f"'{key}' must be {names}, found {found}", where)
     return value
-
-
-def _shown(value: Any, width: int = 60) -> str:
-    """``"<kind> <repr>"`` cut to ``width`` (an int of more than 4300 digits has no repr)."""
-    try:
-        text = f"{_kind(value)} {value!r}"
-    except ValueError:
-        text = f"{_kind(value)} of {value.bit_length()} bits"
-    return text[:width]
 
 
 def _optional_field(path: Path, item: dict[str, Any], key: str, check: Callable[[Any], bool], what: str,
@@ -200,7 +187,11 @@ def _optional_field(path: Path, item: dict[str, Any], key: str, check: Callable[
     """Refuse ``item[key]`` when it is present, not null, and fails ``check``."""
     value = item.get(key)
     if value is not None and not check(value):
-        raise TraceError(path, f"'{key}' must be {what}, found {_shown(value)}", where)
+        raise TraceError(path, f"'{key}' must be {what}, found {shown(value, 60)}", where)
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str)
 
 
 def _is_size(value: Any) -> bool:
@@ -228,14 +219,14 @@ def validate_events(
             category, no integer ``args.step``, a pid other than ``rank``, or a non-integer tid.
     """
     if not isinstance(raw, list):
-        raise TraceError(path, f"'{key}' must be a list of events, found {_kind(raw)}", where or None)
+        raise TraceError(path, f"'{key}' must be a list of events, found {kind_of(raw)}", where or None)
     marks = step_marks if step_marks is not None else {}
     events: list[dict[str, Any]] = []
     queues: dict[int, str] = {}
     for i, ev in enumerate(raw):
         at = f"{where}, event {i}" if where else f"event {i}"
         if not isinstance(ev, dict):
-            raise TraceError(path, f"an event must be an object, found {_kind(ev)}", at)
+            raise TraceError(path, f"an event must be an object, found {kind_of(ev)}", at)
         if ev.get("name") is not None:
             at = f"{at} {str(ev['name'])[:80]!r}"
         if ev.get("ph") == "M":
@@ -371,13 +362,13 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
         raise TraceError(path, "the journal is empty (the rank died before it recorded anything)")
     first = _parse_json(path, lines[0], "line 1")
     if not isinstance(first, dict):
-        raise TraceError(path, f"line 1 must be the header object, found {_kind(first)}", "line 1")
+        raise TraceError(path, f"line 1 must be the header object, found {kind_of(first)}", "line 1")
     _check_schema(path, first, TRACE_SCHEMA, "rank journal")
     file_rank = _need(path, first, "rank", int, "line 1")
     if rank is not None and file_rank != rank:
         raise TraceError(path, f"journal says rank {file_rank}, but its name is for rank {rank}", "line 1")
     if not isinstance(first.get("header", {}), dict):
-        raise TraceError(path, f"'header' must be an object, found {_kind(first['header'])}", "line 1")
+        raise TraceError(path, f"'header' must be an object, found {kind_of(first['header'])}", "line 1")
     header = {k: v for k, v in first.items() if k != "header"}
     header.update(first.get("header") or {})
     problems: list[str] = []
@@ -413,7 +404,7 @@ def _journal_events(path: Path, record: dict[str, Any], rank: int, n: int) -> An
         return record.get("events")
     rows = record["rows"]
     if not isinstance(rows, list):
-        raise TraceError(path, f"'rows' must be a list, found {_kind(rows)}", f"line {n}")
+        raise TraceError(path, f"'rows' must be a list, found {kind_of(rows)}", f"line {n}")
     events = []
     for i, row in enumerate(rows):
         if not (isinstance(row, list) and len(row) == 6 and isinstance(row[5], dict)):
@@ -435,7 +426,7 @@ def _journal_line(path: Path, line: str, n: int, *, last: bool, problems: list[s
         problems.append(f"{path.name}: line {n} is cut off (the process died while writing it); ignored")
         return None
     if not isinstance(record, dict):
-        raise TraceError(path, f"a journal line must be an object, found {_kind(record)}", f"line {n}")
+        raise TraceError(path, f"a journal line must be an object, found {kind_of(record)}", f"line {n}")
     return record
 
 
@@ -476,13 +467,13 @@ def load_run_json(path: str | Path) -> dict[str, Any]:
         raise TraceError(path, f"'world_size' {world_size} is above the {world_size_limit():,} ranks dpro reads "
                                f"(${WORLD_SIZE_ENV} raises the limit)")
     if "hosts" in doc and not isinstance(doc["hosts"], list):
-        raise TraceError(path, f"'hosts' must be a list (one host per rank), found {_kind(doc['hosts'])}")
+        raise TraceError(path, f"'hosts' must be a list (one host per rank), found {kind_of(doc['hosts'])}")
     _steps_list(path, doc.get("profiled_steps", []), "profiled_steps")
     if "knobs" in doc and not isinstance(doc["knobs"], dict):
-        raise TraceError(path, f"'knobs' must be an object, found {_kind(doc['knobs'])}")
+        raise TraceError(path, f"'knobs' must be an object, found {kind_of(doc['knobs'])}")
     for key in ("engine", "framework"):
         if key in doc and not isinstance(doc[key], str):
-            raise TraceError(path, f"'{key}' must be a name, found {_kind(doc[key])}")
+            raise TraceError(path, f"'{key}' must be a name, found {kind_of(doc[key])}")
     _check_clocks(path, doc.get("clocks", {}))
     _check_comm_probe(path, doc.get("comm_probe", {}))
     return doc
@@ -491,10 +482,10 @@ def load_run_json(path: str | Path) -> dict[str, Any]:
 def _check_comm_probe(path: Path, probe: Any) -> None:
     """``comm_probe.samples``: a list of [bytes, µs] pairs of finite numbers >= 0 (the comm model fits them)."""
     if not isinstance(probe, dict):
-        raise TraceError(path, f"must be an object, found {_kind(probe)}", "comm_probe")
+        raise TraceError(path, f"must be an object, found {kind_of(probe)}", "comm_probe")
     samples = probe.get("samples", [])
     if not isinstance(samples, list):
-        raise TraceError(path, f"must be a list of [bytes, µs] pairs, found {_kind(samples)}", "comm_probe.samples")
+        raise TraceError(path, f"must be a list of [bytes, µs] pairs, found {kind_of(samples)}", "comm_probe.samples")
     for i, sample in enumerate(samples):
         if not (isinstance(sample, list) and len(sample) == 2 and all(_is_number(v) and v >= 0 for v in sample)):
             raise TraceError(path, "a sample must be [bytes, µs], two finite numbers >= 0", f"comm_probe.samples[{i}]")
@@ -503,16 +494,17 @@ def _check_comm_probe(path: Path, probe: Any) -> None:
 def _check_clocks(path: Path, clocks: Any) -> None:
     """``clocks.pingpong_us``: rank -> a list of [t0, t1, t2, t3] exchanges of finite numbers (alignment reads them)."""
     if not isinstance(clocks, dict):
-        raise TraceError(path, f"'clocks' must be an object, found {_kind(clocks)}")
+        raise TraceError(path, f"'clocks' must be an object, found {kind_of(clocks)}")
     pingpong = clocks.get("pingpong_us", {})
     if not isinstance(pingpong, dict):
-        raise TraceError(path, f"must be an object of rank -> exchanges, found {_kind(pingpong)}", "clocks.pingpong_us")
+        raise TraceError(path, f"must be an object of rank -> exchanges, found {kind_of(pingpong)}",
+                         "clocks.pingpong_us")
     for rank, rounds in pingpong.items():
         where = f"clocks.pingpong_us[{rank!r}]"
         if not (isinstance(rank, str) and rank.isdigit()):
             raise TraceError(path, "keys must be rank numbers", where)
         if not isinstance(rounds, list):
-            raise TraceError(path, f"must be a list of [t0, t1, t2, t3] exchanges, found {_kind(rounds)}", where)
+            raise TraceError(path, f"must be a list of [t0, t1, t2, t3] exchanges, found {kind_of(rounds)}", where)
         for i, exchange in enumerate(rounds):
             if not (isinstance(exchange, list) and len(exchange) == 4 and all(_is_number(t) for t in exchange)):
                 raise TraceError(path, "an exchange must be [t0, t1, t2, t3], four finite numbers (µs)",
@@ -529,10 +521,10 @@ def load_model_json(path: str | Path) -> dict[str, Any]:
                        ("modules", (("name", str),))):
         items = doc.get(key, [])
         if not isinstance(items, list):
-            raise TraceError(path, f"'{key}' must be a list, found {_kind(items)}")
+            raise TraceError(path, f"'{key}' must be a list, found {kind_of(items)}")
         for i, item in enumerate(items):
             if not isinstance(item, dict):
-                raise TraceError(path, f"an entry must be an object, found {_kind(item)}", f"{key}[{i}]")
+                raise TraceError(path, f"an entry must be an object, found {kind_of(item)}", f"{key}[{i}]")
             for name, kind in needs:
                 _need(path, item, name, kind, f"{key}[{i}]")
             if key == "gradients":
@@ -562,17 +554,16 @@ def load_model_json(path: str | Path) -> dict[str, Any]:
 
 def _check_model_entry(path: Path, key: str, item: dict[str, Any], where: str) -> None:
     """The optional fields of a model.json entry that analysis reads: byte counts, names, flags."""
-    is_name = lambda v: isinstance(v, str)  # noqa: E731
     if key == "gradients":
         for name in ("module", "computed_by", "dtype"):
-            _optional_field(path, item, name, is_name, "a name", where)
+            _optional_field(path, item, name, _is_name, "a name", where)
     elif key == "buckets":
         _optional_field(path, item, "index", _is_size, "a bucket number", where)
         if not all(isinstance(t, str) for t in item["tensors"]):
             raise TraceError(path, "'tensors' must be a list of gradient names", where)
     else:
-        _optional_field(path, item, "parent", is_name, "a module name", where)
-        _optional_field(path, item, "type", is_name, "a type name", where)
+        _optional_field(path, item, "parent", _is_name, "a module name", where)
+        _optional_field(path, item, "type", _is_name, "a type name", where)
         _optional_field(path, item, "param_bytes", _is_size, "a byte count", where)
         _optional_field(path, item, "activation_bytes", _is_size, "a byte count", where)
         _optional_field(path, item, "recorded", lambda v: isinstance(v, bool), "true or false", where)
