@@ -20,20 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# Runs argv[2:] and writes its wall seconds, CPU seconds and peak RSS (KB) to argv[1]; forked from this small
-# process, so the peak RSS is the command's own (a child's starts at its parent's size).
-MEASURED_RUN = """
-import json, os, sys, time
-out, argv = sys.argv[1], sys.argv[2:]
-t0 = time.perf_counter()
-pid = os.fork()
-if pid == 0:
-    os.execvp(argv[0], argv)
-_, status, usage = os.wait4(pid, 0)
-with open(out, "w") as f:
-    json.dump({"wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime,
-               "rss_mb": usage.ru_maxrss / 1024, "status": os.waitstatus_to_exitcode(status)}, f)
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measured import measured_argv, read_measurement  # noqa: E402
 
 
 def record(run_dir: Path, model: str) -> None:
@@ -77,11 +66,10 @@ def inflate(src: Path, dst: Path, target_mb: float) -> tuple[float, int]:
 
 def analyze(run_dir: Path, scratch: Path) -> dict:
     out = scratch / "measured.json"
-    argv = [sys.executable, "-c", MEASURED_RUN, str(out), sys.executable, "-m", "dpro", "-q", "analyze",
-            str(run_dir), "--json"]
+    argv = measured_argv(sys.executable, out, [sys.executable, "-m", "dpro", "-q", "analyze", str(run_dir), "--json"])
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-    measured = json.loads(out.read_text())
-    if measured["status"] != 0:
+    measured = read_measurement(out)
+    if measured is None or measured["status"] != 0:
         raise SystemExit(f"dpro analyze {run_dir} failed: {proc.stderr[-2000:]}")
     measured["error_pct"] = json.loads(proc.stdout)["error_pct"]
     return measured

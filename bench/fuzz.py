@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from fuzzing import (  # noqa: E402
     SEEDS,
@@ -46,22 +47,8 @@ from fuzzing import (  # noqa: E402
     random_mutation,
     tree_state,
 )
+from measured import measured_argv, read_measurement  # noqa: E402
 
-# Runs the command under an address-space limit and writes its peak RSS (KB). The command is forked from this small
-# process, not from the campaign's: a child's peak RSS starts at its parent's size when it is forked.
-CAPPED_RUN = """
-import os, resource, sys
-limit, rss_file, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-pid = os.fork()
-if pid == 0:
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    os.execvp(argv[0], argv)
-_, status, usage = os.wait4(pid, 0)
-with open(rss_file, "w") as f:
-    f.write(str(usage.ru_maxrss))
-code = os.waitstatus_to_exitcode(status)
-sys.exit(code if code >= 0 else 128 - code)
-"""
 OUTCOMES = ("ok", "refused", "traceback", "hang", "memory", "other", "wrote-outside")
 FAILURES = frozenset(OUTCOMES[2:])
 
@@ -124,8 +111,8 @@ def run_one(seed: Seed, built: Path, mutation: Mutation, sandbox: Path, python: 
            "DPRO_RUN_DIR": str(cwd / "dpro-runs"),
            # importing Keras (dpro import-xplane) writes its settings file, KERAS_HOME/keras.json, when there is none
            "KERAS_HOME": str(sandbox.parent / "keras-home")}
-    rss_file = sandbox.parent / f"{sandbox.name}.rss"
-    capped = [python, "-c", CAPPED_RUN, str(memory_mb << 20), str(rss_file), *argv]
+    rss_file = sandbox.parent / f"{sandbox.name}.measured.json"
+    capped = measured_argv(python, rss_file, argv, limit_bytes=memory_mb << 20)
     start = time.perf_counter()
     proc = subprocess.Popen(capped, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -136,7 +123,8 @@ def run_one(seed: Seed, built: Path, mutation: Mutation, sandbox: Path, python: 
     reader.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
-    rss_mb = int(rss_file.read_text()) / 1024.0 if rss_file.is_file() else usage.ru_maxrss / 1024.0
+    measured = read_measurement(rss_file)
+    rss_mb = measured["rss_mb"] if measured else usage.ru_maxrss / 1024.0
     rss_file.unlink(missing_ok=True)
     err = b"".join(chunks)
     said = err.decode("utf-8", "replace")
