@@ -33,6 +33,7 @@ __all__ = [
     "overlap_length",
     "predicted_step_us",
     "stragglers",
+    "time_by_category",
     "total_length",
     "union_intervals",
 ]
@@ -139,6 +140,73 @@ def breakdown(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
         out[rank] = {"step": t1 - t0, "compute": total_length(cu), "communication": total_length(mu),
                      "overlapped_communication": overlap, "idle": max(0.0, (t1 - t0) - busy)}
     return out
+
+
+# What a rank is doing at an instant, when several ops cover it: the first of these that does (a communication
+# under compute is "overlapped", not "communication"); categories not listed count as compute.
+CATEGORY_PRIORITY = ("FW", "BW", "RECOMPUTE", "COMPUTE", "UPDATE", "IO", "MEMCPY")
+COMM_CATEGORIES = ("COMM", "XFER", "NCCL")
+
+
+def time_by_category(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
+    """Per rank, over the last replayed iteration: each instant of the step charged to one category (µs).
+
+    An instant covered by compute-like ops goes to the first of them in ``CATEGORY_PRIORITY`` (other categories
+    count after those, by name); one covered only by communication (the rank's collectives and the transfers it
+    takes part in) is ``communication``; one covered by nothing is ``idle``. The parts add up to the step.
+    ``overlapped_communication`` (communication under another op) is reported beside them, not in the sum.
+    Markers (STEP) and host-side bookkeeping without duration are not counted.
+    """
+    last = max(it for _, it in g.step_end)
+    members = _xfer_members(g)
+    out: dict[int, dict[str, float]] = {}
+    for (rank, it), end_node in g.step_end.items():
+        if it != last or (rank, it - 1) not in g.step_end:
+            continue
+        t0, t1 = float(sched.end[g.step_end[(rank, it - 1)]]), float(sched.end[end_node])
+        spans: list[tuple[float, float, str]] = []
+        for node in np.flatnonzero((g.iteration == it) | (g.iteration == it - 1)):
+            s, e = max(float(sched.start[node]), t0), min(float(sched.end[node]), t1)
+            cat = g.category[node]
+            if e <= s or cat == "STEP":
+                continue
+            if cat == "XFER":
+                if rank in members.get(int(node), ()):
+                    spans.append((s, e, "communication"))
+            elif g.rank[node] == rank:
+                spans.append((s, e, "communication" if cat in COMM_CATEGORIES else cat))
+        out[rank] = _charge_instants(spans, t0, t1)
+    return out
+
+
+def _charge_instants(spans: list[tuple[float, float, str]], t0: float, t1: float) -> dict[str, float]:
+    """Sweep over the span ends: each elementary piece goes to its highest-priority covering category."""
+    def rank_of(cat: str) -> tuple[int, str]:
+        if cat == "communication":
+            return (len(CATEGORY_PRIORITY) + 1, cat)
+        return (CATEGORY_PRIORITY.index(cat), cat) if cat in CATEGORY_PRIORITY else (len(CATEGORY_PRIORITY), cat)
+
+    points = sorted({t0, t1, *(t for s, e, _ in spans for t in (s, e))})
+    # covering counts per category, updated at each point (a difference array over the sorted points)
+    index = {t: i for i, t in enumerate(points)}
+    changes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for s, e, cat in spans:
+        changes[index[s]][cat] += 1
+        changes[index[e]][cat] -= 1
+    active: dict[str, int] = defaultdict(int)
+    out: dict[str, float] = defaultdict(float)
+    for i, (a, b) in enumerate(zip(points, points[1:], strict=False)):
+        for cat, delta in changes.get(i, {}).items():
+            active[cat] += delta
+        covering = [cat for cat, n in active.items() if n > 0]
+        if not covering:
+            out["idle"] += b - a
+            continue
+        top = min(covering, key=rank_of)
+        out[top] += b - a
+        if top != "communication" and active.get("communication", 0) > 0:
+            out["overlapped_communication"] += b - a
+    return dict(out)
 
 
 def critical_ops(g: Graph, sched: Schedule, top: int = 10) -> list[dict[str, Any]]:

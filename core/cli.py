@@ -232,6 +232,75 @@ def _cmd_import_xplane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_report(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "report", help="one self-contained HTML page: timeline, breakdown, communication, what-if, recommendations",
+        description="Analyze a run directory (any engine) or PyTorch profiler traces and write one HTML file that "
+                    "opens offline in any browser: the measured and predicted step with the error, a timeline of "
+                    "one step per rank (measured above replayed, critical path outlined), where the step goes per "
+                    "rank, communication per collective and stragglers, what-if curves (the engine's knobs, "
+                    "bandwidth, world size, memory vs recomputation) and the optimizer's recommendation.",
+    )
+    parser.add_argument("run", metavar="RUN", nargs="+", help="a run directory, or PyTorch profiler trace files")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="where to write the page (default RUN/analysis/report.html; dpro-report.html for traces)")
+    parser.add_argument("--no-whatif", action="store_true", help="leave out the what-if curves (faster)")
+    parser.add_argument("--no-optimize", action="store_true", help="leave out the optimizer's recommendation")
+    parser.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpro.record.trace import analysis_file, write_text_atomic
+    from dpro.report.collect import collect_run, collect_traces
+    from dpro.report.html import render_report
+
+    quiet = getattr(args, "quiet", 0) > 0
+    if len(args.run) == 1 and Path(args.run[0]).is_dir():
+        data = collect_run(args.run[0], whatif=not args.no_whatif, recommend=not args.no_optimize, quiet=quiet)
+        out = Path(args.output) if args.output else analysis_file(args.run[0], "report.html")
+    else:
+        data = collect_traces([Path(p) for p in args.run], quiet=quiet)
+        out = Path(args.output) if args.output else Path("dpro-report.html")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, render_report(data))
+    a = data.analysis
+    print(f"measured {a.measured_step_ms:.2f} ms, predicted {a.predicted_step_ms:.2f} ms ({a.error_pct:+.2f} %)")
+    print(f"report written to {out} ({out.stat().st_size / 1e6:.2f} MB)")
+    return 0
+
+
+def _add_compare(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "compare", help="what changed between two runs of one model, and what explains the difference",
+        description="Analyze two run directories of one model (e.g. before and after a config) and show the knobs "
+                    "that differ, measured and predicted steps, collectives, where each step goes and the parts "
+                    "and ops that explain most of the difference. Runs of different models are refused.",
+    )
+    parser.add_argument("run_a", metavar="RUN_A", help="the reference run directory")
+    parser.add_argument("run_b", metavar="RUN_B", help="the run directory compared with it")
+    parser.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    parser.add_argument("-o", "--output", metavar="FILE", help="also write the comparison as an HTML page")
+    parser.set_defaults(func=_cmd_compare)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpro.record.trace import write_text_atomic
+    from dpro.report.compare import compare_runs, format_comparison, render_comparison
+
+    comparison = compare_runs(args.run_a, args.run_b)
+    print(json.dumps(comparison.to_json(), indent=2) if args.json else format_comparison(comparison))
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out, render_comparison(comparison))
+        print(f"comparison written to {out}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def _write_config(path: Any, doc: dict[str, Any]) -> None:
     from dpro.config import Config, write_config
 
@@ -239,7 +308,7 @@ def _write_config(path: Any, doc: dict[str, Any]) -> None:
 
 
 SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info, _add_analyze, _add_whatif, _add_optimize,
-                                                   _add_import_xplane)
+                                                   _add_report, _add_compare, _add_import_xplane)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -212,3 +212,61 @@ def make_horovod_run(root: Path, timeline: str | None, steps: tuple[int, ...] = 
     if timeline is not None:
         (root / HOROVOD_TIMELINE_FILE).write_text(timeline)
     return root
+
+
+# ---- a wide run: many layers on many ranks (report size, big-page tests and benches) ----------------------
+
+def wide_step_events(rank: int, step: int, layers: int, per_bucket: int) -> list[dict[str, Any]]:
+    """One step of a ``layers``-deep model: IO, a FW and a BW per layer, one allreduce per ``per_bucket`` layers'
+    gradients launched as their backward ends, UPDATE; ranks skewed a little so that stragglers show."""
+    fw, bw = 20.0, 40.0
+    t0 = 1_000_000.0 + step * (layers * 100.0 + 20_000) + rank * 7
+    ev = [x_event("IO.batch", "IO", t0, 100.0, rank=rank, queue="host", step=step)]
+    t = t0 + 100
+    for i in range(layers):
+        ev.append(x_event(f"FW.layer{i}", "FW", t, fw + (i % 7) + rank, rank=rank, queue="compute", step=step,
+                          bytes=4096))
+        t += fw + (i % 7) + rank
+    comm_free = t
+    for k, i in enumerate(reversed(range(layers))):
+        ev.append(x_event(f"BW.layer{i}", "BW", t, bw, rank=rank, queue="compute", step=step))
+        t += bw
+        if (k + 1) % per_bucket == 0 or i == 0:
+            b = k // per_bucket
+            names = [f"layer{j}.weight" for j in range(i, min(layers, i + per_bucket))]
+            start = max(t, comm_free)
+            ev.append(x_event(f"COMM.bucket{b}.allreduce", "COMM", start, 300.0, rank=rank, queue="comm",
+                              step=step, bytes=4096 * len(names), tensors=names, op="allreduce", phase="allreduce"))
+            comm_free = start + 300.0
+    end = max(t, comm_free)
+    ev.append(x_event("UPDATE.sgd", "UPDATE", end, 200.0, rank=rank, queue="compute", step=step))
+    ev.insert(0, x_event("STEP", "STEP", t0, end + 200.0 - t0, rank=rank, queue="host", step=step))
+    return ev
+
+
+def make_wide_run(root: Path, *, world_size: int = 8, layers: int = 500, per_bucket: int = 25,
+                  steps: Iterable[int] = range(3, 6)) -> Path:
+    """A run directory of ``world_size`` ranks, each step holding ~2 x ``layers`` ops (plus allreduces)."""
+    steps = list(steps)
+    root.mkdir(parents=True, exist_ok=True)
+    write_json(root / "run.json", run_doc(world_size, steps))
+    grads = [{"name": f"layer{i}.weight", "bytes": 4096, "module": f"layer{i}", "computed_by": f"layer{i}",
+              "shape": [1024], "dtype": "float32"} for i in reversed(range(layers))]
+    buckets, k = [], 0
+    for start in range(0, layers, per_bucket):
+        hi = layers - start
+        names = [f"layer{j}.weight" for j in range(max(0, hi - per_bucket), hi)]
+        buckets.append({"index": k, "bytes": 4096 * len(names), "tensors": names})
+        k += 1
+    modules = [{"name": "<root>", "type": "Net", "parent": None, "param_bytes": 0, "activation_bytes": None,
+                "recorded": False}]
+    modules += [{"name": f"layer{i}", "type": "Linear", "parent": "<root>", "param_bytes": 4096,
+                 "activation_bytes": 4096, "recorded": True} for i in range(layers)]
+    write_json(root / "model.json", {"schema": "dpro.model/1", "gradients": grads, "buckets": buckets,
+                                     "modules": modules, "param_bytes": 4096 * layers})
+    for rank in range(world_size):
+        doc = rank_doc(rank, world_size, steps)
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+        doc["traceEvents"] += [e for s in steps for e in wide_step_events(rank, s, layers, per_bucket)]
+        write_json(root / f"rank-{rank}.json", doc)
+    return root

@@ -29,6 +29,10 @@ def _no_model(ctx: Any) -> None:
     return None
 
 
+def _no_sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
+    return []
+
+
 def _server_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
     servers = args.get("servers")
     if not isinstance(servers, list):
@@ -76,6 +80,8 @@ class Engine:
         comm_after_backward: the gradients' collectives are launched only once the whole backward is done
             (Keras under MultiWorkerMirroredStrategy reduces the gradients after computing all of them), not as
             each one's gradients are ready; the DAG and what-if's regrouping then start them after the last BW.
+        sweeps: ``(ctx) -> [(knob, values), ...]``: the engine's main knobs and the values a what-if curve of the
+            step time plots (``dpro report``); empty: the engine has no knob of its own to plot.
     """
 
     name: str
@@ -94,6 +100,8 @@ class Engine:
     transfer_queues: Callable[[Any, dict[str, Any]], tuple[str, ...]] = _server_queues  # (run, COMM args) -> queues
     describe_model: Callable[[Any], str | None] = _no_model  # (ctx) -> the engine's cost model in words
     env_variables: tuple[str, ...] = ()  # what a config's env may set (the variables the engine's knobs own)
+    sweeps: Callable[[Any], list[tuple[str, list[Any]]]] = _no_sweeps  # (ctx) -> knobs and values to plot
+
 
     def knob_names(self) -> list[str]:
         return [k.name for k in self.knobs]

@@ -349,6 +349,12 @@ SERVER_CANDIDATES = (1, 2, 3, 4, 6, 8)
 BOUND_CANDIDATES = (10**5, 2 * 10**5, 5 * 10**5, 10**6, 4 * 10**6, 10**9)  # 10**9: no key is split
 
 
+def sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
+    """Server count and partition bound over the values the search tries (``dpro report``'s curves)."""
+    return [(NUM_SERVERS, sorted({*SERVER_CANDIDATES, int(ctx.knobs.get(NUM_SERVERS) or 1)})),
+            (BIGARRAY_BOUND, list(BOUND_CANDIDATES))]
+
+
 def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> Any:
     """dPRO's tensor partition for a parameter server: every server count and partition bound replayed; the best
     is recommended when predicted to save ``MIN_GAIN`` (written as the config's ``env``), then the common
@@ -422,6 +428,7 @@ ENGINE = Engine(
     transfer_queues=_transfer_queues,
     describe_model=_describe,
     env_variables=(NUM_SERVERS_ENV, BIGARRAY_BOUND_ENV),
+    sweeps=sweeps,
     apply="environment (DMLC_NUM_SERVER: dpro-launch starts that many servers; MXNET_KVSTORE_BIGARRAY_BOUND) set by "
           "dpro-launch --apply",
 )

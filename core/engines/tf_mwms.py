@@ -71,6 +71,11 @@ def best_bytes_per_pack(ctx: Any) -> list[tuple[int, Any]]:
     return sorted(results, key=lambda sp: (sp[1].predicted_step_ms, sp[0]))
 
 
+def sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
+    """``bytes_per_pack`` over the sizes the search tries and the one in force (``dpro report``'s curves)."""
+    return [(BYTES_PER_PACK, sorted({*PACK_CANDIDATES, int(ctx.knobs.get(BYTES_PER_PACK) or 0)}))]
+
+
 def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> Any:
     """MWMS's ``bytes_per_pack`` (every distinct packing replayed), then the common searches."""
     from dpro.optimize.search import MIN_GAIN, optimize_common
@@ -130,4 +135,5 @@ ENGINE = Engine(
           "dpro-launch's auto-attach, dpro.plugins.tf.apply)",
     chained_launch=True,
     comm_after_backward=True,
+    sweeps=sweeps,
 )

@@ -104,6 +104,12 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
                            knobs=knobs, explain=explain, baseline=baseline, began=began)
 
 
+def sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
+    """The bucket cap, over the caps the search tries and the one in force (what-if curves of ``dpro report``)."""
+    in_force = float(ctx.knobs.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
+    return [(BUCKET_CAP, sorted({*CAP_CANDIDATES_MB, in_force}))]
+
+
 ENGINE = Engine(
     name=NAME,
     doc="PyTorch DistributedDataParallel (gloo, nccl): gradients allreduced in buckets during backward",
@@ -118,4 +124,5 @@ ENGINE = Engine(
     apply="DistributedDataParallel(bucket_cap_mb=, bucket_cap_mb_list=) by the torch plugin (DproCallback, "
           "dpro-launch's auto-attach, dpro.plugins.torch.apply)",
     comm_knobs=(BUCKET_CAP, FIRST_BUCKET_CAP),
+    sweeps=sweeps,
 )

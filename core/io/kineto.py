@@ -50,6 +50,7 @@ from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, wor
 from dpro.sim.replay import Schedule, plan_levels, replay
 
 __all__ = [
+    "AnalyzedTraces",
     "Collective",
     "KinetoGraphInfo",
     "KinetoTrace",
@@ -58,6 +59,7 @@ __all__ = [
     "analyze_traces",
     "graph_from_kineto",
     "load_kineto",
+    "replay_traces",
     "short_name",
 ]
 
@@ -853,8 +855,24 @@ def _stragglers(info: KinetoGraphInfo, steps: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: -row["wait_caused_ms_per_step"])
 
 
+@dataclass
+class AnalyzedTraces:
+    """Everything ``replay_traces`` computed: the answers and the graph, schedule and step info behind them."""
+
+    analysis: Analysis
+    graph: Graph
+    schedule: Schedule
+    info: KinetoGraphInfo
+    traces: list[KinetoTrace]
+
+
 def analyze_traces(traces: list[KinetoTrace], steps: list[int] | None = None) -> Analysis:
     """Build the DAG of the traces, replay it, and compare the replayed step with ``ProfilerStep#N``."""
+    return replay_traces(traces, steps).analysis
+
+
+def replay_traces(traces: list[KinetoTrace], steps: list[int] | None = None) -> AnalyzedTraces:
+    """``analyze_traces`` keeping what it was computed from (``dpro report`` draws the graph's schedule)."""
     g, info = graph_from_kineto(traces, steps)
     sched = replay(g, plan_levels(g))
     host, device = _predicted(g, sched, info)
@@ -882,12 +900,13 @@ def analyze_traces(traces: list[KinetoTrace], steps: list[int] | None = None) ->
     measured = statistics.median(row["measured_step_ms"] for row in per_rank)
     predicted = statistics.median(row["predicted_step_ms"] for row in per_rank)
     notes += _summary_notes(traces, info, per_rank, its)
-    return Analysis(
+    analysis = Analysis(
         source=", ".join(info.files[r] for r in info.ranks), measured_step_ms=measured, predicted_step_ms=predicted,
         error_pct=error_pct(predicted, measured),
         breakdown={k: statistics.median(p[k] for p in parts_all) for k in keys},
         critical_path=critical_ops(g, sched), stragglers=_stragglers(info, len(its)), per_rank=per_rank,
         notes=notes, graph_nodes=g.size)
+    return AnalyzedTraces(analysis, g, sched, info, traces)
 
 
 def _summary_notes(traces: list[KinetoTrace], info: KinetoGraphInfo, per_rank: list[dict], its: list[int]) -> list[str]:

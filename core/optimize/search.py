@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpro.engines import get_engine
+from dpro.report.progress import Progress
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
 __all__ = [
@@ -163,12 +164,33 @@ class OptimizeResult:
     measured_step_ms: float = 0.0
 
 
-def optimize(ctx: Context, *, memory_budget_bytes: int | None = None,
-             allow_compression: bool = False) -> OptimizeResult:
+def optimize(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False,
+             progress: Progress | None = None) -> OptimizeResult:
     """Search the knobs of the run's engine (``dpro.engines``), recomputation under a memory budget and
-    compression; every answer is confirmed by replay."""
-    return get_engine(ctx.engine).optimize(ctx, memory_budget_bytes=memory_budget_bytes,
-                                           allow_compression=allow_compression)
+    compression; every answer is confirmed by replay.
+
+    Args:
+        progress: advanced once per configuration replayed (``dpro.report.progress.Progress``; its total is
+            unknown ahead: each engine's search decides how many candidates it prices), closed at the end.
+    """
+    if progress is None:
+        return get_engine(ctx.engine).optimize(ctx, memory_budget_bytes=memory_budget_bytes,
+                                               allow_compression=allow_compression)
+    before = ctx.on_predict
+    ctx.on_predict = lambda knobs: progress.advance(note=_knobs_note(knobs))
+    try:
+        return get_engine(ctx.engine).optimize(ctx, memory_budget_bytes=memory_budget_bytes,
+                                               allow_compression=allow_compression)
+    finally:
+        ctx.on_predict = before
+        progress.close()
+
+
+def _knobs_note(knobs: dict[str, Any]) -> str:
+    """A short description of a candidate for a progress line (tensor groups counted, not listed)."""
+    shown = [f"{k}={len(v)} groups" if k == "tensor_groups" else f"{k}={v}" for k, v in knobs.items()]
+    text = ", ".join(shown) or "the run as recorded"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def optimize_common(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False,

@@ -34,6 +34,7 @@ __all__ = [
     "rank_file",
     "row_event",
     "write_json_atomic",
+    "write_text_atomic",
 ]
 
 
@@ -125,12 +126,17 @@ def model_fingerprint(tensors: Iterable[tuple[str, Iterable[int], str]]) -> str:
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` via a temp file and a rename, so readers never see half a file."""
+    write_text_atomic(path, json.dumps(obj, separators=(",", ":")))  # dumps runs json's C encoder, dump the Python one
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` via a temp file and a rename, so readers never see half a file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a trace is an ordinary file
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(obj, separators=(",", ":")))  # dumps runs json's C encoder, dump the Python one
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

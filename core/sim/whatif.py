@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,7 @@ class Context:
     gradients: list[tuple[str, int]]                  # ready order
     knobs: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)  # an engine's models fitted once per run (by engine name)
+    on_predict: Callable[[dict[str, Any]], None] | None = None  # told the knobs of each prediction (progress)
 
     @property
     def world_size(self) -> int:
@@ -327,9 +329,10 @@ def predict(ctx: Context, knobs: dict[str, Any], iterations: int = 4) -> Predict
             raise UsageError(f"{key} is a knob of the {engine_of} engine; this run's engine is "
                              f"{ctx.engine or 'not named in run.json'}")
     own = get_engine(ctx.engine).predict(ctx, knobs) if knobs else None
-    if own is not None:
-        return own
-    return replay_model(ctx, transformed_model(ctx, knobs), knobs, iterations)
+    result = own if own is not None else replay_model(ctx, transformed_model(ctx, knobs), knobs, iterations)
+    if ctx.on_predict is not None:
+        ctx.on_predict(knobs)
+    return result
 
 
 def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iterations: int = 4) -> Prediction:

@@ -83,6 +83,14 @@ def _predict(ctx: Any, knobs: dict[str, Any]) -> Any:
                           per_rank_ms={})
 
 
+def _sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
+    """The fusion threshold over the thresholds the search tries and the one in force (``dpro report``'s curves)."""
+    from dpro.engines.horovod.search import HVD_THRESHOLDS_MB, _in_force
+
+    threshold = int(_in_force(ctx)[0])
+    return [(THRESHOLD, sorted({*(int(mb * 2**20) for mb in HVD_THRESHOLDS_MB), threshold}))]
+
+
 def _search(ctx: Any, **options: Any) -> Any:
     from dpro.engines.horovod.search import search
 
@@ -105,6 +113,7 @@ ENGINE = Engine(
     prepare_run=_prepare_run,
     env_variables=(THRESHOLD, CYCLE, CACHE),
     notes=_notes,
+    sweeps=_sweeps,
     apply="environment (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME) set by dpro-launch --apply; tensor_groups as "
           "hvd.DistributedOptimizer(groups=) by dpro-launch's auto-attach",
 )
