@@ -15,7 +15,7 @@ RUNS := dpro-runs
 CORE_TESTS := tests/dag tests/sim tests/optimize tests/record tests/io tests/test_config.py tests/test_core_imports.py \
 	tests/engines/test_mxnet_ps.py tests/plugins/mxnet/test_mxnet_units.py
 
-.PHONY: example test test-fast fuzz lint venv horovod mxnet sshd
+.PHONY: example test test-fast fuzz lint venv horovod mxnet sshd chromium
 
 venv: $(STAMP)
 
@@ -61,7 +61,14 @@ sshd:
 		  apt-get install -y -q --no-install-recommends openssh-server openssh-client >/dev/null 2>&1 ) || \
 		echo "note: no sshd here; the launcher's ssh test will be skipped"
 
-test: $(STAMP) $(HVD_STAMP) $(MXNET_STAMP) sshd
+# dpro report's browser tests render the page in a headless Chromium; installed when the machine lets us
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		( command -v apt-get >/dev/null && apt-get update -q >/dev/null 2>&1 && \
+		  apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ) || \
+		echo "note: no Chromium here; the report's browser tests will be skipped"
+
+test: $(STAMP) $(HVD_STAMP) $(MXNET_STAMP) sshd chromium
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 	OMP_NUM_THREADS=1 $(MXNET_VENV)/bin/python -m pytest -q -m "not slow" $(CORE_TESTS)
 

@@ -180,11 +180,13 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
     from dpro.io.load import load_run
     from dpro.optimize import config_document, optimize
+    from dpro.progress import Progress
     from dpro.sim.whatif import context
 
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     ctx = context(load_run(args.run))
-    result = optimize(ctx, memory_budget_bytes=budget, allow_compression=args.allow_compression)
+    result = optimize(ctx, memory_budget_bytes=budget, allow_compression=args.allow_compression,
+                      progress=Progress(None, "optimize"))
     doc = config_document(result, ctx)
     from dpro.record.trace import analysis_file
 
@@ -256,12 +258,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from dpro.report.collect import collect_run, collect_traces
     from dpro.report.html import render_report
 
-    quiet = getattr(args, "quiet", 0) > 0
     if len(args.run) == 1 and Path(args.run[0]).is_dir():
-        data = collect_run(args.run[0], whatif=not args.no_whatif, recommend=not args.no_optimize, quiet=quiet)
+        data = collect_run(args.run[0], whatif=not args.no_whatif, recommend=not args.no_optimize)
         out = Path(args.output) if args.output else analysis_file(args.run[0], "report.html")
     else:
-        data = collect_traces([Path(p) for p in args.run], quiet=quiet)
+        data = collect_traces([Path(p) for p in args.run])
         out = Path(args.output) if args.output else Path("dpro-report.html")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, render_report(data))

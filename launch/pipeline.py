@@ -27,6 +27,7 @@ from dpro.launch.engines import ENGINES, ssh_options
 from dpro.launch.env import applied_env, horovod_env
 from dpro.launch.settings import LaunchConfig
 from dpro.logs import get_logger
+from dpro.progress import Progress
 from dpro.record.protocol import claim_run_dir
 from dpro.record.trace import RUN_FILE, analysis_file, write_json_atomic
 
@@ -135,7 +136,8 @@ def optimize_run(run_dir: Path, *, memory_budget_bytes: int | None = None, allow
     from dpro.sim.whatif import context
 
     ctx = context(load_run(run_dir))
-    result = optimize(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
+    result = optimize(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,
+                      progress=Progress(None, "optimize"))
     path = out or analysis_file(run_dir, CONFIG_FILE)
     write_config(path, Config.from_json(config_document(result, ctx)))
     config = read_config(path)
@@ -220,12 +222,17 @@ def _write_launch_file(config: LaunchConfig, status: int) -> None:
 
 def run(config: LaunchConfig) -> int:
     """The whole ``dpro-launch`` command for ``config``; returns the exit status."""
+    stages = None
+    if config.optimize:  # profile -> optimize (-> re-run -> compare): one line per stage
+        stages = Progress(4 if config.auto else 2, "dpro-launch", lines=True)
+        stages.advance(0, note="stage 1: the profiled run")
     status, launched, recorded = run_job(config)
     if status != 0 or not config.optimize:
         return status
     if recorded is None:
         _say("--optimize: there is no recorded run to optimize")
         return 1
+    stages.advance(note="stage 2: optimize")
     try:
         tuned, replayed_ms = optimize_run(recorded, memory_budget_bytes=config.memory_budget_bytes,
                              allow_compression=config.allow_compression)
@@ -233,14 +240,18 @@ def run(config: LaunchConfig) -> int:
         _say(f"--optimize failed: {err}")
         return 1
     if not config.auto:
+        stages.advance()
+        stages.close()
         return 0
-    return _auto_rerun(launched, recorded, tuned, replayed_ms)
+    return _auto_rerun(launched, recorded, tuned, replayed_ms, stages)
 
 
-def _auto_rerun(first: LaunchConfig, recorded: Path, tuned: Config, replayed_ms: float) -> int:
-    """``--auto``: run again with the config, profiled into RUN-applied, and compare."""
+def _auto_rerun(first: LaunchConfig, recorded: Path, tuned: Config, replayed_ms: float, stages: Progress) -> int:
+    """``--auto``: run again with the config, profiled into RUN-applied, and compare (also as
+    ``RUN-applied/analysis/compare.html``)."""
     again = dataclasses.replace(first, run_dir=Path(f"{first.run_dir}{APPLIED_SUFFIX}"), apply=tuned.path,
                                 auto=False, optimize=False)
+    stages.advance(note="stage 3: the re-run with the config")
     _say(f"--auto: re-running with {tuned.path}")
     status, _, recorded_after = run_job(again)
     if status != 0:
@@ -248,8 +259,26 @@ def _auto_rerun(first: LaunchConfig, recorded: Path, tuned: Config, replayed_ms:
     if recorded_after is None:
         _say("--auto: the re-run recorded nothing; no comparison")
         return 1
+    stages.advance(note="stage 4: compare")
     print(format_comparison(recorded, recorded_after, tuned, replayed_ms), flush=True)
+    _write_compare_page(recorded, recorded_after)
+    stages.advance()
+    stages.close()
     return 0
+
+
+def _write_compare_page(before: Path, after: Path) -> None:
+    """``dpro compare BEFORE AFTER -o AFTER/analysis/compare.html``; a comparison that cannot be made is said."""
+    from dpro.record.trace import write_text_atomic
+    from dpro.report.compare import compare_runs, render_comparison
+
+    try:
+        page = analysis_file(after, "compare.html")
+        write_text_atomic(page, render_comparison(compare_runs(before, after)))
+    except (DproError, OSError) as err:
+        _say(f"--auto: no comparison page: {err}")
+        return
+    _say(f"--auto: before and after compared in {page}")
 
 
 def format_comparison(before: Path, after: Path, config: Config, replayed_ms: float) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 from dpro.errors import TraceError, kind_of, shown
 from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
+from dpro.progress import Progress
 from dpro.record.trace import (
     CATEGORIES,
     MODEL_FILE,
@@ -60,6 +61,7 @@ __all__ = [
 _RANK_FILE = re.compile(r"rank-(\d+)\.json")
 _JOURNAL_FILE = re.compile(r"rank-(\d+)\.partial\.jsonl")
 _REQUIRED = ("name", "cat", "ph", "ts", "dur")
+PROGRESS_BYTES = 50 * 2**20  # rank files together this big take seconds to read: say so as they load
 
 
 @dataclass
@@ -603,11 +605,15 @@ def load_run(path: str | Path) -> Run:
                         "(rank 0 writes it after its first profiled step)")
     ranks: dict[int, RankTrace] = {}
     cut_lines: dict[int, list[str]] = {}
-    for rank in sorted(set(finals) | set(journals)):
-        if rank in finals:
-            ranks[rank] = load_rank_file(finals[rank], rank)
-        else:
-            ranks[rank], cut_lines[rank] = load_journal(journals[rank], rank)
+    files = {rank: finals.get(rank) or journals[rank] for rank in sorted(set(finals) | set(journals))}
+    big = sum(_size(f) for f in files.values()) >= PROGRESS_BYTES
+    with Progress(len(files), "loading rank files", quiet=None if big else True) as bar:
+        for rank, file in files.items():
+            if rank in finals:
+                ranks[rank] = load_rank_file(file, rank)
+            else:
+                ranks[rank], cut_lines[rank] = load_journal(file, rank)
+            bar.advance(note=file.name)
     run = Run(path=root, meta=meta, model=model, ranks=ranks, problems=problems)
     for rank in sorted(set(range(run.world_size)) | set(ranks)):
         run.problems.extend(_rank_problems(run, rank, cut_lines.get(rank, [])))
@@ -616,6 +622,13 @@ def load_run(path: str | Path) -> Run:
     run.problems.extend(_step_set_problems(run))
     _prepare_for_engine(run)
     return run
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _prepare_for_engine(run: Run) -> None:

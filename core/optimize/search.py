@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpro.engines import get_engine
-from dpro.report.progress import Progress
+from dpro.progress import Progress
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
 __all__ = [
@@ -170,7 +170,7 @@ def optimize(ctx: Context, *, memory_budget_bytes: int | None = None, allow_comp
     compression; every answer is confirmed by replay.
 
     Args:
-        progress: advanced once per configuration replayed (``dpro.report.progress.Progress``; its total is
+        progress: advanced once per configuration replayed (``dpro.progress.Progress``; its total is
             unknown ahead: each engine's search decides how many candidates it prices), closed at the end.
     """
     if progress is None:

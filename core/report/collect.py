@@ -23,7 +23,7 @@ from dpro.analyze import Analysis, AnalyzedRun, analyze_run, time_by_category
 from dpro.dag.graph import NO_QUEUE, Graph
 from dpro.errors import DproError
 from dpro.io.load import Run, load_run
-from dpro.report.progress import Progress
+from dpro.progress import Progress
 from dpro.report.svg import Lane, Span
 from dpro.sim.replay import Schedule, critical_path
 
@@ -80,7 +80,8 @@ class ReportData:
 
 # ---- dpro run directories -----------------------------------------------------------------------------
 
-def collect_run(path: str | Path, *, whatif: bool = True, recommend: bool = True, quiet: bool = False) -> ReportData:
+def collect_run(path: str | Path, *, whatif: bool = True, recommend: bool = True,
+                quiet: bool | None = None) -> ReportData:
     """Analyze a run directory and gather the report's data; ``whatif``/``recommend`` add the curves and the
     optimizer's recommendation (replays: the slow part, shown as progress unless ``quiet``)."""
     run = load_run(path)
@@ -224,7 +225,7 @@ def _add_predictions(data: ReportData, run: Run, *, whatif: bool, recommend: boo
                                "search_seconds": result.search_seconds}
 
 
-def whatif_curves(ctx: Any, *, quiet: bool = False) -> tuple[list[Curve], list[dict[str, Any]]]:
+def whatif_curves(ctx: Any, *, quiet: bool | None = None) -> tuple[list[Curve], list[dict[str, Any]]]:
     """Step time vs the engine's own knobs (``Engine.sweeps``), vs bandwidth and vs world size, and peak memory
     vs recomputing each candidate module, every point a replay."""
     from dpro.engines import get_engine
@@ -272,7 +273,7 @@ KINETO_CATEGORIES = {"KERNEL": "COMPUTE", "NCCL": "COMM", "MEMSET": "MEMCPY", "C
                      "SYNC": "OTHER"}
 
 
-def collect_traces(paths: list[str | Path], *, quiet: bool = False) -> ReportData:
+def collect_traces(paths: list[str | Path], *, quiet: bool | None = None) -> ReportData:
     """Analyze PyTorch profiler traces (one per rank) and gather the report's data. What-if curves and
     recommendations need a dpro run directory (the traces carry no gradient list): the page says so."""
     from dpro.io.kineto import load_kineto, replay_traces

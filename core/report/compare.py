@@ -216,10 +216,11 @@ def render_comparison(c: Comparison) -> str:
     diffs = signed_bars([(d["what"], d["delta_ms"]) for d in c.differences],
                         title="B - A per part and op (ms; red: slower in B)") if c.differences else ""
     sections = [
-        ("runs", "runs", "<h2>Runs</h2>" + table(["", "run", "measured step ms", "predicted step ms", "error %"],
-                               [["A", c.a, (f"{ma:.2f}", ma), (f"{pa:.2f}", pa), (f"{c.error_pct[0]:+.2f}", c.error_pct[0])],
-                                ["B", c.b, (f"{mb:.2f}", mb), (f"{pb:.2f}", pb), (f"{c.error_pct[1]:+.2f}", c.error_pct[1])]],
-                               left=2)),
+        ("runs", "runs", "<h2>Runs</h2>" + table(
+            ["", "run", "measured step ms", "predicted step ms", "error %"],
+            [[label, path, (f"{m:.2f}", m), (f"{p:.2f}", p), (f"{e:+.2f}", e)]
+             for label, path, m, p, e in (("A", c.a, ma, pa, c.error_pct[0]), ("B", c.b, mb, pb, c.error_pct[1]))],
+            left=2)),
         ("knobs", "knobs", "<h2>Knobs that differ</h2>" + (table(["knob", "A", "B"], [
             [k["knob"], _value(k["a"]), _value(k["b"])] for k in c.knobs], left=3) if c.knobs else "<p>none</p>")),
         ("differences", "differences", f"<h2>What explains the difference</h2>{diffs}{parts}"),

@@ -54,7 +54,8 @@ document.querySelectorAll("table.t th").forEach(function (th) {
   th.addEventListener("click", function () {
     var table = th.closest("table"), body = table.tBodies[0], i = th.cellIndex;
     var up = th.dataset.dir !== "asc"; th.dataset.dir = up ? "asc" : "desc";
-    var key = function (row) { var c = row.cells[i]; var v = c.dataset.value !== undefined ? c.dataset.value : c.textContent;
+    var key = function (row) { var c = row.cells[i];
+      var v = c.dataset.value !== undefined ? c.dataset.value : c.textContent;
       var n = parseFloat(v); return isNaN(n) ? v : n; };
     Array.from(body.rows).sort(function (a, b) { var x = key(a), y = key(b);
       var r = (typeof x === typeof y) ? (x < y ? -1 : x > y ? 1 : 0) : (typeof x === "number" ? -1 : 1);

@@ -159,3 +159,16 @@ def test_report_of_an_analyzed_run_matches_analyze_run(tmp_path):
     run = make_run(tmp_path / "run")
     data = collect_run(run, whatif=False, recommend=False)
     assert data.analysis.predicted_step_ms == analyze_run(load_run(run)).analysis.predicted_step_ms
+
+
+def test_mxnet_parameter_server_run_report(tmp_path):
+    import shutil
+
+    run = tmp_path / "mxnet"
+    shutil.copytree(DATA / "mxnet" / "mlp-2workers-2servers", run)
+    data = collect_run(run, quiet=True)
+    assert data.engine == "mxnet-ps"
+    assert {c.knob for c in data.curves} >= {"num_servers", "mxnet.kvstore.bigarray_bound"}
+    assert any(lane.label.startswith("transfers") for lane in data.lanes if lane.replayed)
+    page = render_report(data)
+    assert page.count('<svg class="chart"') >= 5

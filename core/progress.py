@@ -10,11 +10,13 @@ wraps an iterable::
         ...
 
 No dependency, no threads: the line is redrawn only when ``advance`` is called (at most every ``interval``
-seconds, and always on the last unit).
+seconds, and always on the last unit). Unless told, a progress is quiet when dpro's log level hides INFO (a
+command's ``-q``), so one switch silences diagnostics and progress alike.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -33,18 +35,18 @@ class Progress:
         total: units of work expected; None counts without a bar.
         label: what the work is, e.g. ``"optimize"``.
         stream: where to write (default ``sys.stderr``, looked up when the progress starts).
-        quiet: write nothing at all (a command's ``-q``).
+        quiet: write nothing at all; None (default): quiet when the ``dpro`` logger hides INFO (``-q``).
         interval: least seconds between two redraws on a terminal.
-        lines: on a terminal too, one line per ``advance`` (stages of work whose own output comes between them,
-            such as the jobs ``dpro-launch --auto`` runs).
+        lines: one line per ``advance`` with a note, on a terminal and off it (a few stages of work whose own
+            output comes between them, such as the jobs ``dpro-launch --auto`` runs).
     """
 
     def __init__(self, total: int | None = None, label: str = "", *, stream: IO[str] | None = None,
-                 quiet: bool = False, interval: float = 0.1, lines: bool = False) -> None:
+                 quiet: bool | None = None, interval: float = 0.1, lines: bool = False) -> None:
         self.total = total if total is None else max(0, int(total))
         self.label = label
         self.stream = sys.stderr if stream is None else stream
-        self.quiet = quiet
+        self.quiet = not logging.getLogger("dpro").isEnabledFor(logging.INFO) if quiet is None else quiet
         self.interval = interval
         self.lines = lines
         self.done = 0
@@ -52,7 +54,7 @@ class Progress:
         self._drawn = 0.0
         self._closed = False
         self._tty = _is_tty(self.stream)
-        if not quiet and not self._tty:
+        if not self.quiet and not self._tty and not lines:
             self._write(f"{self._prefix()}started" + (f" ({self.total} steps)" if self.total else "") + "\n")
 
     def _prefix(self) -> str:
@@ -68,7 +70,12 @@ class Progress:
     def advance(self, n: int = 1, note: str = "") -> None:
         """``n`` more units done; ``note`` says what is being done now (shown on a terminal)."""
         self.done += n
-        if self.quiet or self._closed or not self._tty:
+        if self.quiet or self._closed:
+            return
+        if not self._tty:
+            if self.lines and note:  # a few stages: each one's line is worth a log line too
+                count = f"{self.done + 1}/{self.total}" if self.total else f"{self.done + 1}"
+                self._write(f"{self._prefix()}[{count}] {note}\n")
             return
         now = time.perf_counter()
         last = self.total is not None and self.done >= self.total
@@ -111,7 +118,7 @@ class Progress:
 
 
 def progress(iterable: Iterable[T], *, total: int | None = None, label: str = "", stream: IO[str] | None = None,
-             quiet: bool = False) -> Iterator[T]:
+             quiet: bool | None = None) -> Iterator[T]:
     """Yield from ``iterable``, advancing a ``Progress`` once per item (``total`` defaults to ``len()`` when the
     iterable has one)."""
     if total is None and hasattr(iterable, "__len__"):
