@@ -250,7 +250,7 @@ def whatif_curves(ctx: Any, *, quiet: bool | None = None) -> tuple[list[Curve], 
             in_force = 1.0 if knob == "bandwidth_scale" else _number(ctx.knobs.get(knob))
             if knob == "world_size":
                 in_force = float(ctx.run.world_size)
-            curves.append(Curve(knob, points, in_force, log_x=knob != "num_servers", x_label=knob))
+            curves.append(Curve(knob, points, in_force, log_x=_spans_decades(values), x_label=knob))
         base = predict(ctx, {})
         bar.advance(note="as recorded")
         memory = [{"recompute": "(none)", "peak_memory_bytes": base.predicted_peak_memory_bytes,
@@ -261,6 +261,13 @@ def whatif_curves(ctx: Any, *, quiet: bool | None = None) -> tuple[list[Curve], 
             memory.append({"recompute": module, "peak_memory_bytes": p.predicted_peak_memory_bytes,
                            "step_ms": p.predicted_step_ms})
     return curves, memory
+
+
+def _spans_decades(values: list[Any]) -> bool:
+    """A log axis for values that span 20x or more (bucket sizes, bandwidth); a linear one for counts such as
+    servers (on a log axis, values at 0 are left out)."""
+    positive = [float(v) for v in values if _number(v) is not None and float(v) > 0]
+    return bool(positive) and max(positive) >= 20 * min(positive)
 
 
 def _number(value: Any) -> float | None:
