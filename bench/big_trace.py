@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measured import measured_argv, read_measurement  # noqa: E402
+from measured import measured_argv, median_range, read_measurement  # noqa: E402
 
 
 def record(run_dir: Path, model: str) -> None:
@@ -75,10 +75,6 @@ def analyze(run_dir: Path, scratch: Path) -> dict:
     return measured
 
 
-def _cell(rows: list[dict], key: str, fmt: str) -> str:
-    values = [r[key] for r in rows]
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}..{max(values):{fmt}}]"
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -105,8 +101,9 @@ def main() -> int:
     for size in sizes:
         _, mb, events = made[size]
         rows = results[size]
-        print(f"{mb:12.0f} {events:12,} {_cell(rows, 'wall_s', '.1f'):>18} {_cell(rows, 'cpu_s', '.1f'):>18} "
-              f"{_cell(rows, 'rss_mb', '.0f'):>20} {statistics.median(r['error_pct'] for r in rows):8.2f}")
+        wall, cpu, rss = (median_range(rows, k, f) for k, f in (("wall_s", ".1f"), ("cpu_s", ".1f"), ("rss_mb", ".0f")))
+        print(f"{mb:12.0f} {events:12,} {wall:>18} {cpu:>18} {rss:>20} "
+              f"{statistics.median(r['error_pct'] for r in rows):8.2f}")
     return 0
 
 

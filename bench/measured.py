@@ -9,6 +9,7 @@ parent's size when it is forked, so a big bench would otherwise inflate every fi
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +40,9 @@ def measured_argv(python: str, out: Path, argv: list[str], *, limit_bytes: int =
 def read_measurement(out: Path) -> dict[str, Any] | None:
     """What the wrapper wrote, or None when it wrote nothing (killed before the command ended)."""
     return json.loads(out.read_text()) if out.is_file() else None
+
+
+def median_range(rows: list[dict[str, Any]], key: str, fmt: str) -> str:
+    """``median [min..max]`` of ``row[key]`` over repeated measurements, each formatted with ``fmt``."""
+    values = [r[key] for r in rows]
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}..{max(values):{fmt}}]"

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from measured import measured_argv, read_measurement  # noqa: E402
+from measured import measured_argv, median_range, read_measurement  # noqa: E402
 from run_builder import make_wide_run  # noqa: E402
 
 BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -55,10 +55,6 @@ def render(browser: str, page: Path, profile: Path) -> dict:
     return {"render_s": int(found.group(1)) / 1000.0, "browser_wall_s": wall}
 
 
-def _cell(rows: list[dict], key: str, fmt: str) -> str:
-    values = [r[key] for r in rows]
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}..{max(values):{fmt}}]"
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -87,9 +83,10 @@ def main() -> int:
           f"{'render s':>18} {'browser wall s':>18}")
     for n in sizes:
         rows = results[n]
-        print(f"{2 * n + -(-n // 25) + 2:8d} {_cell(rows, 'wall_s', '.1f'):>18} {_cell(rows, 'cpu_s', '.1f'):>18} "
-              f"{_cell(rows, 'rss_mb', '.0f'):>16} {statistics.median(r['page_mb'] for r in rows):8.2f} "
-              f"{_cell(rows, 'render_s', '.2f'):>18} {_cell(rows, 'browser_wall_s', '.2f'):>18}")
+        wall, cpu, rss, shown, browser = (median_range(rows, k, f) for k, f in (
+            ("wall_s", ".1f"), ("cpu_s", ".1f"), ("rss_mb", ".0f"), ("render_s", ".2f"), ("browser_wall_s", ".2f")))
+        print(f"{2 * n + -(-n // 25) + 2:8d} {wall:>18} {cpu:>18} {rss:>16} "
+              f"{statistics.median(r['page_mb'] for r in rows):8.2f} {shown:>18} {browser:>18}")
     return 0
 
 

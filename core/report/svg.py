@@ -92,6 +92,12 @@ def _open(width: float, height: float, title: str, label: str) -> list[str]:
             f'<text class="t" x="4" y="14">{esc(title)}</text>']
 
 
+def _x_grid(ticks: Sequence[tuple[float, str]], top: float, bottom: float, label_y: float) -> list[str]:
+    """Vertical grid lines at ``(x, label)`` from ``top`` to ``bottom``, each labelled at ``label_y``."""
+    return [f'<line class="grid" x1="{_num(x)}" y1="{_num(top)}" x2="{_num(x)}" y2="{_num(bottom)}"/>'
+            f'<text x="{_num(x)}" y="{_num(label_y)}" text-anchor="middle">{label}</text>' for x, label in ticks]
+
+
 def _legend(items: Sequence[tuple[str, str]], x: float, y: float) -> list[str]:
     """Legend entries ``(name, css fill)`` in one row from ``(x, y)``."""
     out = []
@@ -116,10 +122,8 @@ def bar_chart(rows: Sequence[str], segments: Sequence[tuple[str, Sequence[float]
     scale = (width - left - right) / top_value
     out = _open(width, height, title, title)
     out += _legend([(name, colors[k % len(colors)]) for k, (name, _) in enumerate(segments)], left, 30)
-    for tick in nice_ticks(0, top_value):
-        x = left + tick * scale
-        out.append(f'<line class="grid" x1="{_num(x)}" y1="{top - 4}" x2="{_num(x)}" y2="{_num(height - 24)}"/>'
-                   f'<text x="{_num(x)}" y="{_num(height - 10)}" text-anchor="middle">{_fmt(tick)}</text>')
+    ticks = nice_ticks(0, top_value)
+    out += _x_grid([(left + t * scale, _fmt(t)) for t in ticks], top - 4, height - 24, height - 10)
     out.append(f'<text x="{width - right + 6}" y="{_num(height - 10)}">{esc(unit)}</text>')
     for i, row in enumerate(rows):
         y = top + i * (bar_height + 6)
@@ -149,10 +153,8 @@ def signed_bars(rows: Sequence[tuple[str, float]], *, title: str, unit: str = "m
     scale = (width - left - right) / span
     zero = left + (0 - lo) * scale
     out = _open(width, height, title, title)
-    for tick in nice_ticks(lo, hi):
-        x = left + (tick - lo) * scale
-        out.append(f'<line class="grid" x1="{_num(x)}" y1="{top - 4}" x2="{_num(x)}" y2="{_num(height - 24)}"/>'
-                   f'<text x="{_num(x)}" y="{_num(height - 10)}" text-anchor="middle">{_fmt(tick)}</text>')
+    ticks = nice_ticks(lo, hi)
+    out += _x_grid([(left + (t - lo) * scale, _fmt(t)) for t in ticks], top - 4, height - 24, height - 10)
     out.append(f'<line class="axis" x1="{_num(zero)}" y1="{top - 4}" x2="{_num(zero)}" y2="{_num(height - 24)}"/>')
     out.append(f'<text x="{width - right + 6}" y="{_num(height - 10)}">{esc(unit)}</text>')
     for i, ((label, _), v) in enumerate(zip(rows, values, strict=True)):
@@ -281,10 +283,8 @@ def timeline(lanes: Sequence[Lane], *, title: str, max_rects: int = 20_000, widt
     height = top + len(lanes) * (lane_height + 2) + 26
     scale = (width - left - right) / (t_end - t_start)
     out = _open(width, height, title, title)
-    for tick in nice_ticks(t_start / 1000.0, t_end / 1000.0, 10):
-        x = left + (tick * 1000.0 - t_start) * scale
-        out.append(f'<line class="grid" x1="{_num(x)}" y1="{top}" x2="{_num(x)}" y2="{_num(height - 22)}"/>'
-                   f'<text x="{_num(x)}" y="{_num(height - 8)}" text-anchor="middle">{_fmt(tick)}</text>')
+    ticks = nice_ticks(t_start / 1000.0, t_end / 1000.0, 10)
+    out += _x_grid([(left + (t * 1000.0 - t_start) * scale, _fmt(t)) for t in ticks], top, height - 22, height - 8)
     out.append(f'<text x="{width - right + 8}" y="{_num(height - 8)}">ms</text>')
     for i, lane in enumerate(lanes):
         y = top + i * (lane_height + 2)
