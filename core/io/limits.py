@@ -30,9 +30,10 @@ try:  # a maintained, fast parser where installed; the standard library's otherw
 except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None
 
-__all__ = ["DEFAULT_FILE_MB", "DEFAULT_JSON_DEPTH", "DEFAULT_JSON_VALUES", "DEFAULT_WORLD_SIZE", "FILE_SIZE_ENV",
-           "JSON_DEPTH_ENV", "JSON_VALUES_ENV", "WORLD_SIZE_ENV", "file_size_limit", "json_depth", "json_depth_limit",
-           "json_values_limit", "parse_bounded_json", "read_bounded", "world_size_limit"]
+__all__ = ["DEFAULT_FILE_MB", "DEFAULT_JSON_DEPTH", "DEFAULT_JSON_VALUES", "DEFAULT_STEPS", "DEFAULT_STREAM_MB",
+           "DEFAULT_WORLD_SIZE", "FILE_SIZE_ENV", "JSON_DEPTH_ENV", "JSON_VALUES_ENV", "STEPS_ENV", "STREAM_ENV",
+           "WORLD_SIZE_ENV", "file_size_limit", "json_depth", "json_depth_limit", "json_values_limit", "parse_bounded_json",
+           "read_bounded", "steps_limit", "stream_bytes", "world_size_limit"]
 
 JSON_DEPTH_ENV = "DPRO_MAX_JSON_DEPTH"
 DEFAULT_JSON_DEPTH = 64
@@ -42,6 +43,10 @@ FILE_SIZE_ENV = "DPRO_MAX_FILE_MB"
 DEFAULT_FILE_MB = 256
 JSON_VALUES_ENV = "DPRO_MAX_JSON_VALUES"
 DEFAULT_JSON_VALUES = 16_000_000
+STEPS_ENV = "DPRO_MAX_STEPS"
+DEFAULT_STEPS = 1000
+STREAM_ENV = "DPRO_STREAM_MB"
+DEFAULT_STREAM_MB = 64
 GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 22
 
@@ -71,6 +76,18 @@ def file_size_limit() -> int:
 def json_values_limit() -> int:
     """The most values one JSON document may hold (``$DPRO_MAX_JSON_VALUES``, else ``DEFAULT_JSON_VALUES``)."""
     return _limit(JSON_VALUES_ENV, DEFAULT_JSON_VALUES)
+
+
+def steps_limit() -> int:
+    """The most steps read per rank, the last ones (``$DPRO_MAX_STEPS``, else ``DEFAULT_STEPS``): a median step
+    of a thousand steps is as good as one of twenty thousand, and reading them all costs seconds and gigabytes."""
+    return _limit(STEPS_ENV, DEFAULT_STEPS)
+
+
+def stream_bytes() -> int:
+    """Rank files at least this big (``$DPRO_STREAM_MB`` MB, else ``DEFAULT_STREAM_MB``) are read from their end,
+    piece by piece, as far back as the last ``steps_limit()`` steps reach, instead of parsed whole."""
+    return _limit(STREAM_ENV, DEFAULT_STREAM_MB) * 1_000_000
 
 
 def read_bounded(path: str | Path, error: Callable[[str | Path, str], Exception]) -> bytes:

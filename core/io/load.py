@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError, kind_of, shown
-from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
+from dpro.io.limits import (
+    STEPS_ENV,
+    WORLD_SIZE_ENV,
+    parse_bounded_json,
+    read_bounded,
+    steps_limit,
+    stream_bytes,
+    world_size_limit,
+)
 from dpro.progress import Progress
 from dpro.record.trace import (
     CATEGORIES,
@@ -84,6 +92,7 @@ class RankTrace:
     header: dict[str, Any]
     world_size: int | None = None
     note: str = ""
+    skipped_steps: int = 0      # recorded steps before the last ``steps_limit()``, not read
 
     @property
     def from_journal(self) -> bool:
@@ -131,20 +140,32 @@ def read_json(path: str | Path) -> dict[str, Any]:
             or holds something other than an object.
     """
     path = Path(path)
-    text = _read_text(path)
+    return _document(path, _read_bytes(path))
+
+
+def _document(path: Path, raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TraceError(path, f"not UTF-8 text (byte {err.start}); is this a JSON file?") from err
     doc = _parse_json(path, text)
     if not isinstance(doc, dict):
         raise TraceError(path, f"expected a JSON object at the top, found {kind_of(doc)}")
     return doc
 
 
-def _read_text(path: Path) -> str:
+def _read_bytes(path: Path) -> bytes:
     try:
-        return read_bounded(path, TraceError).decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise TraceError(path, f"not UTF-8 text (byte {err.start}); is this a JSON file?") from err
+        return read_bounded(path, TraceError)
     except OSError as err:
         raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return _read_bytes(path).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TraceError(path, f"not UTF-8 text (byte {err.start}); is this a JSON file?") from err
 
 
 def _parse_json(path: Path, text: str, where: str | None = None) -> Any:
@@ -326,25 +347,151 @@ def _default_queues() -> dict[int, str]:
 
 
 def load_rank_file(path: str | Path, rank: int | None = None) -> RankTrace:
-    """Read a finished ``rank-<r>.json`` (a Chrome trace object with dpro's header).
+    """Read a finished ``rank-<r>.json`` (a Chrome trace object with dpro's header): its last
+    ``steps_limit()`` steps (a file of ``stream_bytes()`` or more is read from its end, as far back as they reach).
 
     Raises:
         TraceError: unreadable file, wrong schema, a rank other than the file name's, or a bad event.
     """
     path = Path(path)
-    doc = read_json(path)
+    raw = _read_bytes(path)
+    read = _read_from_end(path, raw, steps_limit()) if len(raw) >= stream_bytes() else None
+    if read is None:
+        doc = _document(path, raw)
+        read = _Pieces(doc, [("", doc.get("traceEvents"))])
+    del raw
+    doc = read.doc
     _check_schema(path, doc, TRACE_SCHEMA, "rank trace")
     file_rank = _need(path, doc, "rank", int)
     if rank is not None and file_rank != rank:
         raise TraceError(path, f"file says rank {file_rank}, but its name is rank {rank}'s; was it renamed?")
     marks: dict[int, str] = {}
-    events, queues = validate_events(path, doc.get("traceEvents"), rank=file_rank, step_marks=marks)
+    events: list[dict[str, Any]] = []
+    queues: dict[int, str] = {}
+    for where, piece in read.pieces:
+        got, named = validate_events(path, piece, rank=file_rank, where=where, step_marks=marks)
+        events += got
+        queues.update(named)
     steps = _steps_list(path, doc["steps"], "steps") if "steps" in doc else sorted(marks)
     queues = queues or _default_queues()
     _check_queues(path, events, queues)
     header = {k: v for k, v in doc.items() if k != "traceEvents"}
     complete = doc.get("complete") is not False
-    return _rank_trace(path, file_rank, header, steps, events, queues, complete=complete)
+    trace = _rank_trace(path, file_rank, header, steps, events, queues, complete=complete)
+    return _last_steps(trace, steps_limit(), windowed=len(read.pieces) > 1)
+
+
+@dataclass
+class _Pieces:
+    """A rank file as read: its keys besides the events, and its events as lists of raw events, in file order,
+    each with where it lies in the file (for messages)."""
+
+    doc: dict[str, Any]
+    pieces: list[tuple[str, Any]]
+
+
+EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
+EVENT_SEPARATOR = re.compile(rb"\}\s*,\s*\{")   # between two events (compact, or json.dumps's ", ", or indented)
+SEARCH_BYTES = 1 << 20
+FRONT_BYTES = 1_000_000    # the queue names (thread_name metadata) come first in the events
+
+
+class _NotLaidOut(Exception):
+    """The file is not laid out as dpro writes it: it is parsed whole instead."""
+
+
+def _read_from_end(path: Path, raw: bytes, keep_steps: int) -> _Pieces | None:
+    """The rank file's header keys, its first megabyte of events and, from its end backwards, pieces of an eighth
+    of ``stream_bytes()`` until one lies wholly before the last ``keep_steps`` steps; None when the file does not split
+    that way (the caller parses it whole, which also gives exact messages for a broken file).
+
+    A piece is cut where one event ends and the next begins (``},{``). A cut inside a string or inside an event
+    leaves a piece that is not valid JSON (an unterminated string, an unclosed bracket), so any piece that fails
+    to parse sends the whole file to the whole-file parse: a split that parses is a split between events.
+    """
+    keys = list(EVENTS_KEY.finditer(raw))
+    if len(keys) != 1:
+        return None
+    body = keys[0].end()
+    first = EVENT_SEPARATOR.search(raw, body + FRONT_BYTES)
+    if first is None:
+        return None
+    front_cut, front_next = first.start(), first.end() - 1  # the "}" ending an event, the "{" starting the next
+    piece_bytes = max(1 << 18, stream_bytes() // 8)
+    try:
+        doc = _piece(path, raw[:body] + b"]}", dict)
+        pieces = [(f"bytes {body}..{front_cut + 1}", _piece(path, b"[" + raw[body:front_cut + 1] + b"]", list))]
+        back: list[tuple[str, Any]] = []
+        seen: set[int] = set()
+        end, end_next = len(raw), None
+        while end_next != front_next:
+            cut = _last_separator(raw, front_next, end - piece_bytes)
+            cut, cut_next = (front_cut, front_next) if cut is None else cut
+            if end_next is None:  # the last piece runs on to the end of the document: the keys after the events
+                tail = _piece(path, b'{"traceEvents":[' + raw[cut_next:], dict)
+                events = tail.pop("traceEvents")
+                if not isinstance(events, list):
+                    raise _NotLaidOut
+                doc.update(tail)
+            else:
+                events = _piece(path, b"[" + raw[cut_next:end + 1] + b"]", list)
+            back.append((f"bytes {cut_next}..{end + 1}", events))
+            steps = _piece_steps(events)
+            seen |= steps
+            end, end_next = cut, cut_next
+            if len(seen) > keep_steps and steps and max(steps) < sorted(seen)[-keep_steps]:
+                break  # this piece is wholly older than the steps kept: so is everything before it
+    except _NotLaidOut:
+        return None
+    doc["traceEvents"] = []
+    return _Pieces(doc, pieces + back[::-1])
+
+
+def _last_separator(raw: bytes, lo: int, hi: int) -> tuple[int, int] | None:
+    """The last event separator starting after ``lo`` and before ``hi``: (its "}", its "{"), or None."""
+    while hi > lo:
+        window_lo = max(lo + 1, hi - SEARCH_BYTES)
+        last = None
+        for match in EVENT_SEPARATOR.finditer(raw, window_lo, min(len(raw), hi + 64)):
+            if match.start() >= hi:
+                break
+            last = match
+        if last is not None:
+            return last.start(), last.end() - 1
+        hi = window_lo
+    return None
+
+
+def _piece(path: Path, text: bytes, kind: type) -> Any:
+    try:
+        value = parse_bounded_json(text, path, TraceError)
+    except (ValueError, TraceError):  # json.JSONDecodeError is a ValueError
+        raise _NotLaidOut from None
+    if not isinstance(value, kind):
+        raise _NotLaidOut
+    return value
+
+
+def _piece_steps(events: list[Any]) -> set[int]:
+    """The step numbers a piece's events carry (before they are checked: only to know where to stop)."""
+    return {a["step"] for e in events if type(e) is dict and type(a := e.get("args")) is dict
+            and type(a.get("step")) is int}
+
+
+def _last_steps(trace: RankTrace, keep: int, *, windowed: bool = False) -> RankTrace:
+    """``trace`` with only its last ``keep`` steps (by number; those with a STEP event), and how many recorded
+    steps were left out. ``windowed``: the file was read from its end, so earlier steps were never read."""
+    marked = sorted({e["args"]["step"] for e in trace.events if e["cat"] == "STEP"})
+    if len(marked) <= keep and not windowed:
+        return trace
+    kept = set(marked[-keep:])
+    if not windowed and len(kept) == len(marked):
+        return trace
+    trace.events = [e for e in trace.events if e["args"]["step"] in kept]
+    recorded = set(trace.steps) | set(marked)
+    trace.steps = [s for s in trace.steps if s in kept] if trace.steps else sorted(kept)
+    trace.skipped_steps = len(recorded - kept)
+    return trace
 
 
 def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, list[str]]:
@@ -397,7 +544,8 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
         events.extend(step_events)
     queues = _default_queues()
     _check_queues(path, events, queues)
-    return _rank_trace(path, file_rank, header, steps, events, queues, complete=False), problems
+    trace = _rank_trace(path, file_rank, header, steps, events, queues, complete=False)
+    return _last_steps(trace, steps_limit()), problems
 
 
 def _journal_events(path: Path, record: dict[str, Any], rank: int, n: int) -> Any:
@@ -617,6 +765,10 @@ def load_run(path: str | Path) -> Run:
     run = Run(path=root, meta=meta, model=model, ranks=ranks, problems=problems)
     for rank in sorted(set(range(run.world_size)) | set(ranks)):
         run.problems.extend(_rank_problems(run, rank, cut_lines.get(rank, [])))
+    skipped = {r: t.skipped_steps for r, t in ranks.items() if t.skipped_steps}
+    if skipped:
+        run.problems.append(f"ranks {sorted(skipped)}: only the last {steps_limit():,} steps are read "
+                            f"({max(skipped.values()):,} earlier ones are not; ${STEPS_ENV} reads more)")
     for rank, what in interrupted_calls(root).items():
         run.problems.append(f"rank {rank} never returned from {what}")
     run.problems.extend(_step_set_problems(run))
