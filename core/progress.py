@@ -55,7 +55,7 @@ class Progress:
         self._closed = False
         self._tty = _is_tty(self.stream)
         if not self.quiet and not self._tty and not lines:
-            self._write(f"{self._prefix()}started" + (f" ({self.total} steps)" if self.total else "") + "\n")
+            self._write(f"{self._prefix()}started" + (f" ({self.total} in all)" if self.total else "") + "\n")
 
     def _prefix(self) -> str:
         return f"[dpro] {self.label}: " if self.label else "[dpro] "

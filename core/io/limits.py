@@ -32,8 +32,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["DEFAULT_FILE_MB", "DEFAULT_JSON_DEPTH", "DEFAULT_JSON_VALUES", "DEFAULT_STEPS", "DEFAULT_STREAM_MB",
            "DEFAULT_WORLD_SIZE", "FILE_SIZE_ENV", "JSON_DEPTH_ENV", "JSON_VALUES_ENV", "STEPS_ENV", "STREAM_ENV",
-           "WORLD_SIZE_ENV", "file_size_limit", "json_depth", "json_depth_limit", "json_values_limit", "parse_bounded_json",
-           "read_bounded", "steps_limit", "stream_bytes", "world_size_limit"]
+           "WORLD_SIZE_ENV", "file_size_limit", "json_depth", "json_depth_limit", "json_values_limit",
+           "parse_bounded_json", "read_bounded", "steps_limit", "stream_bytes", "world_size_limit"]
 
 JSON_DEPTH_ENV = "DPRO_MAX_JSON_DEPTH"
 DEFAULT_JSON_DEPTH = 64

@@ -346,16 +346,17 @@ def _default_queues() -> dict[int, str]:
 # ---- one rank ------------------------------------------------------------------------------------
 
 
-def load_rank_file(path: str | Path, rank: int | None = None) -> RankTrace:
+def load_rank_file(path: str | Path, rank: int | None = None, *, upto: int | None = None) -> RankTrace:
     """Read a finished ``rank-<r>.json`` (a Chrome trace object with dpro's header): its last
-    ``steps_limit()`` steps (a file of ``stream_bytes()`` or more is read from its end, as far back as they reach).
+    ``steps_limit()`` steps, or the last up to step ``upto`` (a file of ``stream_bytes()`` or more is read from its
+    end, as far back as they reach).
 
     Raises:
         TraceError: unreadable file, wrong schema, a rank other than the file name's, or a bad event.
     """
     path = Path(path)
     raw = _read_bytes(path)
-    read = _read_from_end(path, raw, steps_limit()) if len(raw) >= stream_bytes() else None
+    read = _read_from_end(path, raw, steps_limit(), upto) if len(raw) >= stream_bytes() else None
     if read is None:
         doc = _document(path, raw)
         read = _Pieces(doc, [("", doc.get("traceEvents"))])
@@ -378,7 +379,7 @@ def load_rank_file(path: str | Path, rank: int | None = None) -> RankTrace:
     header = {k: v for k, v in doc.items() if k != "traceEvents"}
     complete = doc.get("complete") is not False
     trace = _rank_trace(path, file_rank, header, steps, events, queues, complete=complete)
-    return _last_steps(trace, steps_limit(), windowed=len(read.pieces) > 1)
+    return _last_steps(trace, steps_limit(), windowed=len(read.pieces) > 1, upto=upto)
 
 
 @dataclass
@@ -400,7 +401,7 @@ class _NotLaidOut(Exception):
     """The file is not laid out as dpro writes it: it is parsed whole instead."""
 
 
-def _read_from_end(path: Path, raw: bytes, keep_steps: int) -> _Pieces | None:
+def _read_from_end(path: Path, raw: bytes, keep_steps: int, upto: int | None = None) -> _Pieces | None:
     """The rank file's header keys, its first megabyte of events and, from its end backwards, pieces of an eighth
     of ``stream_bytes()`` until one lies wholly before the last ``keep_steps`` steps; None when the file does not split
     that way (the caller parses it whole, which also gives exact messages for a broken file).
@@ -437,7 +438,7 @@ def _read_from_end(path: Path, raw: bytes, keep_steps: int) -> _Pieces | None:
                 events = _piece(path, b"[" + raw[cut_next:end + 1] + b"]", list)
             back.append((f"bytes {cut_next}..{end + 1}", events))
             steps = _piece_steps(events)
-            seen |= steps
+            seen |= {s for s in steps if upto is None or s <= upto}
             end, end_next = cut, cut_next
             if len(seen) > keep_steps and steps and max(steps) < sorted(seen)[-keep_steps]:
                 break  # this piece is wholly older than the steps kept: so is everything before it
@@ -478,15 +479,15 @@ def _piece_steps(events: list[Any]) -> set[int]:
             and type(a.get("step")) is int}
 
 
-def _last_steps(trace: RankTrace, keep: int, *, windowed: bool = False) -> RankTrace:
-    """``trace`` with only its last ``keep`` steps (by number; those with a STEP event), and how many recorded
-    steps were left out. ``windowed``: the file was read from its end, so earlier steps were never read."""
-    marked = sorted({e["args"]["step"] for e in trace.events if e["cat"] == "STEP"})
-    if len(marked) <= keep and not windowed:
+def _last_steps(trace: RankTrace, keep: int, *, windowed: bool = False, upto: int | None = None) -> RankTrace:
+    """``trace`` with only its last ``keep`` steps (by number; those with a STEP event; up to step ``upto``), and
+    how many recorded steps were left out. ``windowed``: the file was read from its end, so earlier steps were
+    never read."""
+    everything = sorted({e["args"]["step"] for e in trace.events if e["cat"] == "STEP"})
+    marked = [s for s in everything if upto is None or s <= upto]
+    if len(marked) <= keep and not windowed and len(marked) == len(everything):
         return trace
     kept = set(marked[-keep:])
-    if not windowed and len(kept) == len(marked):
-        return trace
     trace.events = [e for e in trace.events if e["args"]["step"] in kept]
     recorded = set(trace.steps) | set(marked)
     trace.steps = [s for s in trace.steps if s in kept] if trace.steps else sorted(kept)
@@ -494,7 +495,8 @@ def _last_steps(trace: RankTrace, keep: int, *, windowed: bool = False) -> RankT
     return trace
 
 
-def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, list[str]]:
+def load_journal(path: str | Path, rank: int | None = None, *,
+                 upto: int | None = None) -> tuple[RankTrace, list[str]]:
     """Read ``rank-<r>.partial.jsonl``, the journal of a rank that did not finish.
 
     A broken final line (the process died mid-write) is skipped and reported in the returned problems.
@@ -545,7 +547,7 @@ def load_journal(path: str | Path, rank: int | None = None) -> tuple[RankTrace, 
     queues = _default_queues()
     _check_queues(path, events, queues)
     trace = _rank_trace(path, file_rank, header, steps, events, queues, complete=False)
-    return _last_steps(trace, steps_limit()), problems
+    return _last_steps(trace, steps_limit(), upto=upto), problems
 
 
 def _journal_events(path: Path, record: dict[str, Any], rank: int, n: int) -> Any:
@@ -762,18 +764,35 @@ def load_run(path: str | Path) -> Run:
             else:
                 ranks[rank], cut_lines[rank] = load_journal(file, rank)
             bar.advance(note=file.name)
+    _share_windows(ranks, files, finals, cut_lines)
     run = Run(path=root, meta=meta, model=model, ranks=ranks, problems=problems)
     for rank in sorted(set(range(run.world_size)) | set(ranks)):
         run.problems.extend(_rank_problems(run, rank, cut_lines.get(rank, [])))
     skipped = {r: t.skipped_steps for r, t in ranks.items() if t.skipped_steps}
     if skipped:
-        run.problems.append(f"ranks {sorted(skipped)}: only the last {steps_limit():,} steps are read "
-                            f"({max(skipped.values()):,} earlier ones are not; ${STEPS_ENV} reads more)")
+        run.problems.append(f"ranks {sorted(skipped)}: only the last {steps_limit():,} steps that every rank "
+                            f"reached are read ({max(skipped.values()):,} others are not; ${STEPS_ENV} reads more)")
     for rank, what in interrupted_calls(root).items():
         run.problems.append(f"rank {rank} never returned from {what}")
     run.problems.extend(_step_set_problems(run))
     _prepare_for_engine(run)
     return run
+
+
+def _share_windows(ranks: dict[int, RankTrace], files: dict[int, Path], finals: dict[int, Path],
+                   cut_lines: dict[int, list[str]]) -> None:
+    """When a rank's last steps run past the last step of another (a rank that crashed early), read it again up to
+    that step, so the ranks' last steps overlap (each rank keeps at most ``steps_limit()`` steps)."""
+    ends = [max(t.steps) for t in ranks.values() if t.steps]
+    if not ends or not any(t.skipped_steps for t in ranks.values()):
+        return
+    upto = min(ends)
+    for rank, trace in list(ranks.items()):
+        if trace.skipped_steps and trace.steps and max(trace.steps) > upto:
+            if rank in finals:
+                ranks[rank] = load_rank_file(files[rank], rank, upto=upto)
+            else:
+                ranks[rank], cut_lines[rank] = load_journal(files[rank], rank, upto=upto)
 
 
 def _size(path: Path) -> int:

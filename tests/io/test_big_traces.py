@@ -52,7 +52,7 @@ def test_a_big_file_is_read_from_its_end(tmp_path, limits):
         assert {e["args"]["step"] for e in trace.events} == set(STEPS[-KEEP:])
         assert trace.skipped_steps == len(STEPS) - KEEP
         assert trace.queues[1] == "comm"
-    assert any(f"only the last {KEEP} steps are read" in p for p in run.problems)
+    assert any(f"only the last {KEEP} steps that every rank reached are read" in p for p in run.problems)
     assert_same_analysis(run_dir, reference(tmp_path))
 
 
@@ -113,3 +113,17 @@ def test_journals_keep_the_last_steps(tmp_path, monkeypatch):
 
     trace, _ = load_journal(path, 0)
     assert trace.steps == [9, 10, 11] and trace.skipped_steps == 6
+
+
+def test_a_rank_that_stopped_early_still_shares_steps_with_the_others(tmp_path, limits):
+    from run_builder import rank_doc, write_json
+
+    run_dir = make_run_of(tmp_path / "run", varied, steps=STEPS)
+    short = range(3, 503)  # rank 1 stopped at step 502 (its final file says so)
+    doc = rank_doc(1, 2, short, complete=False, note="killed")
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e["ph"] == "M"] + [e for s in short for e in varied(1, s)]
+    write_json(run_dir / "rank-1.json", doc)
+    run = load_run(run_dir)
+    assert run.ranks[0].steps == list(range(503 - KEEP, 503)) == run.ranks[1].steps
+    ref = make_run_of(tmp_path / "ref", varied, steps=range(503 - KEEP, 503))
+    assert_same_analysis(run_dir, ref)

@@ -20,7 +20,7 @@ def test_not_a_terminal_gets_a_start_and_an_end_line():
         for _ in range(30):
             bar.advance(note="x")
     lines = out.getvalue().splitlines()
-    assert lines[0] == "[dpro] optimize: started (30 steps)"
+    assert lines[0] == "[dpro] optimize: started (30 in all)"
     assert lines[1].startswith("[dpro] optimize: done, 30/30 in ") and len(lines) == 2
 
 
