@@ -110,7 +110,7 @@ def run_one(seed: Seed, built: Path, mutation: Mutation, sandbox: Path, python: 
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "DPRO_RUN_DIR": str(cwd / "dpro-runs"),
            # importing Keras (dpro import-xplane) writes its settings file, KERAS_HOME/keras.json, when there is none
-           "KERAS_HOME": str(sandbox.parent / "keras-home")}
+           "KERAS_HOME": str(sandbox.parent / "keras-home"), **dict(seed.env)}
     rss_file = sandbox.parent / f"{sandbox.name}.measured.json"
     capped = measured_argv(python, rss_file, argv, limit_bytes=memory_mb << 20)
     start = time.perf_counter()

@@ -114,10 +114,19 @@ class Seed:
     build: Callable[[Path], Path]
     kind: str  # "run" (a run directory), "kineto" (a trace file), "config" (an applied config), "xplane" (a profile)
     commands: tuple[tuple[str, ...], ...] = field(default=())
+    env: tuple[tuple[str, str], ...] = ()  # environment the commands read it under (limits made small)
 
 
 def _torch_run(root: Path) -> Path:
     return make_run(root / "run")
+
+
+def _long_run(root: Path) -> Path:
+    """1,200 steps per rank (~2 MB files): under LONG_RUN_ENV they are read from their end, 30 steps kept."""
+    return make_run(root / "run", steps=range(3, 1203))
+
+
+LONG_RUN_ENV = (("DPRO_STREAM_MB", "1"), ("DPRO_MAX_STEPS", "30"))
 
 
 def _journal_run(root: Path) -> Path:
@@ -172,6 +181,7 @@ RUN_COMMANDS = (("info", "{path}"), ("analyze", "{path}"), ("whatif", "{path}", 
                 ("optimize", "{path}"))
 SEEDS: dict[str, Seed] = {s.name: s for s in (
     Seed("torch-run", _torch_run, "run", RUN_COMMANDS),
+    Seed("long-run", _long_run, "run", RUN_COMMANDS, env=LONG_RUN_ENV),
     Seed("journal-run", _journal_run, "run", RUN_COMMANDS),
     Seed("rows-journal-run", _rows_journal_run, "run", RUN_COMMANDS),
     Seed("horovod-run", _horovod_run, "run", RUN_COMMANDS),
@@ -221,13 +231,17 @@ def write_doc(path: Path, doc: Any, *, gz: bool) -> None:
     path.write_bytes(gzip.compress(data) if gz else data)
 
 
-def value_paths(doc: Any, limit: int = 4000) -> list[tuple[Any, ...]]:
-    """Paths to the values of a JSON document, breadth first, at most ``limit`` of them."""
+def value_paths(doc: Any, limit: int = 4000, ends: int = 100) -> list[tuple[Any, ...]]:
+    """Paths to the values of a JSON document, breadth first, at most ``limit`` of them; of a list longer than
+    ``2 * ends`` only the first and the last ``ends`` items (a long trace is read from its end too)."""
     out: list[tuple[Any, ...]] = []
     queue: list[tuple[tuple[Any, ...], Any]] = [((), doc)]
     while queue and len(out) < limit:
         path, node = queue.pop(0)
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        if isinstance(node, list) and len(node) > 2 * ends:
+            items = [*enumerate(node[:ends]), *((len(node) - ends + i, v) for i, v in enumerate(node[-ends:]))]
+        else:
+            items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         for key, child in items:
             out.append((*path, key))
             if isinstance(child, (dict, list)):
@@ -400,11 +414,25 @@ _DEEP_MARK = re.compile(re.escape(f'"{_DEEP}') + r'(\d+)@@"')
 
 
 def in_process(seed: Seed, seed_path: Path, extra: list[str]) -> None:
-    """What the seed's commands read and compute, called directly (no files written except the run's analysis).
+    """What the seed's commands read and compute, called directly (no files written except the run's analysis),
+    under the seed's environment.
 
     Raises:
         DproError: the input is refused, with a message.
     """
+    saved = {name: os.environ.get(name) for name, _ in seed.env}
+    os.environ.update(dict(seed.env))
+    try:
+        _read_and_compute(seed, seed_path, extra)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _read_and_compute(seed: Seed, seed_path: Path, extra: list[str]) -> None:
     if seed.kind == "kineto":
         from dpro.io.kineto import analyze_kineto
 

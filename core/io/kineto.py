@@ -227,6 +227,7 @@ def _sort_events(path: Path, events: list[Any]) -> KinetoTrace:
     for i, ev in enumerate(events):
         if not isinstance(ev, dict):
             raise TraceError(path, f"an event is {type(ev).__name__}, not an object", f"traceEvents[{i}]")
+        _check_ids(path, ev, i)
         ph, cat = ev.get("ph"), str(ev.get("cat", "")).lower()
         if ph in ("s", "f") and cat == "ac2g" and _is_number(ev.get("ts")):
             flows[ev.get("id")][ph] = ev
@@ -267,6 +268,16 @@ def _fill_correlations(events: list[dict[str, Any]], flow_at: dict[tuple[Any, An
             cid = flow_at.get((ev.get("pid"), ev.get("tid"), round(ev["ts"], 3)))
             if cid is not None:
                 args["correlation"] = cid
+
+
+def _check_ids(path: Path, ev: dict[str, Any], i: int) -> None:
+    """pid, tid, a flow's id and args.correlation key the reader's tables: each must be a number or a name."""
+    args = ev.get("args")
+    for key, value in (("pid", ev.get("pid")), ("tid", ev.get("tid")), ("id", ev.get("id")),
+                       ("args.correlation", args.get("correlation") if isinstance(args, dict) else None)):
+        if value is not None and not isinstance(value, int | float | str):
+            raise TraceError(path, f"'{key}' must be a number or a name, found {type(value).__name__}",
+                             f"traceEvents[{i}] {str(ev.get('name', '?'))[:60]!r}")
 
 
 def _check_x(path: Path, ev: dict[str, Any], i: int) -> None:
