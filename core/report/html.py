@@ -219,9 +219,9 @@ def _curve_svg(curve: Any, measured: float | None, replayed: float | None) -> st
     series = [Series("predicted", curve.points)]
     if curve.in_force is not None:
         if replayed is not None:
-            series.append(Series("replayed as recorded", [(curve.in_force, replayed)]))
+            series.append(Series("replayed", [(curve.in_force, replayed)]))
         if measured is not None:
-            series.append(Series("measured (this run)", [(curve.in_force, measured)]))
+            series.append(Series("measured", [(curve.in_force, measured)]))
     return line_chart(series, title=f"step time vs {curve.knob}", x_label=curve.x_label or curve.knob,
                       y_label="step ms", log_x=curve.log_x, mark_x=curve.in_force)
 
@@ -255,7 +255,7 @@ def _recommendation_section(data: ReportData) -> str:
     gain = 100.0 * (pred / base - 1.0) if base else float("nan")
     rows = [(item.get("knob", ""), float(item.get("predicted_gain_ms", 0.0))) for item in rec["explain"]]
     chart = signed_bars([(k, -v) for k, v in rows], title="predicted change of the step per recommendation (ms)") \
-        if rows else ""
+        if any(v for _, v in rows) else ""
     explain = table(["knob", "predicted gain ms", "why"],
                     [[item.get("knob", ""), _ms(item.get("predicted_gain_ms")), item.get("why", "")]
                      for item in rec["explain"]], left=1)

@@ -183,7 +183,8 @@ def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: s
                connect: bool = True) -> str:
     """Series over a shared x axis (log scale with ``log_x``; points with x <= 0 are then left out), a marker
     at ``mark_x`` (the value in force), a point label on each point that has one."""
-    left, right, top, bottom = 56, 16, 40, 42
+    left, right, top, bottom = 56, 16, 40 if len(series) > 1 else 28, 42
+
     def fx(x: float) -> float:
         return math.log10(x) if log_x else x
     pts = [(fx(x), y) for s in series for x, y in s.points if math.isfinite(y) and (x > 0 or not log_x)]
@@ -209,10 +210,10 @@ def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: s
         out.append(f'<line class="grid" x1="{left}" y1="{_num(py(tick))}" x2="{width - right}" '
                    f'y2="{_num(py(tick))}"/><text x="{left - 4}" y="{_num(py(tick) + 4)}" '
                    f'text-anchor="end">{_fmt(tick)}</text>')
-    x_ticks = [t for t in range(math.floor(x_lo), math.ceil(x_hi) + 1)] if log_x else nice_ticks(x_lo, x_hi)
+    x_ticks = _log_ticks(x_lo, x_hi) if log_x else nice_ticks(x_lo, x_hi)
     for tick in x_ticks:
         if x_lo - 1e-9 <= tick <= x_hi + 1e-9:
-            shown = _fmt(10 ** tick) if log_x else _fmt(tick)
+            shown = _fmt(round(10 ** tick, 6)) if log_x else _fmt(tick)
             out.append(f'<text x="{_num(px(tick))}" y="{top + ph + 14}" text-anchor="middle">{shown}</text>')
     out.append(f'<line class="axis" x1="{left}" y1="{top + ph}" x2="{width - right}" y2="{top + ph}"/>'
                f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}"/>'
@@ -223,8 +224,8 @@ def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: s
         mx = px(fx(mark_x))
         out.append(f'<line x1="{_num(mx)}" y1="{top}" x2="{_num(mx)}" y2="{top + ph}" stroke="#555" '
                    f'stroke-dasharray="3 3"/><text x="{_num(mx + 3)}" y="{top + 10}">{esc(mark_label)}</text>')
-    if len(series) > 1:
-        out += _legend([(s.name, PALETTE[k % len(PALETTE)]) for k, s in enumerate(series)], left + 150, 14)
+    if len(series) > 1:  # a row of its own under the title
+        out += _legend([(s.name, PALETTE[k % len(PALETTE)]) for k, s in enumerate(series)], left, 28)
     for k, s in enumerate(series):
         color = PALETTE[k % len(PALETTE)]
         keep = [(fx(x), y, s.labels[i] if i < len(s.labels) else "") for i, (x, y) in enumerate(s.points)
@@ -236,10 +237,21 @@ def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: s
             shown_x = _fmt(10 ** x) if log_x else _fmt(x)
             out.append(f'<circle cx="{_num(px(x))}" cy="{_num(py(y))}" r="3" fill="{color}"><title>'
                        f'{esc(s.name)}: {esc(label or shown_x)} -> {y:.3f}</title></circle>')
-            if label:
-                out.append(f'<text x="{_num(px(x) + 4)}" y="{_num(py(y) - 5)}">{esc(label[:24])}</text>')
+            if label:  # right of the point, or left of it near the right edge
+                near_edge = px(x) > left + 0.7 * pw
+                anchor = ' text-anchor="end"' if near_edge else ""
+                out.append(f'<text x="{_num(px(x) + (-4 if near_edge else 4))}" y="{_num(py(y) - 5)}"{anchor}>'
+                           f'{esc(label[:24])}</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """Ticks of a log10 axis from ``lo`` to ``hi`` (exponents): each decade, and its 2 and 5 when the axis spans
+    fewer than three decades."""
+    decades = range(math.floor(lo), math.ceil(hi) + 1)
+    steps = (1, 2, 5) if hi - lo < 3 else (1,)
+    return [math.log10(m) + d for d in decades for m in steps]
 
 
 @dataclass
