@@ -80,6 +80,8 @@ DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "
 EPS_US = 2.0            # CPU and GPU clocks in one trace agree to about this much
 LONG_CALL_US = 50.0     # a launch call this long may be blocked on a full launch queue
 HANDOFF_US = 50.0       # a host thread idle this long may be waiting for another thread
+# collectives run on a CPU backend's own threads, recorded as user annotations ("gloo:all_reduce")
+CPU_COMM_NAME = re.compile(r"^(gloo|mpi|ucc):")
 XSTREAM_GAP_US = 5.0    # a GPU op this late after its own predecessors may wait for another stream ...
 XSTREAM_NEAR_US = 10.0  # ... when an op on another stream ended at most this long before it started
 WARMUP_FACTOR = 1.5
@@ -136,6 +138,7 @@ class KinetoTrace:
     gpu_annotations: list[dict[str, Any]]
     flows: dict[Any, dict[str, dict[str, Any]]] = field(default_factory=dict)   # ac2g id -> {"s": ev, "f": ev}
     devices: list[dict[str, Any]] = field(default_factory=list)
+    cpu_comms: list[dict[str, Any]] = field(default_factory=list)  # collectives on a CPU backend's threads
 
     @property
     def nccl_kernels(self) -> list[dict[str, Any]]:
@@ -242,6 +245,8 @@ def _sort_events(path: Path, events: list[Any]) -> KinetoTrace:
             step_tids[ev.get("tid")] += 1
         elif cat in CPU_CATS:
             kinds["cpu"].append(ev)
+        elif cat == "user_annotation" and CPU_COMM_NAME.match(name):
+            kinds["cpu_comm"].append(ev)
         elif cat == "user_annotation":
             kinds["ann"].append(ev)
         elif cat in RUNTIME_CATS:
@@ -257,7 +262,7 @@ def _sort_events(path: Path, events: list[Any]) -> KinetoTrace:
         path=path, rank=None, world_size=None, backend=None, base_time_ns=None,
         steps=[steps[n] for n in sorted(steps)], main_tid=step_tids.most_common(1)[0][0],
         cpu_ops=kinds["cpu"], annotations=kinds["ann"], runtime=kinds["rt"], gpu_ops=kinds["gpu"],
-        gpu_annotations=kinds["gpu_ann"], flows=dict(flows))
+        gpu_annotations=kinds["gpu_ann"], flows=dict(flows), cpu_comms=kinds["cpu_comm"])
 
 
 def _fill_correlations(events: list[dict[str, Any]], flow_at: dict[tuple[Any, Any, float], Any]) -> None:
@@ -427,6 +432,13 @@ def _rank_plan(trace: KinetoTrace, rank: int, windows: list[StepWindow]) -> _Ran
     main_q = f"r{rank}/host{trace.main_tid}"
     for tid in host_tids:
         nodes += _host_nodes(trace, tid, f"r{rank}/host{tid}", step_of, by_corr, gpu_of, waits)
+    comm_queues = []
+    for ev in sorted(trace.cpu_comms, key=lambda e: e["ts"]):  # host-side: an idle thread may be waiting for one
+        step = step_of(ev["ts"])
+        if step is not None:
+            queue = f"r{rank}/comm{ev.get('tid')}"
+            comm_queues += [] if queue in comm_queues else [queue]
+            nodes.append(_Node(str(ev.get("name", "")), "COMM", queue, ev["ts"], ev["ts"] + ev["dur"], step))
     begin, end = _step_markers(windows, main_q, nodes)
     nodes += list(begin.values()) + list(end.values())
     for seq, n in enumerate(nodes):
@@ -435,7 +447,7 @@ def _rank_plan(trace: KinetoTrace, rank: int, windows: list[StepWindow]) -> _Ran
     gpu_by_step: dict[int, list[_Node]] = defaultdict(list)
     for n in gpu_nodes:
         gpu_by_step[n.step].append(n)
-    return _RankPlan(rank=rank, nodes=nodes, host_queues=[f"r{rank}/host{t}" for t in host_tids],
+    return _RankPlan(rank=rank, nodes=nodes, host_queues=[f"r{rank}/host{t}" for t in host_tids] + comm_queues,
                      gpu_queues=sorted({n.queue for n in gpu_nodes}), begin=begin, end=end,
                      gpu_by_step=dict(gpu_by_step), windows=windows, skipped_threads=skipped,
                      shared_correlations=len(shared))
@@ -600,6 +612,7 @@ class KinetoGraphInfo:
     measured_host_us: dict[tuple[int, int], float]       # ProfilerStep#N duration
     measured_device_us: dict[tuple[int, int], float]     # step start .. its last GPU op's end
     host_spans: dict[int, list[int]] = field(default_factory=dict)     # rank -> top-level CPU operator nodes
+    cpu_comm_spans: dict[int, list[int]] = field(default_factory=dict)  # rank -> collectives on CPU backend threads
     step_ts: dict[tuple[int, int], float] = field(default_factory=dict)  # ProfilerStep#N start (trace clock)
     collectives: list[dict[int, float]] = field(default_factory=list)  # joined: rank -> kernel µs
     nccl_kernels: dict[int, int] = field(default_factory=dict)          # rank -> NCCL kernels in the steps
@@ -777,6 +790,7 @@ def _rank_info(p: _RankPlan, info: KinetoGraphInfo, b: GraphBuilder) -> None:
     kind = {"KERNEL": "compute", "MEMCPY": "memcpy", "MEMSET": "memcpy", "NCCL": "comm"}
     info.gpu_spans[p.rank] = [(n.gid, n.done, kind[n.category]) for n in p.nodes if n.category in kind]
     info.host_spans[p.rank] = [n.gid for n in p.nodes if n.category == "CPU"]
+    info.cpu_comm_spans[p.rank] = [n.gid for n in p.nodes if n.category == "COMM"]
     info.nccl_kernels[p.rank] = sum(n.category == "NCCL" for n in p.nodes)
     for i, w in enumerate(p.windows):
         gpu = p.gpu_by_step.get(i, [])
@@ -836,7 +850,8 @@ def _periods(ends: dict[tuple[int, int], float], rank: int, its: list[int], step
 
 
 def _breakdown(sched: Schedule, info: KinetoGraphInfo, g: Graph, rank: int, it: int) -> dict[str, float]:
-    """GPU time of one replayed step window (µs): compute, memcpy, communication, its overlap with compute, idle."""
+    """GPU time of one replayed step window (µs): compute, memcpy, communication (NCCL kernels, and collectives on a
+    CPU backend's threads), its overlap with compute, idle."""
     t0, t1 = sched.start[info.step_begin[(rank, it)]], sched.end[g.step_end[(rank, it)]]
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for s_node, e_node, kind in info.gpu_spans.get(rank, []):
@@ -846,6 +861,10 @@ def _breakdown(sched: Schedule, info: KinetoGraphInfo, g: Graph, rank: int, it: 
     if not any(info.gpu_spans.values()):  # CPU-only: compute is the operators' time on the host threads
         spans["compute"] = [(float(max(sched.start[n], t0)), float(min(sched.end[n], t1)))
                             for n in info.host_spans.get(rank, [])]
+    for n in info.cpu_comm_spans.get(rank, []):
+        s, e = max(sched.start[n], t0), min(sched.end[n], t1)
+        if e > s:
+            spans["comm"].append((float(s), float(e)))
     comp, comm, mem = (union_intervals(spans[k]) for k in ("compute", "comm", "memcpy"))
     busy = union_intervals(comp + comm + mem)
     return {"compute": total_length(comp), "memcpy": total_length(mem), "communication": total_length(comm),
@@ -938,6 +957,11 @@ def _summary_notes(traces: list[KinetoTrace], info: KinetoGraphInfo, per_rank: l
     if dev[0] is None:
         notes.append("no GPU ops in the profiled steps (a CPU-only trace): host threads only; "
                      "compute = top-level CPU operator time")
+    comms = sum(len(v) for v in info.cpu_comm_spans.values())
+    if comms:
+        names = sorted({n for t in traces for n in (str(e.get("name")) for e in t.cpu_comms)})
+        notes.append(f"{comms} collectives on CPU backend threads ({', '.join(names[:4])}) are communication; "
+                     "a host thread idle until one ends waits for it")
     world = max((t.world_size or 1) for t in traces)
     if world > len(traces):
         missing = sorted(set(range(world)) - set(info.ranks))

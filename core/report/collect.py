@@ -329,6 +329,13 @@ def kineto_measured_lanes(result: Any, iteration: int) -> list[Lane]:
                                                   short_name(str(e.get("name", ""))), "CPU"))
         for tid, spans in sorted(threads.items(), key=lambda kv: str(kv[0])):
             lanes.append(Lane(f"r{rank} thread {tid} (measured)", _outermost(spans)))
+        comm_threads: dict[Any, list[Span]] = defaultdict(list)
+        for e in trace.cpu_comms:  # a CPU backend's collectives on its own threads (gloo)
+            if window.ts <= e["ts"] < window.end:
+                comm_threads[e.get("tid")].append(Span(e["ts"] - window.ts, e["ts"] + e["dur"] - window.ts,
+                                                       str(e.get("name", "")), "COMM"))
+        for tid, spans in sorted(comm_threads.items(), key=lambda kv: str(kv[0])):
+            lanes.append(Lane(f"r{rank} comm thread {tid} (measured)", spans))
         streams: dict[Any, list[Span]] = defaultdict(list)
         for e in trace.gpu_ops:
             if window.ts <= e["ts"] < window.end + window.dur:
@@ -355,7 +362,8 @@ def _outermost(spans: list[Span]) -> list[Span]:
 
 
 def kineto_collectives(result: Any, iteration: int) -> list[dict[str, Any]]:
-    """The NCCL kernels of one step on the first rank: bytes, kernel time and the bandwidth that implies."""
+    """The NCCL kernels (and CPU backends' collectives) of one step on the first rank: bytes, time and the bandwidth
+    that implies."""
     trace = result.traces[0]
     window = next((w for w in trace.steps if w.number == result.info.steps[iteration]), None)
     if window is None:
@@ -366,4 +374,8 @@ def kineto_collectives(result: Any, iteration: int) -> list[dict[str, Any]]:
             rows.append({"name": f"{c.op or c.kernel}", "bytes": c.bytes, "transfer_ms": c.dur / 1000.0,
                          "launch_to_end_ms": c.dur / 1000.0,
                          "gbit_per_s": c.bytes * 8 / c.dur / 1000.0 if c.bytes and c.dur > 0 else None})
+    for e in trace.cpu_comms:  # gloo's annotations carry no size
+        if window.ts <= e["ts"] < window.end:
+            rows.append({"name": str(e.get("name", "")), "bytes": None, "transfer_ms": e["dur"] / 1000.0,
+                         "launch_to_end_ms": e["dur"] / 1000.0, "gbit_per_s": None})
     return rows[:MAX_COMM_ROWS]

@@ -298,3 +298,23 @@ def test_a_correlation_id_shared_by_every_call_is_left_unlinked(tmp_path):
     analysis = analyze_kineto([path])
     assert any("carried by several runtime calls" in note for note in analysis.notes)
     assert analysis.predicted_step_ms > 0
+
+
+@pytest.mark.slow
+def test_gloo_collectives_of_a_cpu_ddp_trace_are_communication(tmp_path):
+    """torch.profiler records gloo's allreduces as ``gloo:all_reduce`` annotations on gloo's own threads; they are
+    the step's communication (not idle time), and the main thread's wait for them is on the critical path."""
+    pytest.importorskip("torch")
+    from jobrunner import torchrun
+
+    torchrun("profiled_gloo_ddp.py", "--out", str(tmp_path))
+    paths = [tmp_path / f"rank{r}.pt.trace.json" for r in (0, 1)]
+    traces = [load_kineto(p) for p in paths]
+    assert all(t.cpu_comms and all(e["name"] == "gloo:all_reduce" for e in t.cpu_comms) for t in traces)
+    a = analyze_kineto(paths)
+    assert abs(a.error_pct) < 1.0
+    for row in a.per_rank:
+        assert row["communication_ms"] > 0.5
+        assert row["idle_ms"] < row["communication_ms"] <= row["predicted_step_ms"]  # waiting is not idle time
+    assert any(c["op"] == "gloo:all_reduce" for c in a.critical_path)
+    assert any("collectives on CPU backend threads" in n for n in a.notes)
