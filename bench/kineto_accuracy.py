@@ -1,10 +1,11 @@
-"""Replay accuracy on PyTorch profiler (Kineto) traces: measured vs predicted step time per trace.
+"""Prediction accuracy on PyTorch profiler (Kineto) traces: measured vs predicted step time per trace.
 
 For each trace (one rank each): the profiled steps, the measured step (median ProfilerStep#N), the
-predicted one (replayed ProfilerStep#N span, the host definition) and its error, and the predicted
-time to the step's last GPU op end. A second table checks that the DAG is causal, not a copy of the
-timeline: the host step replayed again with every GPU op twice as long (a GPU-bound job slows down,
-a host-bound one does not).
+predicted one (each step replayed with every op's mean time over the other steps: leave-one-step-out) and its
+error, the first half of the steps predicting the second (out of sample), the exact replay of every step with its
+own times (the DAG's wiring) and the predicted time to the step's last GPU op end. A second table checks that the
+DAG is causal, not a copy of the timeline: the host step replayed again with every GPU op twice as long (a
+GPU-bound job slows down, a host-bound one does not).
 
     python bench/kineto_accuracy.py [TRACE.json[.gz] ...]   (default: tests/data/kineto/*.json.gz)
 """
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dpro.io.kineto import analyze_traces, graph_from_kineto, load_kineto
+from dpro.analyze import error_pct
+from dpro.io.kineto import analyze_traces, graph_from_kineto, load_kineto, split_prediction
 from dpro.report.tables import format_table
 from dpro.sim.replay import replay
 
@@ -31,13 +33,16 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 
 
 def accuracy_row(path: Path) -> list[str]:
-    """file, steps, measured ms, predicted ms (host), error %, predicted device-end ms, seconds."""
+    """file, steps, measured ms, predicted ms (leave-one-step-out), error %, first half -> second half error %,
+    exact replay ms, predicted device-end ms, seconds."""
     t0 = time.perf_counter()
     trace = load_kineto(path)
     a = analyze_traces([trace])
     seconds = time.perf_counter() - t0
+    predicted, measured = split_prediction([trace])
     steps = f"#{trace.steps[0].number}..#{trace.steps[-1].number}"
     return [path.name, steps, _fmt(a.measured_step_ms), _fmt(a.predicted_step_ms), _fmt(a.error_pct, "+.3f"),
+            _fmt(error_pct(predicted, measured), "+.3f"), _fmt(a.per_rank[0].get("replayed_step_ms")),
             _fmt(a.per_rank[0]["predicted_device_end_ms"]), f"{seconds:.2f}"]
 
 
@@ -61,8 +66,8 @@ def main() -> None:
     parser.add_argument("traces", nargs="*", type=Path, default=DEFAULT)
     args = parser.parse_args()
     rows = [accuracy_row(p) for p in args.traces]
-    print(format_table(["file", "steps", "measured ms", "predicted ms (host)", "error %",
-                        "predicted device-end ms", "analyze s"], rows, align="<<>>>>>"))
+    print(format_table(["file", "steps", "measured ms", "predicted ms (host)", "error %", "1st half -> 2nd %",
+                        "exact replay ms", "predicted device-end ms", "analyze s"], rows, align="<<>>>>>>>"))
     print()
     rows = [sensitivity_row(p) for p in args.traces]
     print(format_table(["file", "host step ms (all steps)", "with GPU ops x2", "ratio"], rows, align="<>>>"))
