@@ -117,11 +117,14 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
         "baseline_predicted_step_ms": base.predicted_step_ms,
         "predicted_step_ms": changed.predicted_step_ms,
         "change_pct": 100.0 * (changed.predicted_step_ms / base.predicted_step_ms - 1.0),
+        "graph_nodes": changed.graph_nodes,
         "baseline_peak_memory_bytes": base.predicted_peak_memory_bytes,
         "predicted_peak_memory_bytes": changed.predicted_peak_memory_bytes,
         "comm_model": {"latency_us": ctx.comm.latency_us, "gbit_per_s": ctx.comm.gbit_per_s,
                        "fitted_on": ctx.comm.source},
     }
+    if changed.spread:
+        result["spread"] = changed.spread
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -133,6 +136,11 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
             [" ".join(args.settings) or "(no change)", f"{changed.predicted_step_ms:.2f}",
              format_bytes(changed.predicted_peak_memory_bytes), f"{result['change_pct']:+.1f}%"]]
     print(format_table(["configuration", "step ms", "peak memory", "change"], rows, align="<>>>"))
+    if changed.spread:
+        seeds = ", ".join(f"{v:.2f}" for v in changed.spread["seeds"])
+        print(f"\n{args.settings and ' '.join(args.settings)}: more ranks than recorded, each drawing its op times "
+              f"from the recorded steps; p50 {changed.spread['p50']:.2f} ms, p90 {changed.spread['p90']:.2f} ms "
+              f"over {len(changed.spread['seeds'])} draws ({seeds})")
     from dpro.engines import get_engine
 
     own = get_engine(ctx.engine).describe_model(ctx)

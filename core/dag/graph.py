@@ -150,6 +150,7 @@ class OpStats:
     duration: float
     gap: float | None                 # None: derived from measured times when the graph is built
     args: dict = field(default_factory=dict)
+    samples: list[float] = field(default_factory=list)  # its duration in each profiled step (µs; scale-out draws)
 
 
 @dataclass
@@ -402,7 +403,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
             args["grads_ready_offset_us"] = _median_ready_offsets(samples)
         ops[rank].append(OpStats(
             name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
-            order=order, duration=duration, gap=None, args=args))
+            order=order, duration=duration, gap=None, args=args, samples=[sample[1] for sample in samples]))
     if not ops:
         raise GraphError(f"{run.path}: the profiled steps ({format_steps(steps)}) hold no operation besides their STEP "
                          "markers; nothing to replay")

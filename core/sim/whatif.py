@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
+import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -280,13 +282,15 @@ def add_recompute(ctx: Context, model: StepModel, modules: list[str]) -> StepMod
 
 @dataclass
 class Prediction:
-    """A replayed prediction under some knobs (times in ms)."""
+    """A replayed prediction under some knobs (times in ms). ``spread``: for a scale-out (more ranks than were
+    recorded), the predicted step of each seed's draw of the ranks' op times, and its p50 and p90."""
 
     knobs: dict[str, Any]
     predicted_step_ms: float
     predicted_peak_memory_bytes: int
     graph_nodes: int
     per_rank_ms: dict[int, float] = field(default_factory=dict)
+    spread: dict[str, Any] = field(default_factory=dict)
 
 
 def recorded_groups(ctx: Context) -> list[list[str]]:
@@ -329,10 +333,57 @@ def predict(ctx: Context, knobs: dict[str, Any], iterations: int = 4) -> Predict
             raise UsageError(f"{key} is a knob of the {engine_of} engine; this run's engine is "
                              f"{ctx.engine or 'not named in run.json'}")
     own = get_engine(ctx.engine).predict(ctx, knobs) if knobs else None
-    result = own if own is not None else replay_model(ctx, transformed_model(ctx, knobs), knobs, iterations)
+    if own is not None:
+        result = own
+    elif int(knobs.get("world_size") or 0) > len(ctx.base.ops):
+        result = scale_out(ctx, transformed_model(ctx, knobs), knobs)
+    else:
+        result = replay_model(ctx, transformed_model(ctx, knobs), knobs, iterations)
     if ctx.on_predict is not None:
         ctx.on_predict(knobs)
     return result
+
+
+SCALE_OUT_SEEDS = 5
+SCALE_OUT_ITERATIONS = 2  # the second step, after the first: what predicted_step_us reads
+
+
+def ranks_drawn(model: StepModel, world_size: int, seed: int) -> StepModel:
+    """``model`` on ``world_size`` ranks: rank r runs the ops of recorded rank ``r % recorded``, each compute op
+    lasting what it lasted in one profiled step drawn for that rank (seeded), so ranks differ as the recorded
+    steps did and the slowest of them holds up every collective."""
+    rng = random.Random(seed)
+    recorded = sorted(model.ops)
+    ops: dict[int, list[OpStats]] = {}
+    for rank in range(world_size):
+        source = recorded[rank % len(recorded)]
+        step = rng.randrange(max(1, len(model.steps)))
+        ops[rank] = [dataclasses.replace(op, rank=rank, duration=op.samples[step % len(op.samples)])
+                     if op.samples and op.category not in ("COMM", "STEP") else dataclasses.replace(op, rank=rank)
+                     for op in model.ops[source]]
+    pick = {rank: recorded[rank % len(recorded)] for rank in range(world_size)}
+    return dataclasses.replace(
+        model, ops=ops, step_us_by_rank={r: model.step_us_by_rank.get(s, 0.0) for r, s in pick.items()},
+        tail_us={r: model.tail_us.get(s, 0.0) for r, s in pick.items()})
+
+
+def scale_out(ctx: Context, model: StepModel, knobs: dict[str, Any], seeds: int = SCALE_OUT_SEEDS) -> Prediction:
+    """More ranks than were recorded: the N-rank DAG replayed once per seed (``ranks_drawn``); the prediction is
+    the median over seeds, with p50/p90 in ``spread``."""
+    world_size = int(knobs["world_size"])
+    steps, nodes = [], 0
+    for seed in range(seeds):
+        g = graph_from_steps(ranks_drawn(model, world_size, seed), iterations=SCALE_OUT_ITERATIONS)
+        sched = replay(g, plan_levels(g))
+        from dpro.analyze import predicted_step_us
+
+        steps.append(statistics.median(predicted_step_us(g, sched).values()) / 1000.0)
+        nodes = g.size
+    ordered = sorted(steps)
+    p90 = ordered[min(len(ordered) - 1, int(math.ceil(0.9 * len(ordered))) - 1)]
+    return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(steps),
+                      predicted_peak_memory_bytes=ctx.memory.peak_bytes(knobs.get("recompute") or ()),
+                      graph_nodes=nodes, spread={"seeds": steps, "p50": statistics.median(steps), "p90": p90})
 
 
 def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iterations: int = 4) -> Prediction:
