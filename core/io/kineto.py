@@ -1061,4 +1061,18 @@ def _rank_median(rows: list[dict[str, Any]], key: str) -> float | None:
 
 def analyze_kineto(paths: list[Path], steps: list[int] | None = None) -> Analysis:
     """``dpro analyze FILE...``: load one Kineto trace per rank, replay, report (see ``analyze_traces``)."""
-    return analyze_traces([load_kineto(p) for p in paths], steps)
+    return analyze_traces(load_traces(paths), steps)
+
+
+def load_traces(paths: list[Path]) -> list[KinetoTrace]:
+    """``load_kineto`` of each path, with progress when the files together are big (seconds to read)."""
+    from dpro.io.load import PROGRESS_BYTES
+    from dpro.progress import Progress
+
+    size = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
+    traces = []
+    with Progress(len(paths), "loading traces", quiet=None if size >= PROGRESS_BYTES // 4 else True) as bar:
+        for p in paths:
+            traces.append(load_kineto(p))
+            bar.advance(note=Path(p).name)
+    return traces

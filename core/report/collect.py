@@ -280,17 +280,12 @@ KINETO_CATEGORIES = {"KERNEL": "COMPUTE", "NCCL": "COMM", "MEMSET": "MEMCPY", "C
                      "SYNC": "OTHER"}
 
 
-def collect_traces(paths: list[str | Path], *, quiet: bool | None = None) -> ReportData:
+def collect_traces(paths: list[str | Path]) -> ReportData:
     """Analyze PyTorch profiler traces (one per rank) and gather the report's data. What-if curves and
     recommendations need a dpro run directory (the traces carry no gradient list): the page says so."""
-    from dpro.io.kineto import load_kineto, replay_traces
+    from dpro.io.kineto import load_traces, replay_traces
 
-    traces = []
-    with Progress(len(paths), "loading traces", quiet=quiet) as bar:
-        for p in paths:
-            traces.append(load_kineto(p))
-            bar.advance(note=Path(p).name)
-    result = replay_traces(traces)
+    result = replay_traces(load_traces([Path(p) for p in paths]))
     info, a = result.info, result.analysis
     last = len(info.steps) - 1
     parts = {}
@@ -299,7 +294,7 @@ def collect_traces(paths: list[str | Path], *, quiet: bool | None = None) -> Rep
         parts[row["rank"]] = {"compute": row.get("compute_ms") or 0.0, "memcpy": row.get("memcpy_ms") or 0.0,
                               "communication": max(0.0, comm - hidden), "idle": row.get("idle_ms") or 0.0,
                               "overlapped_communication": hidden}
-    world = max([t.world_size or 1 for t in traces] + [len(traces)])
+    world = max([t.world_size or 1 for t in result.traces] + [len(result.traces)])
     return ReportData(
         source=a.source, kind="kineto", engine="", world_size=world, ranks=list(info.ranks),
         missing_ranks=sorted(set(range(world)) - set(info.ranks)), knobs={}, analysis=a, step_parts=parts,

@@ -94,7 +94,7 @@ def test_horovod_run_report(tmp_path):
 
 
 def test_kineto_trace_report(tmp_path):
-    data = collect_traces([KINETO], quiet=True)
+    data = collect_traces([KINETO])
     assert data.kind == "kineto" and data.analysis.measured_step_ms > 0
     assert any(not lane.replayed for lane in data.lanes) and any(lane.replayed for lane in data.lanes)
     assert data.comm and all(c["bytes"] for c in data.comm if c["name"] == "allreduce")
