@@ -97,7 +97,9 @@ def _add_whatif(subparsers: Any) -> None:
         description="Rebuild the step DAG of a run under changed knobs and replay it.",
         epilog=_knob_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("run", metavar="RUN", help="a run directory")
+    parser.add_argument("run", metavar="RUN", nargs="+",
+                        help="a run directory, or PyTorch profiler trace files (one per rank: bandwidth_scale, "
+                             "world_size and compute_scale only)")
     parser.add_argument("--set", dest="settings", metavar="KNOB=VALUE", action="append", default=[],
                         help="a knob to change (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the prediction as one JSON object")
@@ -105,11 +107,15 @@ def _add_whatif(subparsers: Any) -> None:
 
 
 def _cmd_whatif(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from dpro.io.load import load_run
     from dpro.sim.whatif import context, parse_settings, predict
 
     knobs = parse_settings(args.settings)
-    ctx = context(load_run(args.run))
+    if len(args.run) > 1 or not Path(args.run[0]).is_dir():
+        return _whatif_traces([Path(p) for p in args.run], knobs, args)
+    ctx = context(load_run(args.run[0]))
     base, changed = predict(ctx, {}), predict(ctx, knobs)
     result = {
         "knobs": knobs,
@@ -146,6 +152,25 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     own = get_engine(ctx.engine).describe_model(ctx)
     print("\n" + (own or f"communication model: {ctx.comm.latency_us:.1f} us latency, {ctx.comm.gbit_per_s:.2f} "
                           f"Gbit/s (fitted on {ctx.comm.source})"))
+    return 0
+
+
+def _whatif_traces(paths: list[Any], knobs: dict[str, Any], args: argparse.Namespace) -> int:
+    from dpro.io.kineto import load_traces, whatif_traces
+    from dpro.report.tables import format_table
+
+    result = whatif_traces(load_traces(paths), knobs)
+    base, changed = result["baseline_predicted_step_ms"], result["predicted_step_ms"]
+    result["change_pct"] = 100.0 * (changed / base - 1.0) if base else float("nan")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = [["measured (the traces)", f"{result['measured_step_ms']:.2f}", ""],
+            ["replayed, every op at its mean", f"{base:.2f}", ""],
+            [" ".join(args.settings) or "(no change)", f"{changed:.2f}", f"{result['change_pct']:+.1f}%"]]
+    print(format_table(["configuration", "step ms", "change"], rows, align="<>>"))
+    print(f"\ncommunication scaled as a ring's bytes per link from {result['recorded_world_size']} ranks; compute "
+          "scaled on the device (the host operators in a CPU-only trace)")
     return 0
 
 

@@ -245,6 +245,8 @@ COMMON_KNOBS: tuple[Knob, ...] = (
     Knob("world_size", "number of ranks (communication priced for N ranks)", _world_size, config=False),
     Knob("bandwidth_scale", "network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s)", _positive_number,
          default=1.0, config=False),
+    Knob("compute_scale", "compute time times k (e.g. 0.5 for a device twice as fast)", _positive_number,
+         default=1.0, config=False),
 )
 
 

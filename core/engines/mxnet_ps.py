@@ -337,11 +337,13 @@ def predict(ctx: Any, knobs: dict[str, Any]) -> Any:
     knobs = {**knobs, **knobs_from_env(knobs.get("env") or {})}  # a config's env knobs (what the search writes)
     if not any(k in knobs for k in PS_KNOBS):
         return None
-    from dpro.sim.whatif import add_recompute, replay_model
+    from dpro.sim.whatif import add_recompute, replay_model, scaled_compute
 
     model = ps_model(ctx, knobs, server_model(ctx))
     if knobs.get("recompute"):
         model = add_recompute(ctx, model, list(knobs["recompute"]))
+    if float(knobs.get("compute_scale", 1.0)) != 1.0:
+        model = scaled_compute(model, float(knobs["compute_scale"]))
     return replay_model(ctx, model, knobs)
 
 

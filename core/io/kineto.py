@@ -67,6 +67,7 @@ __all__ = [
     "replay_traces",
     "short_name",
     "split_prediction",
+    "whatif_traces",
 ]
 
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
@@ -1012,6 +1013,55 @@ def split_prediction(traces: list[KinetoTrace]) -> tuple[float, float]:
     predicted = held_out_steps(g, info, test, lambda k: fit)
     return (statistics.median(predicted.values()) / 1000.0,
             statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in test) / 1000.0)
+
+
+TRACE_WHATIF_KNOBS = ("bandwidth_scale", "world_size", "compute_scale")
+COMM_NODES = ("NCCL", "XFER", "COMM")
+
+
+def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str, Any]:
+    """``dpro whatif TRACE...``: the profiled steps with every op at its mean time over them (the baseline), and
+    the same under ``knobs``: ``compute_scale`` multiplies the device's kernels (a CPU-only trace: the host
+    operators), ``bandwidth_scale`` divides communication, ``world_size`` prices it for N ranks (a ring's
+    2(N-1)/N of the bytes on each link). Other knobs need what a dpro recording has (gradients, modules).
+
+    Raises:
+        UsageError: a knob that profiler traces cannot support.
+    """
+    other = [k for k in knobs if k not in TRACE_WHATIF_KNOBS]
+    if other:
+        raise UsageError(f"--set {other[0]}: profiler traces carry no gradient list or module tree, so on them dpro "
+                         f"changes only {', '.join(TRACE_WHATIF_KNOBS)}; record the job with dpro (dpro-launch "
+                         "--profile) for the other knobs")
+    g, info = graph_from_kineto(traces)
+    its = _used_iterations(info, [])
+    base = mean_graph(g, op_keys(g), set(its))
+    recorded = max([t.world_size or 1 for t in traces] + [len(traces)])
+    changed = _scaled(base, knobs, recorded)
+    plan = plan_levels(g)
+
+    def step_ms(graph: Graph) -> float:
+        sched = replay(graph, plan)
+        return statistics.median(float(sched.end[graph.step_end[(r, i)]] - sched.start[info.step_begin[(r, i)]])
+                                 for r in info.ranks for i in its) / 1000.0
+
+    return {"knobs": dict(knobs),
+            "measured_step_ms": statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its)
+            / 1000.0,
+            "baseline_predicted_step_ms": step_ms(base), "predicted_step_ms": step_ms(changed),
+            "recorded_world_size": recorded}
+
+
+def _scaled(g: Graph, knobs: dict[str, Any], recorded_world: int) -> Graph:
+    duration = g.duration.copy()
+    category = np.array(g.category)
+    comm = np.isin(category, COMM_NODES)
+    world = int(knobs.get("world_size") or recorded_world)
+    ring = ((world - 1) / world) / ((recorded_world - 1) / recorded_world) if recorded_world > 1 and world > 1 else 1.0
+    duration[comm] *= ring / float(knobs.get("bandwidth_scale", 1.0))
+    compute = category == "KERNEL" if (category == "KERNEL").any() else category == "CPU"
+    duration[compute] *= float(knobs.get("compute_scale", 1.0))
+    return dataclasses.replace(g, duration=duration)
 
 
 def _prediction_note(held_out: dict, replayed_ms: float, measured_ms: float) -> str:

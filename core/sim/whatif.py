@@ -10,6 +10,7 @@ models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``. The knobs are t
 | ``tensor_groups`` | explicit gradient groups (JSON list of lists of names) |
 | ``world_size`` | ring-allreduce cost on N ranks |
 | ``bandwidth_scale`` | network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s) |
+| ``compute_scale`` | compute ops take k times as long (a slower or faster device) |
 | ``gradient_compression`` | ``fp16`` / ``bf16``: half the bytes on the wire |
 | ``recompute`` | modules checkpointed: their forward runs again in backward; fewer saved activations |
 """
@@ -320,7 +321,27 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
                         world_size=knobs.get("world_size"))
     if knobs.get("recompute"):
         model = add_recompute(ctx, model, list(knobs["recompute"]))
+    if float(knobs.get("compute_scale", 1.0)) != 1.0:
+        model = scaled_compute(model, float(knobs["compute_scale"]))
     return model
+
+
+COMPUTE_CATEGORIES = ("FW", "BW", "RECOMPUTE", "UPDATE", "COMPUTE")
+
+
+def scaled_compute(model: StepModel, scale: float) -> StepModel:
+    """``model`` on a device ``scale`` times as slow (0.5: twice as fast): compute ops last ``scale`` times as
+    long, gradients are ready as much sooner or later in their backward op; host gaps and communication stay."""
+    out = copy.deepcopy(model)
+    for ops in out.ops.values():
+        for op in ops:
+            if op.category in COMPUTE_CATEGORIES:
+                op.duration *= scale
+                op.samples = [d * scale for d in op.samples]
+                offsets = op.args.get("grads_ready_offset_us")
+                if isinstance(offsets, dict):
+                    op.args["grads_ready_offset_us"] = {g: t * scale for g, t in offsets.items()}
+    return out
 
 
 def predict(ctx: Context, knobs: dict[str, Any], iterations: int = 4) -> Prediction:

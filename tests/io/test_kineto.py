@@ -319,6 +319,10 @@ def test_gloo_collectives_of_a_cpu_ddp_trace_are_communication(tmp_path):
         assert row["idle_ms"] < row["communication_ms"] <= row["replayed_step_ms"]  # waiting is not idle time
     assert any(c["op"] == "gloo:all_reduce" for c in a.critical_path)
     assert any("collectives on CPU backend threads" in n for n in a.notes)
+    from dpro.io.kineto import whatif_traces
+
+    faster = whatif_traces(traces, {"bandwidth_scale": 4.0})
+    assert faster["predicted_step_ms"] < 0.95 * faster["baseline_predicted_step_ms"]
 
 
 def test_the_prediction_is_each_step_from_the_others(tmp_path):
@@ -338,3 +342,21 @@ def test_the_prediction_is_each_step_from_the_others(tmp_path):
     assert abs(predicted_ms / measured_ms - 1) < 0.05
     a = analyze_kineto([SINGLE])
     assert "replayed_step_ms" in a.per_rank[0] and any("leave-one-step-out" in n for n in a.notes)
+
+
+def test_whatif_on_traces_scales_compute_and_communication(capsys):
+    from dpro.cli import main
+    from dpro.errors import UsageError
+    from dpro.io.kineto import whatif_traces
+
+    single, ddp = load_kineto(SINGLE), load_kineto(DDP)
+    gpu_bound = whatif_traces([single], {"compute_scale": 2.0})
+    assert 1.8 < gpu_bound["predicted_step_ms"] / gpu_bound["baseline_predicted_step_ms"] < 2.05
+    assert abs(gpu_bound["baseline_predicted_step_ms"] / gpu_bound["measured_step_ms"] - 1) < 0.05
+    host_bound = whatif_traces([ddp], {"compute_scale": 2.0, "bandwidth_scale": 0.5})
+    assert host_bound["predicted_step_ms"] == pytest.approx(host_bound["baseline_predicted_step_ms"], rel=0.02)
+    with pytest.raises(UsageError, match="profiler traces carry no gradient list"):
+        whatif_traces([single], {"torch.ddp.bucket_cap_mb": 1.0})
+    assert main(["whatif", str(SINGLE), "--set", "compute_scale=0.5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["change_pct"] < -40
