@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from dpro.errors import RecordingRefused, UsageError
 
@@ -36,6 +37,7 @@ __all__ = [
     "Clock",
     "DEFAULT_RUN_ROOT",
     "LocalTransport",
+    "BASELINE_STEPS",
     "PINGPONG_ROUNDS",
     "PROBE_BYTES",
     "PROBE_REPEAT",
@@ -49,11 +51,13 @@ __all__ = [
     "clock_samples",
     "parse_skew",
     "parse_steps",
+    "recording_overhead",
     "wall_minus_clock_ns",
 ]
 
 
 PINGPONG_ROUNDS = 16
+BASELINE_STEPS = 5  # unrecorded steps just before the window that a recorder's overhead is measured against
 PROBE_BYTES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
 PROBE_REPEAT = 5
 SKEW_ENV = "DPRO_CLOCK_SKEW_US"
@@ -279,3 +283,27 @@ def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = P
         for i in range(repeat):
             samples.append([float(nbytes), transport.timed_allreduce(nbytes, f"dpro.probe.{nbytes}.{i}", clock)])
     return samples
+
+
+def recording_overhead(ends: dict[int, tuple[float, float]], window: list[int]) -> dict[str, Any] | None:
+    """What recording cost the training thread: ``ends`` maps an iteration to (wall s, thread CPU s) when it ended
+    (a recorder's step boundary, after its own work for that step); each iteration lasts from the end of the one
+    before. The steps of ``window`` after its first are compared with the unrecorded steps before it (at most
+    ``BASELINE_STEPS``, the one just before the window left out: the window's clock exchange and probe run at its
+    end); medians, None without both. A rank writes the result in its
+    trace's header (``recording_overhead``) and ``dpro info`` shows it."""
+    def lasted(iterations: list[int]) -> list[tuple[float, float]]:
+        return [(ends[i][0] - ends[i - 1][0], ends[i][1] - ends[i - 1][1]) for i in iterations
+                if i in ends and i - 1 in ends]
+
+    first = min(window)
+    before = lasted(list(range(first - 1 - BASELINE_STEPS, first - 1)))
+    during = lasted(sorted(window)[1:])
+    if not before or not during:
+        return None
+    base_wall, base_cpu = (statistics.median(v[k] for v in before) * 1000.0 for k in (0, 1))
+    wall, cpu = (statistics.median(v[k] for v in during) * 1000.0 for k in (0, 1))
+    return {"unrecorded_steps": len(before), "recorded_steps": len(during),
+            "wall_ms": [base_wall, wall], "thread_cpu_ms": [base_cpu, cpu],
+            "wall_pct": 100.0 * (wall / base_wall - 1.0) if base_wall > 0 else None,
+            "thread_cpu_pct": 100.0 * (cpu / base_cpu - 1.0) if base_cpu > 0 else None}

@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -76,7 +77,21 @@ def _rank_summary(run: Run, rank: int) -> dict[str, Any]:
         "step_ms_median": round(statistics.median(times), 3) if times else None,
         "comm_bytes_per_step": int(statistics.median(comm.values())) if comm else None,
         "note": trace.note,
+        "recording_overhead": _overhead(trace.header.get("recording_overhead")),
     }
+
+
+def _overhead(value: Any) -> dict[str, Any] | None:
+    """The recorder's own measure of what recording cost (``dpro.record.protocol.recording_overhead``), when it is
+    well formed: a header from elsewhere with anything else in it is not shown."""
+    keys = ("wall_pct", "thread_cpu_pct", "unrecorded_steps", "recorded_steps")
+    if not isinstance(value, dict) or not all(_finite(value.get(k)) for k in keys):
+        return None
+    return {k: value[k] for k in keys}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _count_categories(trace: RankTrace) -> dict[str, int]:
@@ -119,6 +134,15 @@ def format_run_summary(summary: dict[str, Any]) -> str:
         rows = [[str(k), _value(v)] for k, v in sorted(summary["knobs"].items())]
         blocks.append("knobs\n" + indent(format_table(["knob", "value"], rows, header=False)))
     blocks.append("ranks\n" + indent(_rank_table(summary["ranks"])))
+    measured = [r for r in summary["ranks"] if r.get("recording_overhead")]
+    if measured:
+        rows = [[str(r["rank"]), f"{r['recording_overhead']['thread_cpu_pct']:+.1f}%",
+                 f"{r['recording_overhead']['wall_pct']:+.1f}%",
+                 f"{r['recording_overhead']['recorded_steps']} vs {r['recording_overhead']['unrecorded_steps']}"]
+                for r in measured]
+        blocks.append("recording overhead (median step, recorded vs the unrecorded steps just before the window; one "
+                      "run's steps vary, so a few % either way is noise)\n"
+                      + indent(format_table(["rank", "training thread CPU", "wall", "steps"], rows, align=">>><")))
     problems = summary["problems"]
     if problems:
         blocks.append(f"problems ({len(problems)})\n" + "\n".join(f"  - {p}" for p in problems))

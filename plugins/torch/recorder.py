@@ -17,6 +17,7 @@ import os
 import platform
 import resource
 import socket
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from dpro.errors import UsageError
 from dpro.logs import get_logger
 from dpro.plugins.torch.transport import TorchDistTransport
 from dpro.record.protocol import (
+    BASELINE_STEPS,
     Clock,
     LocalTransport,
     Transport,
@@ -42,6 +44,7 @@ from dpro.record.protocol import (
     claim_run_dir,
     clock_samples,
     parse_steps,
+    recording_overhead,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import (
@@ -227,6 +230,7 @@ class TorchRecorder:
         self._last_log: _StepLog | None = None
         self._last_buckets: list[dict[str, Any]] = []
         self._cuda_ref: tuple[Any, float] | None = None
+        self._step_ends: dict[int, tuple[float, float]] = {}  # iteration -> (wall, thread CPU) at its end
         if self.ddp is not None:
             self._install_comm_hook()
         _ACTIVE.add(self)
@@ -400,6 +404,8 @@ class TorchRecorder:
             if not self._suspended:
                 self._remove_hooks()
             self._recording = False
+        if self.steps[0] - BASELINE_STEPS - 2 <= self._iteration - 1 <= self.steps[-1]:  # the overhead's clock
+            self._step_ends[self._iteration - 1] = (time.perf_counter(), time.thread_time())
         if self._iteration > self.steps[-1]:
             self.close()
 
@@ -502,6 +508,9 @@ class TorchRecorder:
             note = f"stopped by {type(error).__name__}: {error}"
         elif missing:
             note = f"the run ended before steps {missing[0]}..{missing[-1]}"
+        overhead = recording_overhead(self._step_ends, list(self.steps))
+        if overhead is not None:
+            self._writer.header["recording_overhead"] = overhead
         self._writer.finish(complete=not missing, note=note)
         if self.rank == 0 and done:
             self._write_model_json()

@@ -117,3 +117,17 @@ def test_existing_run_is_never_overwritten(tmp_path):
     assert proc.stderr.count("dpro: error:") == 1  # said once, by rank 0, not by every rank
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     json.loads((run_dir / "rank-0.json").read_text())
+
+
+def test_a_rank_measures_what_recording_cost_it(tmp_path):
+    """Steps before the window are timed (wall and training-thread CPU): each rank's trace says what recorded
+    steps cost against them, and dpro info shows it."""
+    run_dir = tmp_path / "run"
+    torchrun("ddp_job.py", "--model", "mlp", "--steps", "14", "--profile", "8:13", "--run-dir", str(run_dir))
+    run = load_run(run_dir)
+    for trace in run.ranks.values():
+        overhead = trace.header["recording_overhead"]
+        assert overhead["unrecorded_steps"] >= 3 and overhead["recorded_steps"] == 4
+        assert all(v > 0 for v in overhead["thread_cpu_ms"] + overhead["wall_ms"])
+    info = run_job([sys.executable, "-m", "dpro", "info", str(run_dir)]).stdout
+    assert "recording overhead" in info and "training thread CPU" in info
