@@ -24,6 +24,7 @@ from dpro.dag.graph import NO_QUEUE, Graph
 from dpro.errors import DproError
 from dpro.io.load import Run, load_run
 from dpro.progress import Progress
+from dpro.report.info import overhead_of
 from dpro.report.svg import Lane, Span
 from dpro.sim.replay import Schedule, critical_path
 
@@ -76,6 +77,7 @@ class ReportData:
     memory: list[dict[str, Any]] = field(default_factory=list)   # recompute choice -> peak bytes, step ms
     recommendation: dict[str, Any] | None = None                # explain rows, predicted, the config document
     unavailable: list[str] = field(default_factory=list)        # sections that could not be computed, and why
+    recording_overhead: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> what recording cost it
 
 
 # ---- dpro run directories -----------------------------------------------------------------------------
@@ -96,7 +98,9 @@ def collect_run(path: str | Path, *, whatif: bool = True, recommend: bool = True
         lanes=measured_lanes(run, result, step) + replayed_lanes(result.graph, result.schedule),
         timeline_note=f"measured: step {step} (the step closest to the median), clocks aligned; replayed: the last "
                       f"of {_iterations(result.graph)} replayed steps",
-        comm=run_collectives(result))
+        comm=run_collectives(result),
+        recording_overhead={r: o for r, t in run.ranks.items()
+                            if (o := overhead_of(t.header.get("recording_overhead"))) is not None})
     if whatif or recommend:
         _add_predictions(data, run, whatif=whatif, recommend=recommend, quiet=quiet)
     return data

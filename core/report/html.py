@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,6 +129,9 @@ def _headline_section(data: ReportData) -> str:
              _card("world size", str(data.world_size), "world-size", float(data.world_size)),
              _card("engine", data.engine or ("PyTorch profiler" if data.kind == "kineto" else "-"), "engine"),
              _card("graph nodes", str(a.graph_nodes))]
+    if data.recording_overhead:  # what the recorder measured recording cost the training thread
+        cpu = statistics.median(o["thread_cpu_pct"] for o in data.recording_overhead.values())
+        cards.append(_card("recording overhead (thread CPU)", f"{cpu:+.1f} %", "recording-overhead", cpu))
     out = ['<section id="headline"><h2>Headline</h2><div class="cards">', *cards, "</div>"]
     if data.missing_ranks:
         out.append(f'<p class="warn" id="missing-ranks">ranks {esc(data.missing_ranks)} of {data.world_size} have no '

@@ -21,7 +21,7 @@ from dpro.io.load import RankTrace, Run, format_steps, step_times_ms
 from dpro.record.trace import CATEGORIES
 from dpro.report.tables import format_bytes, format_table, indent
 
-__all__ = ["format_run_summary", "summarize_run"]
+__all__ = ["format_run_summary", "overhead_of", "summarize_run"]
 
 _RANK_COLUMNS = ("rank", "host", "state", "steps", *CATEGORIES, "step ms (median)", "COMM/step")
 
@@ -77,11 +77,11 @@ def _rank_summary(run: Run, rank: int) -> dict[str, Any]:
         "step_ms_median": round(statistics.median(times), 3) if times else None,
         "comm_bytes_per_step": int(statistics.median(comm.values())) if comm else None,
         "note": trace.note,
-        "recording_overhead": _overhead(trace.header.get("recording_overhead")),
+        "recording_overhead": overhead_of(trace.header.get("recording_overhead")),
     }
 
 
-def _overhead(value: Any) -> dict[str, Any] | None:
+def overhead_of(value: Any) -> dict[str, Any] | None:
     """The recorder's own measure of what recording cost (``dpro.record.protocol.recording_overhead``), when it is
     well formed: a header from elsewhere with anything else in it is not shown."""
     keys = ("wall_pct", "thread_cpu_pct", "unrecorded_steps", "recorded_steps")

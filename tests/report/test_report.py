@@ -172,3 +172,16 @@ def test_mxnet_parameter_server_run_report(tmp_path):
     assert any(lane.label.startswith("transfers") for lane in data.lanes if lane.replayed)
     page = render_report(data)
     assert page.count('<svg class="chart"') >= 5
+
+
+def test_the_recorders_own_overhead_figure_is_a_headline_card(tmp_path):
+    run = make_run(tmp_path / "run")
+    for rank, pct in ((0, 2.0), (1, 4.0)):
+        path = run / f"rank-{rank}.json"
+        doc = json.loads(path.read_text())
+        doc["recording_overhead"] = {"wall_pct": 1.0, "thread_cpu_pct": pct, "unrecorded_steps": 5,
+                                     "recorded_steps": 4}
+        path.write_text(json.dumps(doc))
+    data = collect_run(run, whatif=False, recommend=False)
+    assert sorted(data.recording_overhead) == [0, 1]
+    assert 'id="recording-overhead" data-value="3.0"' in render_report(data)
