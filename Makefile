@@ -65,7 +65,7 @@ sshd:
 chromium:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 		( command -v apt-get >/dev/null && apt-get update -q >/dev/null 2>&1 && \
-		  apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ) || \
+		  apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core >/dev/null 2>&1 ) || \
 		echo "note: no Chromium here; the report's browser tests will be skipped"
 
 test: $(STAMP) $(HVD_STAMP) $(MXNET_STAMP) sshd chromium
