@@ -815,12 +815,17 @@ def _rank_info(p: _RankPlan, info: KinetoGraphInfo, b: GraphBuilder) -> None:
 
 # ---- prediction ------------------------------------------------------------------------------------
 
+def host_step_us(g: Graph, sched: Schedule, info: KinetoGraphInfo, key: tuple[int, int]) -> float:
+    """The replayed ProfilerStep span of (rank, iteration): its begin marker's start to its end marker's end."""
+    return float(sched.end[g.step_end[key]] - sched.start[info.step_begin[key]])
+
+
 def _predicted(g: Graph, sched: Schedule, info: KinetoGraphInfo) -> tuple[dict, dict]:
     """Per (rank, iteration): the replayed host span of the step, and the time to its last GPU op's end."""
     host, device = {}, {}
     for key, begin in info.step_begin.items():
         t0 = sched.start[begin]
-        host[key] = float(sched.end[g.step_end[key]] - t0)
+        host[key] = host_step_us(g, sched, info, key)
         if info.step_gpu.get(key):
             device[key] = float(sched.end[info.step_gpu[key]].max() - t0)
     return host, device
@@ -997,7 +1002,7 @@ def held_out_steps(g: Graph, info: KinetoGraphInfo, its: list[int],
     for k in its:
         sched = replay(mean_graph(g, keys, fit_of(k)), plan)
         for r in info.ranks:
-            out[(r, k)] = float(sched.end[g.step_end[(r, k)]] - sched.start[info.step_begin[(r, k)]])
+            out[(r, k)] = host_step_us(g, sched, info, (r, k))
     return out
 
 
@@ -1042,8 +1047,7 @@ def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str,
 
     def step_ms(graph: Graph) -> float:
         sched = replay(graph, plan)
-        return statistics.median(float(sched.end[graph.step_end[(r, i)]] - sched.start[info.step_begin[(r, i)]])
-                                 for r in info.ranks for i in its) / 1000.0
+        return statistics.median(host_step_us(graph, sched, info, (r, i)) for r in info.ranks for i in its) / 1000.0
 
     return {"knobs": dict(knobs),
             "measured_step_ms": statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its)

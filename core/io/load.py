@@ -144,11 +144,7 @@ def read_json(path: str | Path) -> dict[str, Any]:
 
 
 def _document(path: Path, raw: bytes) -> dict[str, Any]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise TraceError(path, f"not UTF-8 text (byte {err.start}); is this a JSON file?") from err
-    doc = _parse_json(path, text)
+    doc = _parse_json(path, _decoded(path, raw))
     if not isinstance(doc, dict):
         raise TraceError(path, f"expected a JSON object at the top, found {kind_of(doc)}")
     return doc
@@ -162,8 +158,12 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def _read_text(path: Path) -> str:
+    return _decoded(path, _read_bytes(path))
+
+
+def _decoded(path: Path, raw: bytes) -> str:
     try:
-        return _read_bytes(path).decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise TraceError(path, f"not UTF-8 text (byte {err.start}); is this a JSON file?") from err
 

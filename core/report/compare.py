@@ -9,6 +9,7 @@ ops that explain the change of the step, largest first. ``format_comparison`` pr
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -163,8 +164,6 @@ def _differences(c: Comparison) -> list[dict[str, Any]]:
 
 
 def _value(v: Any) -> str:
-    import json
-
     return json.dumps(v) if not isinstance(v, str) else v
 
 
