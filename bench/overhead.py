@@ -5,9 +5,15 @@ BLOCK steps (off -> dpro -> torch.profiler -> off ...), so all three see the sam
 the table gives, per mode, the median step's wall time and the training thread's CPU time
 (``time.thread_time``: what the machine's neighbours cannot inflate), the overhead relative to "off", and the
 spread of that overhead over the rounds (each round's median of a mode's block against its own "off" block).
-"off" steps run with dpro's dormant DDP comm-hook wrapper in place (the real off-window cost).
+"off" steps run with dpro's dormant DDP comm-hook wrapper in place once the first dpro block has run (the real
+off-window cost after a window).
 
-    python bench/overhead.py [--models mlp,convnet,transformer,wide_mlp] [--rounds 10]
+``--breakdown`` prices each recording mechanism (``dpro.plugins.torch.recorder.MECHANISMS``) instead: in one job the
+recorder rotates through blocks with all mechanisms, with each one left out in turn, and with none (the step hand-off
+and the builder thread alone), against "off" blocks; a second, identical DDP model with no hook at all ("built-in")
+prices the dormant Python comm hook. A mechanism's cost is the all-mechanisms overhead minus the overhead without it.
+
+    python bench/overhead.py [--models mlp,convnet,transformer,wide_mlp] [--rounds 10] [--breakdown]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 BLOCK = 4
 MODES = ("off", "dpro", "torch.profiler")
+VARIANTS = ("all", "-forward", "-backward", "-grad_ready", "-comm", "-update", "none")  # --breakdown's dpro blocks
 
 
 def worker(models: list[str], rounds: int, out_dir: Path) -> None:
@@ -73,6 +80,104 @@ def worker(models: list[str], rounds: int, out_dir: Path) -> None:
     dist.destroy_process_group()
 
 
+def breakdown_worker(models: list[str], rounds: int, out_dir: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dpro.plugins.torch.models import get_example
+    from dpro.plugins.torch.recorder import MECHANISMS, TorchRecorder
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    modes = ("off", "built-in", *VARIANTS)
+    mechanisms_of = {"all": MECHANISMS, "none": ()}
+    mechanisms_of.update({f"-{m}": tuple(x for x in MECHANISMS if x != m and not (m == "forward" and x == "backward"))
+                          for m in MECHANISMS})
+    rows = []
+    for name in models:
+        example = get_example(name)
+        torch.manual_seed(0)
+        model = DistributedDataParallel(example.build())
+        torch.manual_seed(0)
+        builtin = DistributedDataParallel(example.build())  # never recorded: DDP's own C++ allreduce
+        opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, builtin)}
+        gen = torch.Generator().manual_seed(rank)
+        warmup = 2 * BLOCK
+        total = warmup + rounds * len(modes) * BLOCK
+        mode_of = ["warmup"] * warmup + [modes[(i // BLOCK) % len(modes)] for i in range(total - warmup)]
+        window = [i for i, m in enumerate(mode_of) if m in VARIANTS]
+        recorder = TorchRecorder(model, opts[id(model)], out_dir / f"breakdown-{name}", window, total_steps=total)
+        times: dict[str, list[tuple[int, float, float]]] = {m: [] for m in modes}
+        recorder.start()
+        for i in range(total):
+            if i in recorder.window:
+                recorder.mechanisms = frozenset(mechanisms_of[mode_of[i]])  # read when a block installs its hooks
+            net = builtin if mode_of[i] == "built-in" else model
+            opt = opts[id(net)]
+            t0, c0 = time.perf_counter(), time.thread_time()
+            x, y = example.batch(example.batch_size, gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            recorder.step()
+            if mode_of[i] in times:
+                times[mode_of[i]].append(((i - warmup) // (len(modes) * BLOCK), (time.perf_counter() - t0) * 1000,
+                                          (time.thread_time() - c0) * 1000))
+        recorder.close()
+        builder_ms = recorder.build_cpu_s * 1000 / max(len(window), 1)
+        start_ms = recorder._writer.header.get("window_start_ms", float("nan"))
+        rows.append((name, times, builder_ms, start_ms))
+        del model, builtin, opts, recorder
+    if rank == 0:
+        print_breakdown(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _cost(times: dict[str, list[tuple[int, float, float]]], mode: str, base: str, k: int) -> tuple[float, float, float]:
+    """``mode``'s median minus ``base``'s in ms (column ``k``: 1 wall, 2 CPU), and the least and most of the rounds'."""
+    def med(mode_: str, round_: int | None = None) -> float:
+        return statistics.median(v[k] for v in times[mode_] if round_ is None or v[0] == round_)
+
+    rounds = sorted({v[0] for v in times[base]} & {v[0] for v in times[mode]})
+    per_round = [med(mode, r) - med(base, r) for r in rounds]
+    return med(mode) - med(base), min(per_round), max(per_round)
+
+
+def print_breakdown(rows: list[tuple[str, dict[str, list[tuple[int, float, float]]], float, float]]) -> None:
+    """Per model: what each mechanism costs the training thread per step (CPU ms, and % of the off step)."""
+    from dpro.plugins.torch.recorder import MECHANISMS
+
+    for name, times, builder_ms, start_ms in rows:
+        off_cpu = statistics.median(v[2] for v in times["off"])
+        off_wall = statistics.median(v[1] for v in times["off"])
+        print(f"\n{name}: off step {off_cpu:.2f} ms training-thread CPU, {off_wall:.2f} ms wall; "
+              f"{len(times['off'])} steps per mode")
+        head = f"{'what':<44} {'CPU ms/step [rounds]':>26} {'% of step':>9} {'wall ms/step':>12}"
+        print(head)
+        print("-" * len(head))
+
+        def line(label: str, cpu: tuple[float, float, float], wall: float, off_cpu: float = off_cpu) -> None:
+            print(f"{label:<44} {f'{cpu[0]:+.3f} [{cpu[1]:+.3f}..{cpu[2]:+.3f}]':>26} "
+                  f"{100 * cpu[0] / off_cpu:>+9.1f} {wall:>+12.3f}")
+
+        line("recording, all mechanisms", _cost(times, "all", "off", 2), _cost(times, "all", "off", 1)[0])
+        for mech in MECHANISMS:
+            without = "-forward" if mech == "forward" else f"-{mech}"
+            base = "-backward" if mech == "forward" else "all"  # forward alone: backward marks hang on its hooks
+            cpu = _cost(times, base, without, 2)
+            line(f"  {mech}" + (" (module hooks, without backward)" if mech == "forward" else ""), cpu,
+                 _cost(times, base, without, 1)[0])
+        line("  steps alone (no hooks: log, hand-off)", _cost(times, "none", "off", 2),
+             _cost(times, "none", "off", 1)[0])
+        line("dormant Python comm hook vs DDP built-in", _cost(times, "off", "built-in", 2),
+             _cost(times, "off", "built-in", 1)[0])
+        print(f"{'builder thread (rows + journal), off the training thread':<58} CPU {builder_ms:.3f} ms/step")
+        print(f"{'window start (clock exchange, probe), once per run':<58} wall {start_ms:.1f} ms")
+    sys.stdout.flush()
+
+
 def _exporter(path: Path):  # noqa: ANN202 - torch.profiler's callback type
     return lambda prof: prof.export_chrome_trace(str(path))
 
@@ -109,20 +214,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,convnet,transformer,wide_mlp")
     parser.add_argument("--rounds", type=int, default=10, help="rotations of the three modes")
+    parser.add_argument("--breakdown", action="store_true", help="price each recording mechanism (see above)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
     if args.worker:
-        worker(models, args.rounds, Path(args.out))
+        (breakdown_worker if args.breakdown else worker)(models, args.rounds, Path(args.out))
         return 0
-    print(f"2-rank gloo DDP, 1 thread per rank, blocks of {BLOCK} steps rotating {' -> '.join(MODES)}, "
+    modes = ("off", "built-in", *VARIANTS) if args.breakdown else MODES
+    print(f"2-rank gloo DDP, 1 thread per rank, blocks of {BLOCK} steps rotating {' -> '.join(modes)}, "
           f"{args.rounds} rounds; median step time (wall, and the training thread's CPU time) per mode", flush=True)
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", "--models", args.models, "--rounds", str(args.rounds), "--out", out]
-        return subprocess.run(cmd, env=env).returncode
+               "--worker", "--models", args.models, "--rounds", str(args.rounds), "--out", out,
+               *(["--breakdown"] if args.breakdown else [])]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            if not line.startswith("USDT:"):  # torch.profiler's start/stop notes, one per rank and cycle
+                print(line, end="", flush=True)
+        return proc.wait()
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import platform
+import queue
 import resource
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -55,12 +57,19 @@ from dpro.record.writer import (
     write_run_json,
 )
 
-__all__ = ["TorchRecorder", "active_recorders", "in_backward", "recorded_modules", "tensor_bytes", "timed_closure"]
+__all__ = ["MECHANISMS", "TorchRecorder", "active_recorders", "in_backward", "recorded_modules", "tensor_bytes",
+           "timed_closure"]
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
 logger = get_logger("dpro.plugins.torch")
 
 _ACTIVE: weakref.WeakSet[TorchRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
+
+MECHANISMS = ("forward", "backward", "grad_ready", "comm", "update")
+"""What the recorder hooks, each of which can be left out (``mechanisms=``): module forward hooks (FW, and the end of
+IO), tensor hooks hung on module outputs and inputs (BW start and end), post-accumulate-grad hooks (when each gradient
+is ready), DDP's communication hook (COMM per bucket; without it DDP keeps its built-in allreduce), optimizer step
+hooks (UPDATE). ``bench/overhead.py --breakdown`` prices each by leaving it out."""
 
 
 def active_recorders() -> list[TorchRecorder]:
@@ -102,6 +111,8 @@ class _BackwardMarks:
     bw_start: dict[str, Any] = field(default_factory=dict)    # module -> gradient of its output arrived
     bw_end: dict[str, Any] = field(default_factory=dict)      # module -> gradient of its input complete
     grad_ready: dict[str, Any] = field(default_factory=dict)  # parameter -> gradient accumulated
+    # module -> the module whose output is its input: one tensor hook marks both (BW end of one, BW start of the other)
+    bw_end_is_start_of: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.bw_start or self.grad_ready)
@@ -114,10 +125,18 @@ class _StepLog:
     start: Any = None
     io_open: bool = True
     ops: list[tuple[str, str, int, Any, Any, dict]] = field(default_factory=list)  # name, cat, tid, t0, t1, args
+    forwards: list[tuple[str, Any, Any, int]] = field(default_factory=list)  # module, t0, t1, output bytes
     backward: _BackwardMarks = field(default_factory=_BackwardMarks)   # the pass running or last run
     passes: list[_BackwardMarks] = field(default_factory=list)         # earlier passes of this step
-    activation_bytes: dict[str, int] = field(default_factory=dict)
     fw_open: dict[str, list[Any]] = field(default_factory=dict)  # module -> starts of forwards still running
+    last_output: Any = None  # the last recorded module's output tensor that carries a BW-start hook, and its module
+    last_output_of: str = ""
+    end: Any = None
+
+    @property
+    def activation_bytes(self) -> dict[str, int]:
+        """Output bytes of each module's last forward in the step."""
+        return {name: nbytes for name, _, _, nbytes in self.forwards}
 
     def new_pass(self) -> None:
         """A forward after a finished backward: the next micro-batch of the same optimizer step."""
@@ -168,6 +187,10 @@ class TorchRecorder:
         transport: the process group the recording protocol talks over (``dpro.record.protocol.Transport``);
             None: torch.distributed's default group when it is initialized, else a single process.
         claim: how rank 0 claims the run directory (default ``claim_run_dir``).
+        mechanisms: which hooks to install (``MECHANISMS``, the default all of them); fewer cost less and record less.
+
+    The training thread only takes timestamps; each step's events are built and journaled by a background thread
+    (``close`` waits for it), so a process killed outright may lose the step it finished in the last millisecond.
 
     Engines other than torch.distributed (Horovod) pass their own ``transport`` and add their entries
     to run.json through ``_run_extra``; the hooks are the same.
@@ -188,6 +211,7 @@ class TorchRecorder:
         who: str = "dpro.plugins.torch.Profiler",
         transport: Transport | None = None,
         claim: Callable[[str | Path | None], Path] = claim_run_dir,
+        mechanisms: Iterable[str] = MECHANISMS,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -199,6 +223,10 @@ class TorchRecorder:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError(f"{who}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        self.mechanisms = frozenset(mechanisms)
+        unknown = sorted(self.mechanisms - set(MECHANISMS))
+        if unknown:
+            raise UsageError(f"{who}: unknown recording mechanisms {unknown}; choose from {', '.join(MECHANISMS)}")
         self.steps = parse_steps(steps)
         check_window_fits(self.steps, total_steps, who)
         self.window = frozenset(self.steps)
@@ -212,7 +240,8 @@ class TorchRecorder:
         self.clock = Clock.from_env(self.rank)
         self.cuda = self.params[0][1].is_cuda
         if not self.cuda:
-            self._mark = self.clock.now  # the hot path: one call per mark
+            self._mark = time.monotonic_ns  # the hot path: a C call per mark, turned into the clock's µs off it
+        self._free_events: list[Any] = []  # CUDA events whose step has been resolved, recorded again
         self.extra_knobs = dict(extra_knobs or {})
         self.versions = {"python": platform.python_version(), "torch": torch.__version__, **(versions or {})}
         self.run_dir = agree_run_dir(transport, run_dir, who, claim)
@@ -231,8 +260,11 @@ class TorchRecorder:
         self._last_buckets: list[dict[str, Any]] = []
         self._cuda_ref: tuple[Any, float] | None = None
         self._step_ends: dict[int, tuple[float, float]] = {}  # iteration -> (wall, thread CPU) at its end
-        if self.ddp is not None:
-            self._install_comm_hook()
+        self._bucket_tensors: dict[int, tuple[int, list[str]]] = {}  # bucket index -> (bytes, gradient names)
+        self._builder: threading.Thread | None = None
+        self._to_build: queue.SimpleQueue = queue.SimpleQueue()
+        self._build_error: BaseException | None = None
+        self.build_cpu_s = 0.0  # the builder thread's CPU time (what recording costs beside the training thread)
         _ACTIVE.add(self)
 
     # ---- setup -------------------------------------------------------------------------------
@@ -242,59 +274,79 @@ class TorchRecorder:
         return {}
 
     def _install_comm_hook(self) -> None:
+        """Registered when the window opens, not before: DDP takes one hook for the model's life, and steps before
+        the window keep DDP's built-in allreduce. After the window the hook only forwards to ``allreduce_hook``."""
+        if self.ddp is None or "comm" not in self.mechanisms:
+            return
         if getattr(self.ddp, "_comm_hooks", None):
             # DDP accepts one hook per model; a user's own hook wins and COMM is not timed.
             logger.warning("%s: the DDP model already has a communication hook; COMM events are not recorded",
                         self.who)
             return
-        self.ddp.register_comm_hook(None, self._comm_hook)
+        self.ddp.register_comm_hook(self.ddp.process_group, self._comm_hook)
 
-    def _comm_hook(self, state, bucket):  # noqa: ANN001 - DDP checks annotations, which would be strings here
-        if not self._recording:
-            return allreduce_hook(state, bucket)
-        log, step = self._log, self._iteration
-        start = self._mark()
+    def _comm_hook(self, group, bucket):  # noqa: ANN001 - DDP checks annotations, which would be strings here
+        """DDP's average of a bucket, as ``allreduce_hook`` computes it, timed while the window records.
+
+        A Python hook cannot fuse the division into DDP's copy of the gradients into the bucket (the built-in path
+        does): ``allreduce_hook`` divides before the allreduce, an extra pass over the bucket on the training
+        thread. Here float32/64 buckets are divided after it, in the future's callback, which runs where the
+        allreduce completes; half precision still divides first (its sum could overflow)."""
         buffer = bucket.buffer()
-        args = {
-            "step": step,
-            "bytes": buffer.numel() * buffer.element_size(),
-            "tensors": [self._param_name.get(id(p), "?") for p in bucket.parameters()],
-            "op": "allreduce",
-            "phase": "allreduce",
-            "bucket": bucket.index(),
-        }
-        fut = allreduce_hook(state, bucket)
+        if buffer.is_complex():
+            return allreduce_hook(group, bucket)
+        size = group.size()
+        divide_after = size > 1 and buffer.element_size() >= 4
+        if size > 1 and not divide_after:
+            buffer.div_(size)
+        if not self._recording or "comm" not in self.mechanisms:
+            return group.allreduce([buffer]).get_future().then(_averaged(size if divide_after else 1))
+        log, step, mark = self._log, self._iteration, self._mark
+        start = mark()
+        fut = group.allreduce([buffer]).get_future()
+        index, nbytes = bucket.index(), buffer.nbytes
+        known = self._bucket_tensors.get(index)
+        if known is None or known[0] != nbytes:  # buckets are rebuilt once, after DDP's first iteration
+            known = self._bucket_tensors[index] = (nbytes, [self._param_name.get(id(p), "?")
+                                                            for p in bucket.parameters()])
 
-        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            log.ops.append((f"COMM.bucket{args['bucket']}.allreduce", "COMM", COMM, start, self._mark(), args))
-            return f.value()
+        def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            end = mark()
+            log.ops.append((f"COMM.bucket{index}.allreduce", "COMM", COMM, start, end,
+                            {"step": step, "bytes": nbytes, "tensors": known[1], "op": "allreduce",
+                             "phase": "allreduce", "bucket": index}))
+            summed = f.value()[0]
+            return summed.div_(size) if divide_after else summed
 
         return fut.then(done)
 
     # ---- clock -------------------------------------------------------------------------------
 
     def _mark(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return self.clock.now()
+        """A CUDA event recorded on the current stream (one from the pool when there is one)."""
+        ev = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     def _resolve(self, mark: Any) -> float:
+        """A mark in the rank clock's µs: CLOCK_MONOTONIC nanoseconds on the CPU, a completed CUDA event on a GPU."""
         if not self.cuda:
-            return mark
+            return mark / 1000.0 + self.clock.skew_us
         ref_event, ref_us = self._cuda_ref
         return ref_us + ref_event.elapsed_time(mark) * 1000.0
 
     # ---- hooks -------------------------------------------------------------------------------
 
     def _install_hooks(self) -> None:
-        for name, mod in self._modules:
-            pre, post = self._module_hooks(name)
-            self._handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-        for name, p in self.params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(name)))
-        if self.optimizer is not None:
+        mechanisms = self.mechanisms
+        if "forward" in mechanisms:
+            for name, mod in self._modules:
+                pre, post = self._module_hooks(name, backward="backward" in mechanisms)
+                self._handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        if "grad_ready" in mechanisms:
+            for name, p in self.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(name)))
+        if self.optimizer is not None and "update" in mechanisms:
             self._handles += [
                 self.optimizer.register_step_pre_hook(self._update_pre),
                 self.optimizer.register_step_post_hook(self._update_post),
@@ -305,37 +357,49 @@ class TorchRecorder:
             handle.remove()
         self._handles = []
 
-    def _module_hooks(self, name: str) -> tuple[Callable, Callable]:
-        """Forward pre/post hooks of one module; they also hang BW marks on the module's tensors.
+    def _module_hooks(self, name: str, *, backward: bool = True) -> tuple[Callable, Callable]:
+        """Forward pre/post hooks of one module; with ``backward`` they also hang BW marks on the module's tensors.
 
         BW starts when the gradient of the module's output arrives (a hook on the output tensor)
         and ends when the gradient of its input is complete (a hook on the input tensor) or, for
         a module whose input needs no gradient, when its parameters' gradients are ready. Tensor
-        hooks cost far less than nn.Module's full backward hooks and survive in-place ops.
+        hooks cost far less than nn.Module's full backward hooks and survive in-place ops. When a module's
+        input is the previous recorded module's output (a chain of layers), that tensor already carries a hook:
+        its mark is both that module's BW start and this one's BW end, and no second hook is hung.
+        These run for every module in every recorded step: they take a timestamp and keep references, and
+        leave everything else to the builder thread.
         """
-        fw_name, recompute_name = f"FW.{name}", f"RECOMPUTE.{name}"
+        mark, is_grad_enabled, tensor_type = self._mark, torch.is_grad_enabled, torch.Tensor
 
         def bw_start(grad: torch.Tensor) -> None:
-            self._log.backward.bw_start[name] = self._mark()
+            self._log.backward.bw_start[name] = mark()
 
         def bw_end(grad: torch.Tensor) -> None:
-            self._log.backward.bw_end[name] = self._mark()
+            self._log.backward.bw_end[name] = mark()
 
         def pre(module: nn.Module, inputs: Any) -> None:
-            if not module.training and not torch.is_grad_enabled():
+            if not module.training and not is_grad_enabled():
                 return  # evaluation inside a step (eval mode, no autograd): not the step's training work
             log = self._log
-            now = self._mark()
+            now = mark()
             if log.io_open:
                 self.batch_ready(now)
             recomputing = in_backward()
-            if log.backward and not recomputing:
+            passed = log.backward
+            if (passed.bw_start or passed.grad_ready) and not recomputing:
                 log.new_pass()  # gradient accumulation: the next micro-batch's forward
-            log.fw_open.setdefault(name, []).append(now)  # a stack: a module may run inside itself
-            if torch.is_grad_enabled() and not recomputing:
+            opened = log.fw_open.get(name)
+            if opened is None:
+                log.fw_open[name] = [now]
+            else:
+                opened.append(now)  # a stack: a module may run inside itself
+            if backward and not recomputing and is_grad_enabled():
                 for tensor in inputs:
-                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                        tensor.register_hook(bw_end)
+                    if isinstance(tensor, tensor_type) and tensor.requires_grad:
+                        if tensor is log.last_output:
+                            log.backward.bw_end_is_start_of[name] = log.last_output_of
+                        else:
+                            tensor.register_hook(bw_end)
 
         def post(module: nn.Module, inputs: Any, output: Any) -> None:
             log = self._log
@@ -345,20 +409,26 @@ class TorchRecorder:
             start = opened.pop()
             if in_backward():
                 # a checkpointed module computing its forward again inside backward
-                log.ops.append((recompute_name, "RECOMPUTE", COMPUTE, start, self._mark(), {"step": self._iteration}))
+                log.ops.append((f"RECOMPUTE.{name}", "RECOMPUTE", COMPUTE, start, mark(), {"step": self._iteration}))
                 return
-            nbytes = tensor_bytes(output)
-            log.ops.append((fw_name, "FW", COMPUTE, start, self._mark(), {"step": self._iteration, "bytes": nbytes}))
-            log.activation_bytes[name] = nbytes
-            first = output if isinstance(output, torch.Tensor) else _first_tensor(output)
-            if first is not None and first.requires_grad:
+            end = mark()
+            if isinstance(output, tensor_type):
+                log.forwards.append((name, start, end, output.nbytes))
+                first = output
+            else:
+                log.forwards.append((name, start, end, tensor_bytes(output)))
+                first = _first_tensor(output)
+            if backward and first is not None and first.requires_grad:
                 first.register_hook(bw_start)
+                log.last_output, log.last_output_of = first, name
 
         return pre, post
 
     def _grad_ready(self, name: str) -> Callable:
+        mark = self._mark
+
         def hook(param: torch.Tensor) -> None:
-            self._log.backward.grad_ready[name] = self._mark()
+            self._log.backward.grad_ready[name] = mark()
 
         return hook
 
@@ -433,6 +503,7 @@ class TorchRecorder:
         self._log = _StepLog(start=self._mark())
 
     def _begin_window(self) -> None:
+        t0 = time.perf_counter()
         pingpong = clock_samples(self.transport, self.clock)
         self._probe = allreduce_probe(self.transport, self.clock)
         if self.cuda:
@@ -441,12 +512,16 @@ class TorchRecorder:
             ref.record()
             ref.synchronize()
             self._cuda_ref = (ref, self.clock.now())
+        self._install_comm_hook()
         header = {"host": self.host, "pid": os.getpid(),
                   "clock": {"source": "CLOCK_MONOTONIC", "unit": "us",
                             "device": "cuda-events" if self.cuda else "host"}}
         self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
         if self.rank == 0:
             self._write_run_json(pingpong)
+        self._builder = threading.Thread(target=self._build_steps, name=f"dpro-builder-{self.rank}", daemon=True)
+        self._builder.start()
+        header["window_start_ms"] = round((time.perf_counter() - t0) * 1000.0, 3)
 
     def _peak_memory(self) -> int:
         """Peak memory so far: CUDA's allocator peak on a GPU, the process's peak RSS on the CPU."""
@@ -455,40 +530,82 @@ class TorchRecorder:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     def _end_step(self) -> None:
-        log, step, rank = self._log, self._iteration, self.rank
-        end = self._mark()
+        """The training thread's share of a step's end: one mark, then the step goes to the builder thread."""
+        log = self._log
+        log.end = self._mark()
+        self.batch_ready(log.end)  # a step without a forward still closes its IO event
+        log.last_output = None  # the builder keeps the log; not the activation
+        self._to_build.put((log, self._iteration))
+
+    def _build_steps(self) -> None:
+        """The builder thread: turns each finished step's marks into events and journals them, in order."""
+        start_cpu = time.thread_time()
+        while True:
+            item = self._to_build.get()
+            if item is None:
+                break
+            if self._build_error is not None:
+                continue  # keep draining; the first error is reported by close()
+            try:
+                self._build_step(*item)
+            except BaseException as err:  # noqa: BLE001 - handed to close(), which reports it
+                self._build_error = err
+            self.build_cpu_s = time.thread_time() - start_cpu
+
+    def _build_step(self, log: _StepLog, step: int) -> None:
         if self.cuda:
-            end.synchronize()
-        self.batch_ready(end)  # a step without a forward still closes its IO event
+            log.end.synchronize()
         resolve = self._resolve
         t_start = resolve(log.start)
-        rows = [event_row("STEP", "STEP", HOST, t_start, resolve(end) - t_start,
+        rows = [event_row("STEP", "STEP", HOST, t_start, resolve(log.end) - t_start,
                           {"step": step, "peak_memory_bytes": self._peak_memory()})]
+        for name, t0, t1, nbytes in log.forwards:
+            ts = resolve(t0)
+            rows.append(event_row(f"FW.{name}", "FW", COMPUTE, ts, resolve(t1) - ts, {"step": step, "bytes": nbytes}))
+            self._fired.add(name)
         for name, cat, tid, t0, t1, args in log.ops:
             ts = resolve(t0)
             rows.append(event_row(name, cat, tid, ts, resolve(t1) - ts, args))
             if cat == "FW":
                 self._fired.add(name[3:])
         grads_of = self._grads_by_module()
+        ready: dict[str, float] = {}
         for marks in [*log.passes, log.backward]:
             ready = {n: resolve(m) for n, m in marks.grad_ready.items()}
+            bw_end = dict(marks.bw_end)
+            for name, alias in marks.bw_end_is_start_of.items():
+                if alias in marks.bw_start:
+                    bw_end.setdefault(name, marks.bw_start[alias])
             for name, t0 in marks.bw_start.items():
                 grads = [g for g in grads_of.get(name, ()) if g in ready]
-                ends = [resolve(marks.bw_end[name])] if name in marks.bw_end else []
+                ends = [resolve(bw_end[name])] if name in bw_end else []
                 ts = resolve(t0)
                 t1 = max(ends + [ready[g] for g in grads]) if (ends or grads) else ts
                 rows.append(event_row(f"BW.{name}", "BW", COMPUTE, ts, t1 - ts,
                                       {"step": step, "grads": grads, "grads_ready_us": [ready[g] for g in grads]}))
         rows.sort(key=lambda row: row[3])
         self._writer.end_step(step, rows)
+        if self.cuda:
+            self._free_events.extend(_events_of(log))
         self._last_log = log
         self._last_ready = ready
         self._last_buckets = [
             {"index": row[5]["bucket"], "bytes": row[5]["bytes"], "tensors": row[5]["tensors"]}
             for row in rows if row[1] == "COMM" and "bucket" in row[5]
         ]
-        if rank == 0 and len(self._writer.steps_done) == 1:
+        if self.rank == 0 and len(self._writer.steps_done) == 1:
             self._write_model_json()
+
+    def _finish_building(self) -> None:
+        """Wait for the builder thread to journal every finished step."""
+        if self._builder is None:
+            return
+        self._to_build.put(None)
+        self._builder.join()
+        self._builder = None
+        if self._build_error is not None:
+            logger.error("%s: building the recorded events failed on rank %d: %s", self.who, self.rank,
+                         self._build_error)
 
     def close(self, error: BaseException | None = None) -> Path | None:
         """End recording: write this rank's trace (and model.json on rank 0). Safe to call twice."""
@@ -501,15 +618,19 @@ class TorchRecorder:
         if self._writer is None:
             self._release_model()
             return None
+        self._finish_building()
         done = self._writer.steps_done
         missing = [s for s in self.steps if s not in done]
         note = ""
         if error is not None:
             note = f"stopped by {type(error).__name__}: {error}"
+        elif self._build_error is not None:
+            note = f"building the events failed: {type(self._build_error).__name__}: {self._build_error}"
         elif missing:
             note = f"the run ended before steps {missing[0]}..{missing[-1]}"
         overhead = recording_overhead(self._step_ends, list(self.steps))
         if overhead is not None:
+            overhead["builder_cpu_ms_per_step"] = round(self.build_cpu_s * 1000.0 / max(len(done), 1), 3)
             self._writer.header["recording_overhead"] = overhead
         self._writer.finish(complete=not missing, note=note)
         if self.rank == 0 and done:
@@ -572,9 +693,7 @@ class TorchRecorder:
                 "torch.ddp.find_unused_parameters": bool(ddp.find_unused_parameters),
                 "torch.ddp.static_graph": bool(getattr(ddp, "static_graph", False)),
                 "torch.ddp.broadcast_buffers": bool(ddp.broadcast_buffers),
-                "torch.ddp.comm_hook": "dpro timing wrapper around allreduce_hook"
-                if not getattr(ddp, "_comm_hooks", None) or ddp._comm_hooks[0][0] == self._comm_hook
-                else "user hook",
+                "torch.ddp.comm_hook": _comm_hook_in_use(ddp, self._comm_hook),
             })
             caps = getattr(getattr(ddp, "_bucket_config", None), "per_bucket_bytes_caps", ())
             if caps:
@@ -628,10 +747,36 @@ class TorchRecorder:
         write_model_json(self.run_dir, doc)
 
 
+def _averaged(size: int) -> Callable[[torch.futures.Future[list[torch.Tensor]]], torch.Tensor]:
+    """The callback that turns an allreduce's sum into the mean over ``size`` ranks (1: already divided)."""
+    def average(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        summed = f.value()[0]
+        return summed.div_(size) if size > 1 else summed
+
+    return average
+
+
+def _events_of(log: _StepLog) -> list[Any]:
+    """Every CUDA event a step's log holds (returned to the pool once the step is resolved)."""
+    events = [log.start, log.end]
+    events += [m for _, t0, t1, _ in log.forwards for m in (t0, t1)]
+    events += [m for op in log.ops for m in op[3:5]]
+    for marks in [*log.passes, log.backward]:
+        events += [*marks.bw_start.values(), *marks.bw_end.values(), *marks.grad_ready.values()]
+    return list({id(ev): ev for ev in events}.values())
+
+
 def _first_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, (tuple, list)):
         return next((o for o in obj if isinstance(o, torch.Tensor)), None)
     return None
+
+
+def _comm_hook_in_use(ddp: DistributedDataParallel, ours: Callable) -> str:
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if not hooks:
+        return "built-in allreduce"
+    return "dpro timing wrapper around allreduce_hook" if hooks[0][0] == ours else "user hook"
 
 
 def _first_bucket_cap_mb(ddp: DistributedDataParallel) -> float | None:
