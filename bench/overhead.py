@@ -12,6 +12,10 @@ off-window cost after a window).
 recorder rotates through blocks with all mechanisms, with each one left out in turn, and with none (the step hand-off
 and the builder thread alone), against "off" blocks; a second, identical DDP model with no hook at all ("built-in")
 prices the dormant Python comm hook. A mechanism's cost is the all-mechanisms overhead minus the overhead without it.
+First, in a 1-rank job (no other rank to share the cores with), ``hook_chain`` (32 tiny modules whose compute is next
+to nothing) gives each mechanism's cost per event (per module forward, BW mark, gradient, bucket, optimizer step); each
+bundled model's line then also shows its events per step times that cost, an estimate that the step-to-step noise of
+the bigger models cannot blur.
 
     python bench/overhead.py [--models mlp,convnet,transformer,wide_mlp] [--rounds 10] [--breakdown]
 """
@@ -96,11 +100,12 @@ def breakdown_worker(models: list[str], rounds: int, out_dir: Path) -> None:
                           for m in MECHANISMS})
     rows = []
     for name in models:
-        example = get_example(name)
+        example = _hook_chain() if name == "hook_chain" else get_example(name)
+        ddp_args = {} if name != "hook_chain" else {"bucket_cap_mb": 0.004}  # a bucket per few layers
         torch.manual_seed(0)
-        model = DistributedDataParallel(example.build())
+        model = DistributedDataParallel(example.build(), **ddp_args)
         torch.manual_seed(0)
-        builtin = DistributedDataParallel(example.build())  # never recorded: DDP's own C++ allreduce
+        builtin = DistributedDataParallel(example.build(), **ddp_args)  # never recorded: DDP's own C++ allreduce
         opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, builtin)}
         gen = torch.Generator().manual_seed(rank)
         warmup = 2 * BLOCK
@@ -111,8 +116,11 @@ def breakdown_worker(models: list[str], rounds: int, out_dir: Path) -> None:
         times: dict[str, list[tuple[int, float, float]]] = {m: [] for m in modes}
         recorder.start()
         for i in range(total):
-            if i in recorder.window:
-                recorder.mechanisms = frozenset(mechanisms_of[mode_of[i]])  # read when a block installs its hooks
+            if i in recorder.window and mode_of[i] != mode_of[i - 1]:
+                # hooks are installed when a step opens (in the step() before it): put this block's in place
+                recorder.suspend()
+                recorder.mechanisms = frozenset(mechanisms_of[mode_of[i]])
+                recorder.resume()
             net = builtin if mode_of[i] == "built-in" else model
             opt = opts[id(net)]
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -127,12 +135,35 @@ def breakdown_worker(models: list[str], rounds: int, out_dir: Path) -> None:
         recorder.close()
         builder_ms = recorder.build_cpu_s * 1000 / max(len(window), 1)
         start_ms = recorder._writer.header.get("window_start_ms", float("nan"))
-        rows.append((name, times, builder_ms, start_ms))
+        all_steps = {i for i in window if mode_of[i] == "all"}
+        events = [row for row in recorder._writer.rows if row[5].get("step") in all_steps]
+        per_step = {cat: sum(1 for row in events if row[1] == cat) / max(len(all_steps), 1) for cat in ("FW", "COMM")}
+        per_step["BW"] = sum(1 for row in events if row[1] == "BW") / max(len(all_steps), 1)
+        per_step["grads"] = sum(len(row[5].get("grads", ())) for row in events if row[1] == "BW") / max(
+            len(all_steps), 1)
+        rows.append((name, times, builder_ms, start_ms, per_step))
         del model, builtin, opts, recorder
     if rank == 0:
-        print_breakdown(rows)
+        print_breakdown(rows, out_dir / "per_event.json")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _hook_chain():  # noqa: ANN202 - an Example, built where torch is imported
+    """32 tiny modules in a chain (16 Linear(16, 16) + ReLU, batch 4): the compute is next to nothing, so the step
+    is the hooks' cost, and a mechanism's cost divided by its events per step is its cost per event."""
+    import torch
+    from torch import nn
+
+    from dpro.plugins.torch.models import Example
+
+    def build() -> nn.Module:
+        return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(16, 16), nn.ReLU())], nn.Linear(16, 10))
+
+    def batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    return Example("hook_chain", build, batch, 4)
 
 
 def _cost(times: dict[str, list[tuple[int, float, float]]], mode: str, base: str, k: int) -> tuple[float, float, float]:
@@ -145,37 +176,59 @@ def _cost(times: dict[str, list[tuple[int, float, float]]], mode: str, base: str
     return med(mode) - med(base), min(per_round), max(per_round)
 
 
-def print_breakdown(rows: list[tuple[str, dict[str, list[tuple[int, float, float]]], float, float]]) -> None:
-    """Per model: what each mechanism costs the training thread per step (CPU ms, and % of the off step)."""
+def print_breakdown(rows: list[tuple[str, dict[str, list[tuple[int, float, float]]], float, float, dict[str, float]]],
+                    per_event_file: Path) -> None:
+    """Per model: what each mechanism costs the training thread per step (CPU ms, and % of the off step); hook_chain's
+    costs per event are kept in ``per_event_file`` for the models measured after it."""
+    import json
+
     from dpro.plugins.torch.recorder import MECHANISMS
 
-    for name, times, builder_ms, start_ms in rows:
+    per_event: dict[str, float] = json.loads(per_event_file.read_text()) if per_event_file.exists() else {}
+    for name, times, builder_ms, start_ms, per_step in rows:
         off_cpu = statistics.median(v[2] for v in times["off"])
         off_wall = statistics.median(v[1] for v in times["off"])
         print(f"\n{name}: off step {off_cpu:.2f} ms training-thread CPU, {off_wall:.2f} ms wall; "
               f"{len(times['off'])} steps per mode")
-        head = f"{'what':<44} {'CPU ms/step [rounds]':>26} {'% of step':>9} {'wall ms/step':>12}"
+        head = (f"{'what':<44} {'CPU ms/step [rounds]':>26} {'% of step':>9} {'wall ms/step':>12}  "
+                f"{'per event (hook_chain) / events x per-event cost':<48}")
         print(head)
         print("-" * len(head))
 
-        def line(label: str, cpu: tuple[float, float, float], wall: float, off_cpu: float = off_cpu) -> None:
+        def line(label: str, cpu: tuple[float, float, float], wall: float, note: str = "",
+                 off_cpu: float = off_cpu) -> None:
             print(f"{label:<44} {f'{cpu[0]:+.3f} [{cpu[1]:+.3f}..{cpu[2]:+.3f}]':>26} "
-                  f"{100 * cpu[0] / off_cpu:>+9.1f} {wall:>+12.3f}")
+                  f"{100 * cpu[0] / off_cpu:>+9.1f} {wall:>+12.3f}{note}")
 
         line("recording, all mechanisms", _cost(times, "all", "off", 2), _cost(times, "all", "off", 1)[0])
         for mech in MECHANISMS:
             without = "-forward" if mech == "forward" else f"-{mech}"
             base = "-backward" if mech == "forward" else "all"  # forward alone: backward marks hang on its hooks
             cpu = _cost(times, base, without, 2)
+            events = _events_per_step(mech, per_step)
+            if name == "hook_chain" and events:
+                per_event[mech] = cpu[0] * 1000.0 / events
+            estimate = (f"  ~{per_event[mech] * events / 1000.0:.3f} ms from {events:g} x {per_event[mech]:.1f} us"
+                        if mech in per_event and name != "hook_chain" else
+                        f"  {cpu[0] * 1000.0 / events:.1f} us per event ({events:g}/step)" if events else "")
             line(f"  {mech}" + (" (module hooks, without backward)" if mech == "forward" else ""), cpu,
-                 _cost(times, base, without, 1)[0])
+                 _cost(times, base, without, 1)[0], estimate)
         line("  steps alone (no hooks: log, hand-off)", _cost(times, "none", "off", 2),
              _cost(times, "none", "off", 1)[0])
         line("dormant Python comm hook vs DDP built-in", _cost(times, "off", "built-in", 2),
              _cost(times, "off", "built-in", 1)[0])
+        if name == "hook_chain":
+            per_event_file.write_text(json.dumps(per_event))
         print(f"{'builder thread (rows + journal), off the training thread':<58} CPU {builder_ms:.3f} ms/step")
         print(f"{'window start (clock exchange, probe), once per run':<58} wall {start_ms:.1f} ms")
     sys.stdout.flush()
+
+
+def _events_per_step(mechanism: str, per_step: dict[str, float]) -> float:
+    """How many times a mechanism's hook runs in a step: module forwards (a pre and a post hook each), BW marks
+    (one tensor hook per recorded module), gradients, buckets, the optimizer step."""
+    return {"forward": per_step["FW"], "backward": per_step["BW"], "grad_ready": per_step["grads"],
+            "comm": per_step["COMM"], "update": 1.0}.get(mechanism, 0.0)
 
 
 def _exporter(path: Path):  # noqa: ANN202 - torch.profiler's callback type
@@ -226,15 +279,26 @@ def main() -> int:
     print(f"2-rank gloo DDP, 1 thread per rank, blocks of {BLOCK} steps rotating {' -> '.join(modes)}, "
           f"{args.rounds} rounds; median step time (wall, and the training thread's CPU time) per mode", flush=True)
     with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", "--models", args.models, "--rounds", str(args.rounds), "--out", out,
-               *(["--breakdown"] if args.breakdown else [])]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            if not line.startswith("USDT:"):  # torch.profiler's start/stop notes, one per rank and cycle
-                print(line, end="", flush=True)
-        return proc.wait()
+        jobs = [(2, args.models, args.rounds)]
+        if args.breakdown:
+            jobs.insert(0, (1, "hook_chain", 3 * args.rounds))
+        for ranks, models_arg, rounds in jobs:
+            status = _job(ranks, models_arg, rounds, out, args.breakdown)
+            if status:
+                return status
+        return 0
+
+
+def _job(ranks: int, models: str, rounds: int, out: str, breakdown: bool) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
+           "--worker", "--models", models, "--rounds", str(rounds), "--out", out,
+           *(["--breakdown"] if breakdown else [])]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.strip() and not line.startswith("USDT:"):  # torch.profiler's start/stop notes, per rank and cycle
+            print(line, end="", flush=True)
+    return proc.wait()
 
 
 if __name__ == "__main__":

@@ -290,14 +290,17 @@ def recording_overhead(ends: dict[int, tuple[float, float]], window: list[int]) 
     (a recorder's step boundary, after its own work for that step); each iteration lasts from the end of the one
     before. The steps of ``window`` after its first are compared with the unrecorded steps before it (at most
     ``BASELINE_STEPS``, the one just before the window left out: the window's clock exchange and probe run at its
-    end); medians, None without both. A rank writes the result in its
-    trace's header (``recording_overhead``) and ``dpro info`` shows it."""
+    end) and, in a window with gaps (recorded blocks between unrecorded ones, the finer comparison), the unrecorded
+    steps of its gaps except each one just before a block (which installs the block's hooks at its end); medians,
+    None without both. A rank writes the result in its trace's header (``recording_overhead``) and ``dpro info``
+    shows it."""
     def lasted(iterations: list[int]) -> list[tuple[float, float]]:
         return [(ends[i][0] - ends[i - 1][0], ends[i][1] - ends[i - 1][1]) for i in iterations
                 if i in ends and i - 1 in ends]
 
-    first = min(window)
-    before = lasted(list(range(first - 1 - BASELINE_STEPS, first - 1)))
+    first, recorded = min(window), set(window)
+    gaps = [i for i in range(first, max(window)) if i not in recorded and i + 1 not in recorded]
+    before = lasted(list(range(first - 1 - BASELINE_STEPS, first - 1)) + gaps)
     during = lasted(sorted(window)[1:])
     if not before or not during:
         return None

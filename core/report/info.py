@@ -140,8 +140,8 @@ def format_run_summary(summary: dict[str, Any]) -> str:
                  f"{r['recording_overhead']['wall_pct']:+.1f}%",
                  f"{r['recording_overhead']['recorded_steps']} vs {r['recording_overhead']['unrecorded_steps']}"]
                 for r in measured]
-        blocks.append("recording overhead (median step, recorded vs the unrecorded steps just before the window; one "
-                      "run's steps vary, so a few % either way is noise)\n"
+        blocks.append("recording overhead (median step, recorded vs the unrecorded steps just before the window and "
+                      "between its blocks; one run's steps vary, so a few % either way is noise)\n"
                       + indent(format_table(["rank", "training thread CPU", "wall", "steps"], rows, align=">>><")))
     problems = summary["problems"]
     if problems:
