@@ -168,7 +168,14 @@ def _whatif_traces(paths: list[Any], knobs: dict[str, Any], args: argparse.Names
     rows = [["measured (the traces)", f"{result['measured_step_ms']:.2f}", ""],
             ["replayed, every op at its mean", f"{base:.2f}", ""],
             [" ".join(args.settings) or "(no change)", f"{changed:.2f}", f"{result['change_pct']:+.1f}%"]]
+    if "buckets" in result:
+        rows.insert(2, [f"recorded {result['recorded_buckets']} bucket(s), allreduces priced by the model",
+                        f"{result['recorded_buckets_modelled_step_ms']:.2f}", ""])
     print(format_table(["configuration", "step ms", "change"], rows, align="<>>"))
+    if "buckets" in result:
+        print(f"\n{result['gradients']} gradients ({result['gradient_bytes'] / 2**20:.2f} MiB, sizes and ready order "
+              f"from the traces' AccumulateGrad) in {result['recorded_buckets']} -> {result['buckets']} bucket(s); "
+              f"{result['comm_model']}")
     print(f"\ncommunication scaled as a ring's bytes per link from {result['recorded_world_size']} ranks; compute "
           "scaled on the device (the host operators in a CPU-only trace)")
     return 0

@@ -87,6 +87,9 @@ DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "
 EPS_US = 2.0            # CPU and GPU clocks in one trace agree to about this much
 LONG_CALL_US = 50.0     # a launch call this long may be blocked on a full launch queue
 HANDOFF_US = 50.0       # a host thread idle this long may be waiting for another thread
+# a CPU backend's collective annotation closes after it has woken the thread waiting for it (gloo: seen up to 4 ms,
+# 1.6% of a 250 ms allreduce): by this much, or this share of the collective, whichever is more
+COMM_CLOSES_LATE_US, COMM_CLOSES_LATE_SHARE = 3000.0, 0.05
 # collectives run on a CPU backend's own threads, recorded as user annotations ("gloo:all_reduce")
 CPU_COMM_NAME = re.compile(r"^(gloo|mpi|ucc):")
 XSTREAM_GAP_US = 5.0    # a GPU op this late after its own predecessors may wait for another stream ...
@@ -623,6 +626,7 @@ class KinetoGraphInfo:
     step_ts: dict[tuple[int, int], float] = field(default_factory=dict)  # ProfilerStep#N start (trace clock)
     collectives: list[dict[int, float]] = field(default_factory=list)  # joined: rank -> kernel µs
     nccl_kernels: dict[int, int] = field(default_factory=dict)          # rank -> NCCL kernels in the steps
+    node_at: dict[tuple[int, str, float], int] = field(default_factory=dict)  # (rank, queue, start) -> CPU/COMM node
     dropped_edges: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -754,9 +758,16 @@ def _add_rank(b: GraphBuilder, p: _RankPlan, joined: dict[int, tuple[int, float]
         near = XSTREAM_NEAR_US if n.queue not in host else np.inf
         if n.start - ready > (HANDOFF_US if n.queue in host else XSTREAM_GAP_US):
             cand = _latest_end(ends, others, n.queue, ready, n.start, near)
+            closing = _closing_comm(ends, n.start) if n.queue in host else None
+            if closing is not None and (cand is None or n.start - cand.end > HANDOFF_US):
+                times, nodes = ends[closing.queue]
+                at = next(i for i in range(len(nodes) - 1, -1, -1) if nodes[i] is closing)  # a recent one
+                times[at] = closing.end = n.start  # it ended when it woke this thread
+                b.duration[closing.gid] = max(0.0, n.start - closing.start)
+                cand = closing
             if cand is not None:
                 preds.append(cand)
-                ready = cand.end
+                ready = max(ready, cand.end)
         gap = max(0.0, n.start - ready)
         pred_ids = list(dict.fromkeys(q.done for q in preds))
         if id(n) in joined:
@@ -773,6 +784,25 @@ def _add_rank(b: GraphBuilder, p: _RankPlan, joined: dict[int, tuple[int, float]
         ends[n.queue][0].append(n.end)
         ends[n.queue][1].append(n)
     return dropped
+
+
+def _closing_comm(ends: dict[str, tuple[list[float], list[_Node]]], start: float) -> _Node | None:
+    """A collective on a CPU backend's thread that was running while a host thread sat idle (it resumes at
+    ``start``) and whose annotation closed soon after the thread resumed (``COMM_CLOSES_LATE_US``, or
+    ``COMM_CLOSES_LATE_SHARE`` of its length): what it waited for."""
+    best = None
+    for q, (times, nodes) in ends.items():
+        if "/comm" not in q or not times:
+            continue
+        i = bisect.bisect_right(times, start) - 1 + 1  # the first that ended after the thread resumed
+        if i >= len(times):
+            continue
+        n = nodes[i]
+        late = max(COMM_CLOSES_LATE_US, COMM_CLOSES_LATE_SHARE * (n.end - n.start))
+        if n.category == "COMM" and start < n.end <= start + late and n.start < start \
+                and (best is None or n.end < best.end):
+            best = n
+    return best
 
 
 def _same_gpu(a: str, b: str) -> bool:
@@ -798,6 +828,7 @@ def _rank_info(p: _RankPlan, info: KinetoGraphInfo, b: GraphBuilder) -> None:
     info.gpu_spans[p.rank] = [(n.gid, n.done, kind[n.category]) for n in p.nodes if n.category in kind]
     info.host_spans[p.rank] = [n.gid for n in p.nodes if n.category == "CPU"]
     info.cpu_comm_spans[p.rank] = [n.gid for n in p.nodes if n.category == "COMM"]
+    info.node_at.update({(p.rank, n.queue, n.start): n.gid for n in p.nodes if n.category in ("CPU", "COMM")})
     info.nccl_kernels[p.rank] = sum(n.category == "NCCL" for n in p.nodes)
     for i, w in enumerate(p.windows):
         gpu = p.gpu_by_step.get(i, [])
@@ -1033,27 +1064,63 @@ def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str,
     Raises:
         UsageError: a knob that profiler traces cannot support.
     """
-    other = [k for k in knobs if k not in TRACE_WHATIF_KNOBS]
+    from dpro.engines.torch_ddp import ENGINE as DDP
+
+    grouping = {k: v for k, v in knobs.items() if k in (*DDP.comm_knobs, "tensor_groups")}
+    other = [k for k in knobs if k not in TRACE_WHATIF_KNOBS and k not in grouping]
     if other:
-        raise UsageError(f"--set {other[0]}: profiler traces carry no gradient list or module tree, so on them dpro "
-                         f"changes only {', '.join(TRACE_WHATIF_KNOBS)}; record the job with dpro (dpro-launch "
-                         "--profile) for the other knobs")
+        raise UsageError(f"--set {other[0]}: profiler traces carry no module tree, so on them dpro changes only "
+                         f"{', '.join(TRACE_WHATIF_KNOBS + DDP.comm_knobs)} and tensor_groups; record the job with "
+                         "dpro (dpro-launch --profile) for the other knobs")
     g, info = graph_from_kineto(traces)
     its = _used_iterations(info, [])
     base = mean_graph(g, op_keys(g), set(its))
     recorded = max([t.world_size or 1 for t in traces] + [len(traces)])
-    changed = _scaled(base, knobs, recorded)
-    plan = plan_levels(g)
+    result: dict[str, Any] = {"knobs": dict(knobs), "recorded_world_size": recorded}
+    changed, changed_info = base, info
+    if grouping:
+        changed, changed_info, regrouping = _regrouped(traces, base, info, grouping)
+        result.update(regrouping)
+    changed = _scaled(changed, knobs, recorded)
 
-    def step_ms(graph: Graph) -> float:
-        sched = replay(graph, plan)
-        return statistics.median(host_step_us(graph, sched, info, (r, i)) for r in info.ranks for i in its) / 1000.0
+    def step_ms(graph: Graph, graph_info: KinetoGraphInfo) -> float:
+        sched = replay(graph)
+        return statistics.median(host_step_us(graph, sched, graph_info, (r, i))
+                                 for r in graph_info.ranks for i in its) / 1000.0
 
-    return {"knobs": dict(knobs),
-            "measured_step_ms": statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its)
-            / 1000.0,
-            "baseline_predicted_step_ms": step_ms(base), "predicted_step_ms": step_ms(changed),
-            "recorded_world_size": recorded}
+    result.update({
+        "measured_step_ms": statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its) / 1000.0,
+        "baseline_predicted_step_ms": step_ms(base, info), "predicted_step_ms": step_ms(changed, changed_info)})
+    return result
+
+
+def _regrouped(traces: list[KinetoTrace], base: Graph, info: KinetoGraphInfo,
+               grouping: dict[str, Any]) -> tuple[Graph, KinetoGraphInfo, dict[str, Any]]:
+    """``base`` with DDP's buckets regrouped under ``grouping`` (a bucket cap, or ``tensor_groups``)."""
+    from types import SimpleNamespace
+
+    from dpro.engines.torch_ddp import ENGINE as DDP
+    from dpro.sim.kineto_regroup import ddp_steps, fit_transfer, regroup
+
+    ddp = ddp_steps(traces, info)
+    transfer = fit_transfer(ddp.transfers)
+    if "tensor_groups" in grouping:
+        groups = grouping["tensor_groups"]
+        names = [n for n, _ in ddp.gradients]
+        if sorted(n for grp in groups for n in grp) != sorted(names):
+            raise UsageError(f"--set tensor_groups: name every gradient once; the traces' gradients are "
+                             f"{', '.join(names)}")
+    else:
+        groups = DDP.groups(SimpleNamespace(knobs={}, gradients=ddp.gradients), grouping)
+    as_recorded, recorded_info = regroup(base, info, ddp, ddp.groups, transfer)
+    changed, changed_info = regroup(base, info, ddp, groups, transfer)
+    sched = replay(as_recorded)
+    its = _used_iterations(info, [])
+    return changed, changed_info, {
+        "gradients": len(ddp.gradients), "gradient_bytes": sum(b for _, b in ddp.gradients),
+        "recorded_buckets": len(ddp.groups), "buckets": len(groups), "comm_model": transfer.describe(),
+        "recorded_buckets_modelled_step_ms": statistics.median(
+            host_step_us(as_recorded, sched, recorded_info, (r, i)) for r in info.ranks for i in its) / 1000.0}
 
 
 def _scaled(g: Graph, knobs: dict[str, Any], recorded_world: int) -> Graph:

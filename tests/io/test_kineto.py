@@ -323,6 +323,10 @@ def test_gloo_collectives_of_a_cpu_ddp_trace_are_communication(tmp_path):
 
     faster = whatif_traces(traces, {"bandwidth_scale": 4.0})
     assert faster["predicted_step_ms"] < 0.95 * faster["baseline_predicted_step_ms"]
+    from dpro.errors import UsageError
+
+    with pytest.raises(UsageError, match="record_shapes=True"):  # a bucket what-if needs the gradients' sizes
+        whatif_traces(traces, {"torch.ddp.bucket_cap_mb": 0.5})
 
 
 def test_the_prediction_is_each_step_from_the_others(tmp_path):
@@ -355,8 +359,12 @@ def test_whatif_on_traces_scales_compute_and_communication(capsys):
     assert abs(gpu_bound["baseline_predicted_step_ms"] / gpu_bound["measured_step_ms"] - 1) < 0.05
     host_bound = whatif_traces([ddp], {"compute_scale": 2.0, "bandwidth_scale": 0.5})
     assert host_bound["predicted_step_ms"] == pytest.approx(host_bound["baseline_predicted_step_ms"], rel=0.02)
-    with pytest.raises(UsageError, match="profiler traces carry no gradient list"):
+    with pytest.raises(UsageError, match="no allreduce"):
         whatif_traces([single], {"torch.ddp.bucket_cap_mb": 1.0})
+    with pytest.raises(UsageError, match="NCCL kernels"):
+        whatif_traces([ddp], {"torch.ddp.bucket_cap_mb": 1.0})
+    with pytest.raises(UsageError, match="profiler traces carry no module tree"):
+        whatif_traces([single], {"recompute": ["layer1"]})
     assert main(["whatif", str(SINGLE), "--set", "compute_scale=0.5", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["change_pct"] < -40

@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True, help="folder for rank<r>.pt.trace.json")
 parser.add_argument("--bucket-cap-mb", type=float, default=1.0)
+parser.add_argument("--record-shapes", action="store_true", help="torch.profiler's record_shapes (gradient sizes)")
 args = parser.parse_args()
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -20,7 +21,8 @@ torch.manual_seed(0)
 net = DistributedDataParallel(nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                                             nn.Linear(1024, 10)), bucket_cap_mb=args.bucket_cap_mb)
 opt = torch.optim.SGD(net.parameters(), lr=0.01)
-with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=2, active=5),
+with profile(activities=[ProfilerActivity.CPU], record_shapes=args.record_shapes,
+             schedule=schedule(wait=1, warmup=2, active=5),
              on_trace_ready=lambda p: p.export_chrome_trace(f"{args.out}/rank{rank}.pt.trace.json")) as prof:
     for _ in range(9):
         x, y = torch.randn(32, 512), torch.randint(0, 10, (32,))
