@@ -2,6 +2,7 @@
 Kineto trace per rank in --out. For bench/kineto_whatif.py: --bucket-cap-mb sets DDP's bucket size."""
 
 import argparse
+import gc
 import datetime
 
 import torch
@@ -36,5 +37,7 @@ with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         prof.step()
-del model  # DDP goes before the process group (gloo aborts at exit otherwise)
+del model, opt, prof  # DDP goes before the process group (gloo aborts at exit otherwise)
+gc.collect()
+dist.barrier()
 dist.destroy_process_group()

@@ -9,7 +9,8 @@ gradients in ready order, every step and rank alike); ``regroup`` rebuilds the r
 groups: each group's allreduce is launched by the accumulation of its last gradient on every rank, and one transfer,
 priced by ``TransferFit`` from the recorded allreduces (the link's busy periods: a backend runs several at once,
 sharing the link), runs once every rank has launched it, after the one before (the link's bytes take the same time
-one after another as side by side). What waited for the recorded allreduces waits for the last new one.
+one after another as side by side). What waited for a recorded allreduce waits for the new one that holds that
+bucket's last gradient (one its rank has launched: no wait runs backwards).
 """
 
 from __future__ import annotations
@@ -205,7 +206,9 @@ def regroup(g: Graph, info: KinetoGraphInfo, ddp: DdpSteps, groups: list[list[st
     nbytes = dict(ddp.gradients)
     last_of = [max(index[n] for n in group) for group in groups]
     recorded_last = [max(index[n] for n in group) for group in ddp.groups]
-    removed = {gid for nodes in ddp.comm_nodes.values() for gid in nodes}
+    group_of = {index[n]: j for j, group in enumerate(groups) for n in group}
+    # a recorded allreduce -> the new group that holds its bucket's last gradient (what now completes that bucket)
+    removed = {gid: group_of[recorded_last[k]] for nodes in ddp.comm_nodes.values() for k, gid in enumerate(nodes)}
     duration = g.duration.copy()
     launches: dict[int, list[int]] = defaultdict(list)   # host node -> new groups it launches
     comm_queue: dict[tuple[int, int], str] = {}
@@ -220,6 +223,7 @@ def regroup(g: Graph, info: KinetoGraphInfo, ddp: DdpSteps, groups: list[list[st
     b = GraphBuilder()
     new_id: dict[int, int] = {}
     xfer: dict[tuple[int, int], int] = {}   # (iteration, group) -> transfer node
+    launched: dict[tuple[int, int], set[int]] = defaultdict(set)  # (rank, iteration) -> groups it has launched
     for node in range(g.size):
         rank, it = int(g.rank[node]), int(g.iteration[node])
         if node in removed:
@@ -227,7 +231,11 @@ def regroup(g: Graph, info: KinetoGraphInfo, ddp: DdpSteps, groups: list[list[st
         preds = []
         for p in g.preds(node):
             p = int(p)
-            mapped = _last_transfer(xfer, int(g.iteration[p]), len(groups)) if p in removed else new_id.get(p)
+            mapped = new_id.get(p)
+            if p in removed:  # waited for a recorded allreduce: now for the transfer of the group that completes it
+                done = launched[(rank, int(g.iteration[p]))]
+                j = removed[p] if removed[p] in done else max(done, default=None)  # only one this rank launched
+                mapped = xfer[(int(g.iteration[p]), j)] if j is not None else None
             if mapped is not None and mapped not in preds:
                 preds.append(mapped)
         queue = g.queue_names[g.queue[node]] if g.queue[node] != NO_QUEUE else None
@@ -240,15 +248,9 @@ def regroup(g: Graph, info: KinetoGraphInfo, ddp: DdpSteps, groups: list[list[st
                 xfer[(it, j)] = b.add(f"DDP bucket {j} allreduce ({sum(nbytes[n] for n in groups[j]):,} bytes)",
                                       "XFER", -1, it, None, transfer(sum(nbytes[n] for n in groups[j])), 0.0, before)
             b.preds[xfer[(it, j)]].append(launch)
+            launched[(rank, it)].add(j)
     for key, end in g.step_end.items():
         b.step_end[key] = new_id[end]
     regrouped = b.build()
     return regrouped, dataclasses.replace(info, step_begin={k: new_id[v] for k, v in info.step_begin.items()})
 
-
-def _last_transfer(xfer: dict[tuple[int, int], int], iteration: int, groups: int) -> int | None:
-    """The transfer of the iteration's last group, if the graph has it yet (else the latest one it has)."""
-    for j in range(groups - 1, -1, -1):
-        if (iteration, j) in xfer:
-            return xfer[(iteration, j)]
-    return None

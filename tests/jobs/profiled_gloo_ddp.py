@@ -1,6 +1,7 @@
 """A 2-rank gloo DDP job profiled with torch.profiler (CPU activities), no dpro: one Kineto trace per rank."""
 
 import argparse
+import gc
 import datetime
 
 import torch
@@ -30,5 +31,7 @@ with profile(activities=[ProfilerActivity.CPU], record_shapes=args.record_shapes
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         prof.step()
-del net  # DDP goes before the process group (gloo aborts at exit otherwise)
+del net, opt, prof  # DDP goes before the process group (gloo aborts at exit otherwise)
+gc.collect()
+dist.barrier()
 dist.destroy_process_group()
