@@ -189,7 +189,9 @@ def _add_optimize(subparsers: Any) -> None:
                     "by replay, and write the applied "
                     "config (default RUN/analysis/config.json) that the plugins and dpro-launch apply.",
     )
-    parser.add_argument("run", metavar="RUN", help="a run directory")
+    parser.add_argument("run", metavar="RUN", nargs="+",
+                        help="a run directory, or PyTorch profiler CPU trace files of a gloo DDP job recorded with "
+                             "record_shapes=True (one per rank: the DDP bucket size only)")
     parser.add_argument("--memory-budget", metavar="SIZE", help="peak memory per rank, e.g. 2GiB, 500MB")
     parser.add_argument("--allow-compression", action="store_true", help="may recommend fp16 gradient compression")
     parser.add_argument("-o", "--output", metavar="FILE", help="where to write config.json")
@@ -223,14 +225,16 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from dpro.progress import Progress
     from dpro.sim.whatif import context
 
+    if not Path(args.run[0]).is_dir() or len(args.run) > 1:
+        return _optimize_traces([Path(p) for p in args.run], args)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
-    ctx = context(load_run(args.run))
+    ctx = context(load_run(args.run[0]))
     result = optimize(ctx, memory_budget_bytes=budget, allow_compression=args.allow_compression,
                       progress=Progress(None, "optimize"))
     doc = config_document(result, ctx)
     from dpro.record.trace import analysis_file
 
-    out = Path(args.output) if args.output else analysis_file(args.run, "config.json")
+    out = Path(args.output) if args.output else analysis_file(args.run[0], "config.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     _write_config(out, doc)
     if args.json:
@@ -246,6 +250,34 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     print(f"\nknobs: {json.dumps({k: v for k, v in result.knobs.items() if k != 'tensor_groups'})}"
           + (" (+ tensor_groups)" if "tensor_groups" in result.knobs else ""))
     print(f"config written to {out}")
+    return 0
+
+
+def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpro.errors import UsageError
+    from dpro.io.kineto import load_traces
+    from dpro.report.tables import format_table
+    from dpro.sim.kineto_regroup import optimize_traces
+
+    if args.memory_budget or args.allow_compression:
+        raise UsageError("on profiler traces dpro optimize searches the DDP bucket size only (no --memory-budget, "
+                         "--allow-compression): record the job with dpro (dpro-launch --profile) for the rest")
+    result = optimize_traces(load_traces(paths))
+    out = Path(args.output) if args.output else Path(paths[0]).with_name("dpro-config.json")
+    _write_config(out, result["config"])
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = [[f"{c['bucket_cap_mb']:g}", str(c["buckets"]), f"{c['predicted_step_ms']:.2f}"]
+            for c in result["candidates"]]
+    print(f"measured step {result['measured_step_ms']:.2f} ms; the recorded {result['recorded_buckets']} bucket(s) "
+          f"replayed: {result['recorded_modelled_step_ms']:.2f} ms; {result['comm_model']}\n")
+    print(format_table(["bucket cap MB", "buckets", "predicted ms"], rows, align=">>>"))
+    print("\n" + result["config"]["explain"][0]["why"])
+    print(f"config written to {out} (made from traces: the model fingerprint is the gradients' shapes, so "
+          "dpro-launch --apply FILE --force applies it)")
     return 0
 
 

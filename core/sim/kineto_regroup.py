@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -29,7 +30,7 @@ from dpro.dag.graph import NO_QUEUE, Graph, GraphBuilder
 from dpro.errors import UsageError
 from dpro.io.kineto import KinetoGraphInfo, KinetoTrace
 
-__all__ = ["DdpSteps", "TransferFit", "ddp_steps", "fit_transfer", "regroup"]
+__all__ = ["DdpSteps", "TransferFit", "ddp_steps", "fit_transfer", "optimize_traces", "regroup"]
 
 ACCUMULATE = "torch::autograd::AccumulateGrad"
 LAUNCH = "c10d::allreduce_"
@@ -254,3 +255,61 @@ def regroup(g: Graph, info: KinetoGraphInfo, ddp: DdpSteps, groups: list[list[st
     regrouped = b.build()
     return regrouped, dataclasses.replace(info, step_begin={k: new_id[v] for k, v in info.step_begin.items()})
 
+
+
+def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
+    """``dpro optimize TRACE...``: every DDP bucket cap that gives a distinct grouping of the traces' gradients,
+    each replayed on the traces' graph (every op at its mean over the profiled steps); the best is recommended when
+    it is predicted to save at least ``MIN_GAIN`` of the step against the recorded buckets replayed the same way.
+    Returns the candidates (best first), the recommendation and an applied config (its model fingerprint is the
+    gradients' shapes: a job records parameter names, traces do not, so applying it needs ``--force``)."""
+    import hashlib
+
+    from dpro.engines.torch_ddp import BUCKET_CAP, CAP_CANDIDATES_MB, ddp_buckets
+    from dpro.io.kineto import _used_iterations, graph_from_kineto, host_step_us, mean_graph, op_keys
+    from dpro.optimize.search import MIN_GAIN
+    from dpro.sim.replay import replay
+
+    g, info = graph_from_kineto(traces)
+    its = _used_iterations(info, [])
+    base = mean_graph(g, op_keys(g), set(its))
+    ddp = ddp_steps(traces, info)
+    transfer = fit_transfer(ddp.transfers)
+
+    def step_ms(groups: list[list[str]]) -> float:
+        graph, graph_info = regroup(base, info, ddp, groups, transfer)
+        sched = replay(graph)
+        return statistics.median(host_step_us(graph, sched, graph_info, (r, i)) for r in info.ranks for i in its) / 1e3
+
+    recorded_ms = step_ms(ddp.groups)
+    seen: set[tuple[int, ...]] = set()
+    candidates = []
+    for cap in sorted(CAP_CANDIDATES_MB, reverse=True):
+        groups = ddp_buckets(ddp.gradients, cap)
+        shape = tuple(len(grp) for grp in groups)
+        if shape not in seen:
+            seen.add(shape)
+            candidates.append({"bucket_cap_mb": cap, "buckets": len(groups), "predicted_step_ms": step_ms(groups)})
+    candidates.sort(key=lambda c: (c["predicted_step_ms"], -c["bucket_cap_mb"]))
+    best = candidates[0]
+    gain = recorded_ms - best["predicted_step_ms"]
+    chosen = gain > MIN_GAIN * recorded_ms
+    measured = statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its) / 1000.0
+    why = (f"{best['bucket_cap_mb']:g} MB buckets ({best['buckets']} allreduces) replace the recorded "
+           f"{len(ddp.groups)}: predicted {best['predicted_step_ms']:.2f} ms against {recorded_ms:.2f} ms"
+           if chosen else f"no bucket cap is predicted to save {100 * MIN_GAIN:.0f}% of the step (best "
+           f"{best['bucket_cap_mb']:g} MB: {best['predicted_step_ms']:.2f} ms against {recorded_ms:.2f} ms as "
+           "recorded)")
+    shapes = hashlib.sha256(json.dumps([n.split(":", 1)[1] for n, _ in ddp.gradients]).encode()).hexdigest()[:16]
+    config = {
+        "schema": "dpro.config/1",
+        "fingerprint": {"framework": "torch", "engine": "torch-ddp", "world_size": max(len(traces), 1),
+                        "model": f"gradient-shapes:{shapes}"},
+        "baseline": {"run": ", ".join(str(t.path) for t in traces), "step_ms": measured},
+        "predicted": {"step_ms": best["predicted_step_ms"] if chosen else recorded_ms, "peak_memory_bytes": None},
+        "knobs": {BUCKET_CAP: best["bucket_cap_mb"]} if chosen else {},
+        "explain": [{"knob": BUCKET_CAP, "why": why, "predicted_gain_ms": gain if chosen else 0.0}],
+    }
+    return {"measured_step_ms": measured, "recorded_buckets": len(ddp.groups), "recorded_modelled_step_ms": recorded_ms,
+            "candidates": candidates, "recommended": best if chosen else None, "comm_model": transfer.describe(),
+            "config": config}

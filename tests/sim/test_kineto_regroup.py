@@ -68,3 +68,13 @@ def test_bucket_whatif_on_cpu_traces_of_a_real_ddp_job(tmp_path, capsys):
     assert "1 -> " in out and "AccumulateGrad" in out and "Gbit/s" in out
     assert main(["whatif", *map(str, paths), "--set", "torch.ddp.bucket_cap_mb=0.25", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["buckets"] == result["buckets"]
+    # dpro optimize on the traces: each distinct DDP grouping replayed, an applied config written
+    from dpro.config import read_config
+
+    assert main(["optimize", *map(str, paths), "-o", str(tmp_path / "config.json")]) == 0
+    assert "bucket cap MB" in capsys.readouterr().out
+    config = read_config(tmp_path / "config.json")
+    assert config.fingerprint.engine == "torch-ddp" and config.fingerprint.model.startswith("gradient-shapes:")
+    assert set(config.knobs) <= {"torch.ddp.bucket_cap_mb"} and config.explain
+    assert main(["optimize", *map(str, paths), "--memory-budget", "1GiB"]) != 0
+    assert "bucket size only" in capsys.readouterr().err
