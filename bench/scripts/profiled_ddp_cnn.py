@@ -2,8 +2,8 @@
 Kineto trace per rank in --out. For bench/kineto_whatif.py: --bucket-cap-mb sets DDP's bucket size."""
 
 import argparse
-import gc
 import datetime
+import gc
 
 import torch
 import torch.distributed as dist

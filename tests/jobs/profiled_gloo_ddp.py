@@ -1,8 +1,8 @@
 """A 2-rank gloo DDP job profiled with torch.profiler (CPU activities), no dpro: one Kineto trace per rank."""
 
 import argparse
-import gc
 import datetime
+import gc
 
 import torch
 import torch.distributed as dist
