@@ -190,8 +190,8 @@ def _add_optimize(subparsers: Any) -> None:
                     "config (default RUN/analysis/config.json) that the plugins and dpro-launch apply.",
     )
     parser.add_argument("run", metavar="RUN", nargs="+",
-                        help="a run directory, or PyTorch profiler CPU trace files of a gloo DDP job recorded with "
-                             "record_shapes=True (one per rank: the DDP bucket size only)")
+                        help="a run directory, or PyTorch profiler CPU trace files of a gloo data-parallel job "
+                             "recorded with record_shapes=True (one per rank: the bucket size only)")
     parser.add_argument("--memory-budget", metavar="SIZE", help="peak memory per rank, e.g. 2GiB, 500MB")
     parser.add_argument("--allow-compression", action="store_true", help="may recommend fp16 gradient compression")
     parser.add_argument("-o", "--output", metavar="FILE", help="where to write config.json")
@@ -256,15 +256,26 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from dpro.engines import REGISTRY, get_engine
     from dpro.errors import UsageError
     from dpro.io.kineto import load_traces
     from dpro.report.tables import format_table
-    from dpro.sim.kineto_regroup import optimize_traces
 
     if args.memory_budget or args.allow_compression:
-        raise UsageError("on profiler traces dpro optimize searches the DDP bucket size only (no --memory-budget, "
-                         "--allow-compression): record the job with dpro (dpro-launch --profile) for the rest")
-    result = optimize_traces(load_traces(paths))
+        raise UsageError("on profiler traces dpro optimize searches the engine's bucket size only (no "
+                         "--memory-budget, --allow-compression): record the job with dpro (dpro-launch --profile) "
+                         "for the rest")
+    traces = load_traces(paths)
+    searches = [get_engine(name).trace_optimize for name in REGISTRY if get_engine(name).trace_optimize]
+    result, refusals = None, []
+    for search in searches:
+        try:
+            result = search(traces)
+            break
+        except UsageError as err:  # not this engine's traces
+            refusals.append(err)
+    if result is None:
+        raise refusals[0] if refusals else UsageError("no engine searches profiler traces")
     out = Path(args.output) if args.output else Path(paths[0]).with_name("dpro-config.json")
     _write_config(out, result["config"])
     if args.json:

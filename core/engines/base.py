@@ -82,6 +82,10 @@ class Engine:
             each one's gradients are ready; the DAG and what-if's regrouping then start them after the last BW.
         sweeps: ``(ctx) -> [(knob, values), ...]``: the engine's main knobs and the values a what-if curve of the
             step time plots (``dpro report``); empty: the engine has no knob of its own to plot.
+        trace_whatif: ``(traces, info, graph, knobs) -> (graph, info, facts)``: the engine's grouping knobs on
+            PyTorch profiler traces (``dpro.io.kineto.whatif_traces``); None: the engine cannot regroup traces.
+        trace_optimize: ``(traces) -> {"candidates", "recommended", "config", ...}``: the engine's search on
+            profiler traces (``dpro optimize TRACE...``); None: none.
     """
 
     name: str
@@ -101,6 +105,8 @@ class Engine:
     describe_model: Callable[[Any], str | None] = _no_model  # (ctx) -> the engine's cost model in words
     env_variables: tuple[str, ...] = ()  # what a config's env may set (the variables the engine's knobs own)
     sweeps: Callable[[Any], list[tuple[str, list[Any]]]] = _no_sweeps  # (ctx) -> knobs and values to plot
+    trace_whatif: Callable[..., Any] | None = None     # (traces, info, graph, knobs) -> (graph, info, facts)
+    trace_optimize: Callable[[Any], dict[str, Any]] | None = None  # (traces) -> candidates, recommendation, config
 
 
     def knob_names(self) -> list[str]:

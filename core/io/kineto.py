@@ -1064,14 +1064,8 @@ def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str,
     Raises:
         UsageError: a knob that profiler traces cannot support.
     """
-    from dpro.engines.torch_ddp import ENGINE as DDP
-
-    grouping = {k: v for k, v in knobs.items() if k in (*DDP.comm_knobs, "tensor_groups")}
-    other = [k for k in knobs if k not in TRACE_WHATIF_KNOBS and k not in grouping]
-    if other:
-        raise UsageError(f"--set {other[0]}: profiler traces carry no module tree, so on them dpro changes only "
-                         f"{', '.join(TRACE_WHATIF_KNOBS + DDP.comm_knobs)} and tensor_groups; record the job with "
-                         "dpro (dpro-launch --profile) for the other knobs")
+    grouping = {k: v for k, v in knobs.items() if k not in TRACE_WHATIF_KNOBS}
+    engine = _trace_engine(grouping)
     g, info = graph_from_kineto(traces)
     its = _used_iterations(info, [])
     base = mean_graph(g, op_keys(g), set(its))
@@ -1079,7 +1073,7 @@ def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str,
     result: dict[str, Any] = {"knobs": dict(knobs), "recorded_world_size": recorded}
     changed, changed_info = base, info
     if grouping:
-        changed, changed_info, regrouping = _regrouped(traces, base, info, grouping)
+        changed, changed_info, regrouping = engine.trace_whatif(traces, info, base, grouping)
         result.update(regrouping)
     changed = _scaled(changed, knobs, recorded)
 
@@ -1094,33 +1088,20 @@ def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str,
     return result
 
 
-def _regrouped(traces: list[KinetoTrace], base: Graph, info: KinetoGraphInfo,
-               grouping: dict[str, Any]) -> tuple[Graph, KinetoGraphInfo, dict[str, Any]]:
-    """``base`` with DDP's buckets regrouped under ``grouping`` (a bucket cap, or ``tensor_groups``)."""
-    from types import SimpleNamespace
+def _trace_engine(grouping: dict[str, Any]) -> Any:
+    """The engine whose grouping knobs ``grouping`` sets and that regroups profiler traces (None: no grouping)."""
+    if not grouping:
+        return None
+    from dpro.engines import REGISTRY, get_engine
 
-    from dpro.engines.torch_ddp import ENGINE as DDP
-    from dpro.sim.kineto_regroup import ddp_steps, fit_transfer, regroup
-
-    ddp = ddp_steps(traces, info)
-    transfer = fit_transfer(ddp.transfers)
-    if "tensor_groups" in grouping:
-        groups = grouping["tensor_groups"]
-        names = [n for n, _ in ddp.gradients]
-        if sorted(n for grp in groups for n in grp) != sorted(names):
-            raise UsageError(f"--set tensor_groups: name every gradient once; the traces' gradients are "
-                             f"{', '.join(names)}")
-    else:
-        groups = DDP.groups(SimpleNamespace(knobs={}, gradients=ddp.gradients), grouping)
-    as_recorded, recorded_info = regroup(base, info, ddp, ddp.groups, transfer)
-    changed, changed_info = regroup(base, info, ddp, groups, transfer)
-    sched = replay(as_recorded)
-    its = _used_iterations(info, [])
-    return changed, changed_info, {
-        "gradients": len(ddp.gradients), "gradient_bytes": sum(b for _, b in ddp.gradients),
-        "recorded_buckets": len(ddp.groups), "buckets": len(groups), "comm_model": transfer.describe(),
-        "recorded_buckets_modelled_step_ms": statistics.median(
-            host_step_us(as_recorded, sched, recorded_info, (r, i)) for r in info.ranks for i in its) / 1000.0}
+    able = [get_engine(name) for name in REGISTRY if get_engine(name).trace_whatif is not None]
+    for engine in able:
+        if set(grouping) <= {*engine.comm_knobs, "tensor_groups"}:
+            return engine
+    knobs = sorted({k for e in able for k in e.comm_knobs} | {"tensor_groups"})
+    raise UsageError(f"--set {next(iter(grouping))}: profiler traces carry no module tree, so on them dpro changes "
+                     f"only {', '.join(TRACE_WHATIF_KNOBS)} and the grouping knobs {', '.join(knobs)}; record the job "
+                     "with dpro (dpro-launch --profile) for the other knobs")
 
 
 def _scaled(g: Graph, knobs: dict[str, Any], recorded_world: int) -> Graph:

@@ -1,4 +1,4 @@
-"""What-if of DDP's gradient buckets on PyTorch profiler (Kineto) traces.
+"""The torch-ddp engine on PyTorch profiler (Kineto) traces: what-if and search of DDP's gradient buckets.
 
 A CPU trace of a DDP job recorded with ``record_shapes=True`` holds what a bucket what-if needs: every gradient as
 autograd accumulates it (``torch::autograd::AccumulateGrad``, its shape and dtype in ``Input Dims`` / ``Input type``,
@@ -30,7 +30,7 @@ from dpro.dag.graph import NO_QUEUE, Graph, GraphBuilder
 from dpro.errors import UsageError
 from dpro.io.kineto import KinetoGraphInfo, KinetoTrace
 
-__all__ = ["DdpSteps", "TransferFit", "ddp_steps", "fit_transfer", "optimize_traces", "regroup"]
+__all__ = ["DdpSteps", "TransferFit", "ddp_steps", "fit_transfer", "optimize_traces", "regroup", "whatif_traces"]
 
 ACCUMULATE = "torch::autograd::AccumulateGrad"
 LAUNCH = "c10d::allreduce_"
@@ -313,3 +313,39 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
     return {"measured_step_ms": measured, "recorded_buckets": len(ddp.groups), "recorded_modelled_step_ms": recorded_ms,
             "candidates": candidates, "recommended": best if chosen else None, "comm_model": transfer.describe(),
             "config": config}
+
+
+def whatif_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
+                  grouping: dict[str, Any]) -> tuple[Graph, KinetoGraphInfo, dict[str, Any]]:
+    """The engine's ``trace_whatif``: ``base`` (``info``'s graph, every op at its mean) with DDP's buckets regrouped
+    under ``grouping`` (a bucket cap, or ``tensor_groups``), and what the regrouping saw.
+
+    Raises:
+        UsageError: the traces are not a DDP job's dpro can regroup (see ``ddp_steps``), or groups that do not name
+            every gradient once.
+    """
+    from types import SimpleNamespace
+
+    from dpro.engines.torch_ddp import ENGINE
+    from dpro.io.kineto import _used_iterations, host_step_us
+    from dpro.sim.replay import replay
+
+    ddp = ddp_steps(traces, info)
+    transfer = fit_transfer(ddp.transfers)
+    if "tensor_groups" in grouping:
+        groups = grouping["tensor_groups"]
+        names = [n for n, _ in ddp.gradients]
+        if sorted(n for grp in groups for n in grp) != sorted(names):
+            raise UsageError(f"--set tensor_groups: name every gradient once; the traces' gradients are "
+                             f"{', '.join(names)}")
+    else:
+        groups = ENGINE.groups(SimpleNamespace(knobs={}, gradients=ddp.gradients), grouping)
+    as_recorded, recorded_info = regroup(base, info, ddp, ddp.groups, transfer)
+    changed, changed_info = regroup(base, info, ddp, groups, transfer)
+    sched = replay(as_recorded)
+    its = _used_iterations(info, [])
+    return changed, changed_info, {
+        "gradients": len(ddp.gradients), "gradient_bytes": sum(b for _, b in ddp.gradients),
+        "recorded_buckets": len(ddp.groups), "buckets": len(groups), "comm_model": transfer.describe(),
+        "recorded_buckets_modelled_step_ms": statistics.median(
+            host_step_us(as_recorded, sched, recorded_info, (r, i)) for r in info.ranks for i in its) / 1000.0}
