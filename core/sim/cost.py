@@ -64,9 +64,10 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return float(intercept), float(slope)
 
 
-def robust_line(samples: list[tuple[float, float]]) -> tuple[float, float] | None:
+def robust_line(samples: list[tuple[float, float]], intercept_quantile: float = 0.5) -> tuple[float, float] | None:
     """Intercept and slope (µs, µs per byte) of transfer time vs bytes, robust to outliers (Theil-Sen): the
-    median slope over pairs of transfers whose sizes differ at least twofold, then the median intercept.
+    median slope over pairs of transfers whose sizes differ at least twofold, then the intercept at
+    ``intercept_quantile`` of the residuals (the median; lower for times that waiting can only lengthen).
     ``None`` when no two transfers differ that much."""
     ordered = sorted(samples)
     slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(ordered) for x2, y2 in ordered[i + 1:]
@@ -74,7 +75,11 @@ def robust_line(samples: list[tuple[float, float]]) -> tuple[float, float] | Non
     if not slopes:
         return None
     slope = max(0.0, statistics.median(slopes))
-    return max(0.0, statistics.median(y - slope * x for x, y in samples)), slope
+    residuals = sorted(y - slope * x for x, y in samples)
+    at = intercept_quantile * (len(residuals) - 1)
+    low = int(at)
+    intercept = residuals[low] + (at - low) * (residuals[min(low + 1, len(residuals) - 1)] - residuals[low])
+    return max(0.0, intercept), slope
 
 
 def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]], world_size: int) -> CommModel:
