@@ -381,7 +381,9 @@ def test_a_failing_rank_stops_the_job_with_its_status(tmp_path):
     assert "rank 1 exited with status 3" in proc.stderr
     run = load_run(tmp_path / "run")
     assert run.ranks[0].steps[:5] == [1, 2, 3, 4, 5]  # the other rank's finished steps are readable
-    assert run.ranks[1].steps == [1, 2, 3, 4, 5]
+    # rank 1 died a few microseconds after finishing step 5, while the recorder's builder thread journaled it: the
+    # steps before are there, step 5 whole or not at all
+    assert run.ranks[1].steps in ([1, 2, 3, 4, 5], [1, 2, 3, 4])
 
 
 def test_a_rank_killed_inside_a_framework_call_is_reported_with_what_it_was_doing(tmp_path):
