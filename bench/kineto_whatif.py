@@ -3,8 +3,8 @@
 how close it came. Both ranks run on the emulated network of ``dpro.testbed`` (one rank per host, ``--rate`` links);
 the bucket sizes alternate within each round.
 
-    python bench/kineto_whatif.py [--rate 300mbit] [--caps 25,1] [--rounds 2] [--script bench/scripts/....py
-                                  [--script-arg=--record-shapes ...]]
+    python bench/kineto_whatif.py [--rate 300mbit] [--caps 25,1] [--rounds 2] [--script SCRIPT.py
+                                  [--script-arg=--record-shapes ...]]   (default: tests/jobs/profiled_gloo_ddp.py's cnn)
 
 The script must take ``--out DIR`` (where each rank writes ``rank<r>.pt.trace.json``) and ``--bucket-cap-mb MB``.
 """
@@ -22,8 +22,8 @@ from dpro.analyze import error_pct
 from dpro.io.kineto import load_traces, whatif_traces
 from dpro.report.tables import format_table
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_SCRIPT = HERE / "scripts" / "profiled_ddp_cnn.py"
+DEFAULT_SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "jobs" / "profiled_gloo_ddp.py"
+DEFAULT_SCRIPT_ARGS = ["--model", "cnn", "--record-shapes", "--active", "6"]
 
 
 def record(cluster: testbed.Cluster, script: Path, cap: float, out: Path, extra: list[str] = ()) -> list[Path]:
@@ -44,7 +44,8 @@ def main() -> int:
     parser.add_argument("--caps", default="25,1", help="DDP bucket sizes in MB, each predicted from the others")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--script", type=Path, default=DEFAULT_SCRIPT)
-    parser.add_argument("--script-arg", action="append", default=[], help="one more argument for the script")
+    parser.add_argument("--script-arg", action="append", default=None,
+                        help=f"one more argument for the script (the default's: {' '.join(DEFAULT_SCRIPT_ARGS)})")
     parser.add_argument("--keep", type=Path, help="keep the traces under this folder (else a temporary one)")
     args = parser.parse_args()
     ok, why = testbed.testbed_available()
@@ -52,14 +53,16 @@ def main() -> int:
         print(f"skipped: the emulated network is unavailable here ({why})")
         return 0
     caps = [float(c) for c in args.caps.split(",")]
+    script_args = args.script_arg if args.script_arg is not None else (
+        DEFAULT_SCRIPT_ARGS if args.script == DEFAULT_SCRIPT else [])
     rows = []
     errors = []
     with tempfile.TemporaryDirectory() as scratch, \
             testbed.emulated_cluster(2, testbed.NetworkSpec(rate=args.rate)) as cluster:
         tmp = args.keep or scratch
         for k in range(args.rounds):
-            traces = {cap: load_traces(record(cluster, args.script, cap, Path(tmp) / f"{k}-{cap}",
-                                                 args.script_arg)) for cap in caps}
+            traces = {cap: load_traces(record(cluster, args.script, cap, Path(tmp) / f"{k}-{cap}", script_args))
+                      for cap in caps}
             measured = {cap: whatif_traces(t, {})["measured_step_ms"] for cap, t in traces.items()}
             for source in caps:
                 for target in caps:

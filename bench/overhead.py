@@ -29,7 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BLOCK = 4
 MODES = ("off", "dpro", "torch.profiler")
@@ -66,16 +68,9 @@ def worker(models: list[str], rounds: int, out_dir: Path) -> None:
                 profile(activities=[ProfilerActivity.CPU], schedule=sched,
                         on_trace_ready=_exporter(trace_path)) as tprof:
             for i in range(total):
-                t0, c0 = time.perf_counter(), time.thread_time()
-                x, y = example.batch(example.batch_size, gen)
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                prof.step()
-                tprof.step()
+                wall, cpu = _timed_step(example, model, opt, gen, prof.step, tprof.step)
                 if mode_of[i] in times:
-                    times[mode_of[i]].append(((i - warmup) // (len(MODES) * BLOCK), (time.perf_counter() - t0) * 1000,
-                                              (time.thread_time() - c0) * 1000))
+                    times[mode_of[i]].append(((i - warmup) // (len(MODES) * BLOCK), wall, cpu))
         rows.append((name, times))
         del model, opt, prof, tprof  # free DDP before the process group goes
     if rank == 0:
@@ -122,16 +117,9 @@ def breakdown_worker(models: list[str], rounds: int, out_dir: Path) -> None:
                 recorder.mechanisms = frozenset(mechanisms_of[mode_of[i]])
                 recorder.resume()
             net = builtin if mode_of[i] == "built-in" else model
-            opt = opts[id(net)]
-            t0, c0 = time.perf_counter(), time.thread_time()
-            x, y = example.batch(example.batch_size, gen)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-            recorder.step()
+            wall, cpu = _timed_step(example, net, opts[id(net)], gen, recorder.step)
             if mode_of[i] in times:
-                times[mode_of[i]].append(((i - warmup) // (len(modes) * BLOCK), (time.perf_counter() - t0) * 1000,
-                                          (time.thread_time() - c0) * 1000))
+                times[mode_of[i]].append(((i - warmup) // (len(modes) * BLOCK), wall, cpu))
         recorder.close()
         builder_ms = recorder.build_cpu_s * 1000 / max(len(window), 1)
         start_ms = recorder._writer.header.get("window_start_ms", float("nan"))
@@ -147,6 +135,21 @@ def breakdown_worker(models: list[str], rounds: int, out_dir: Path) -> None:
         print_breakdown(rows, out_dir / "per_event.json")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _timed_step(example: Any, net: Any, opt: Any, gen: Any, *after: Callable[[], None]) -> tuple[float, float]:
+    """One training step of ``net`` and the profilers' ``step()`` calls ``after`` it: (wall ms, training-thread CPU
+    ms)."""
+    import torch
+
+    t0, c0 = time.perf_counter(), time.thread_time()
+    x, y = example.batch(example.batch_size, gen)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    for step in after:
+        step()
+    return (time.perf_counter() - t0) * 1000, (time.thread_time() - c0) * 1000
 
 
 def _hook_chain():  # noqa: ANN202 - an Example, built where torch is imported

@@ -266,20 +266,15 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
     import hashlib
 
     from dpro.engines.torch_ddp import BUCKET_CAP, CAP_CANDIDATES_MB, ddp_buckets
-    from dpro.io.kineto import _used_iterations, graph_from_kineto, host_step_us, mean_graph, op_keys
+    from dpro.io.kineto import mean_step_graph, measured_step_ms, replayed_step_ms
     from dpro.optimize.search import MIN_GAIN
-    from dpro.sim.replay import replay
 
-    g, info = graph_from_kineto(traces)
-    its = _used_iterations(info, [])
-    base = mean_graph(g, op_keys(g), set(its))
+    base, info, its = mean_step_graph(traces)
     ddp = ddp_steps(traces, info)
     transfer = fit_transfer(ddp.transfers)
 
     def step_ms(groups: list[list[str]]) -> float:
-        graph, graph_info = regroup(base, info, ddp, groups, transfer)
-        sched = replay(graph)
-        return statistics.median(host_step_us(graph, sched, graph_info, (r, i)) for r in info.ranks for i in its) / 1e3
+        return replayed_step_ms(*regroup(base, info, ddp, groups, transfer), its)
 
     recorded_ms = step_ms(ddp.groups)
     seen: set[tuple[int, ...]] = set()
@@ -294,7 +289,7 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
     best = candidates[0]
     gain = recorded_ms - best["predicted_step_ms"]
     chosen = gain > MIN_GAIN * recorded_ms
-    measured = statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its) / 1000.0
+    measured = measured_step_ms(info, its)
     why = (f"{best['bucket_cap_mb']:g} MB buckets ({best['buckets']} allreduces) replace the recorded "
            f"{len(ddp.groups)}: predicted {best['predicted_step_ms']:.2f} ms against {recorded_ms:.2f} ms"
            if chosen else f"no bucket cap is predicted to save {100 * MIN_GAIN:.0f}% of the step (best "
@@ -327,8 +322,7 @@ def whatif_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
     from types import SimpleNamespace
 
     from dpro.engines.torch_ddp import ENGINE
-    from dpro.io.kineto import _used_iterations, host_step_us
-    from dpro.sim.replay import replay
+    from dpro.io.kineto import _used_iterations, replayed_step_ms
 
     ddp = ddp_steps(traces, info)
     transfer = fit_transfer(ddp.transfers)
@@ -340,12 +334,9 @@ def whatif_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
                              f"{', '.join(names)}")
     else:
         groups = ENGINE.groups(SimpleNamespace(knobs={}, gradients=ddp.gradients), grouping)
-    as_recorded, recorded_info = regroup(base, info, ddp, ddp.groups, transfer)
     changed, changed_info = regroup(base, info, ddp, groups, transfer)
-    sched = replay(as_recorded)
-    its = _used_iterations(info, [])
     return changed, changed_info, {
         "gradients": len(ddp.gradients), "gradient_bytes": sum(b for _, b in ddp.gradients),
         "recorded_buckets": len(ddp.groups), "buckets": len(groups), "comm_model": transfer.describe(),
-        "recorded_buckets_modelled_step_ms": statistics.median(
-            host_step_us(as_recorded, sched, recorded_info, (r, i)) for r in info.ranks for i in its) / 1000.0}
+        "recorded_buckets_modelled_step_ms": replayed_step_ms(*regroup(base, info, ddp, ddp.groups, transfer),
+                                                               _used_iterations(info, []))}

@@ -63,7 +63,10 @@ __all__ = [
     "load_kineto",
     "held_out_steps",
     "mean_graph",
+    "mean_step_graph",
+    "measured_step_ms",
     "op_keys",
+    "replayed_step_ms",
     "replay_traces",
     "short_name",
     "split_prediction",
@@ -1066,9 +1069,7 @@ def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str,
     """
     grouping = {k: v for k, v in knobs.items() if k not in TRACE_WHATIF_KNOBS}
     engine = _trace_engine(grouping)
-    g, info = graph_from_kineto(traces)
-    its = _used_iterations(info, [])
-    base = mean_graph(g, op_keys(g), set(its))
+    base, info, its = mean_step_graph(traces)
     recorded = max([t.world_size or 1 for t in traces] + [len(traces)])
     result: dict[str, Any] = {"knobs": dict(knobs), "recorded_world_size": recorded}
     changed, changed_info = base, info
@@ -1076,16 +1077,29 @@ def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str,
         changed, changed_info, regrouping = engine.trace_whatif(traces, info, base, grouping)
         result.update(regrouping)
     changed = _scaled(changed, knobs, recorded)
-
-    def step_ms(graph: Graph, graph_info: KinetoGraphInfo) -> float:
-        sched = replay(graph)
-        return statistics.median(host_step_us(graph, sched, graph_info, (r, i))
-                                 for r in graph_info.ranks for i in its) / 1000.0
-
-    result.update({
-        "measured_step_ms": statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its) / 1000.0,
-        "baseline_predicted_step_ms": step_ms(base, info), "predicted_step_ms": step_ms(changed, changed_info)})
+    result.update({"measured_step_ms": measured_step_ms(info, its),
+                   "baseline_predicted_step_ms": replayed_step_ms(base, info, its),
+                   "predicted_step_ms": replayed_step_ms(changed, changed_info, its)})
     return result
+
+
+def mean_step_graph(traces: list[KinetoTrace]) -> tuple[Graph, KinetoGraphInfo, list[int]]:
+    """The traces' graph with every op at its mean over the profiled steps (what-if's baseline), its info and the
+    iterations used (a long warm-up step left out)."""
+    g, info = graph_from_kineto(traces)
+    its = _used_iterations(info, [])
+    return mean_graph(g, op_keys(g), set(its)), info, its
+
+
+def replayed_step_ms(g: Graph, info: KinetoGraphInfo, its: list[int]) -> float:
+    """The median host step (ms) over the ranks and iterations ``its`` of ``g`` replayed."""
+    sched = replay(g)
+    return statistics.median(host_step_us(g, sched, info, (r, i)) for r in info.ranks for i in its) / 1000.0
+
+
+def measured_step_ms(info: KinetoGraphInfo, its: list[int]) -> float:
+    """The median measured ProfilerStep (ms) over the ranks and iterations ``its``."""
+    return statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its) / 1000.0
 
 
 def _trace_engine(grouping: dict[str, Any]) -> Any:

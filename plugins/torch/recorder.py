@@ -114,9 +114,6 @@ class _BackwardMarks:
     # module -> the module whose output is its input: one tensor hook marks both (BW end of one, BW start of the other)
     bw_end_is_start_of: dict[str, str] = field(default_factory=dict)
 
-    def __bool__(self) -> bool:
-        return bool(self.bw_start or self.grad_ready)
-
 
 @dataclass
 class _StepLog:
@@ -275,7 +272,7 @@ class TorchRecorder:
 
     def _install_comm_hook(self) -> None:
         """Registered when the window opens, not before: DDP takes one hook for the model's life, and steps before
-        the window keep DDP's built-in allreduce. After the window the hook only forwards to ``allreduce_hook``."""
+        the window keep DDP's built-in allreduce. Outside the window the hook averages without timing."""
         if self.ddp is None or "comm" not in self.mechanisms:
             return
         if getattr(self.ddp, "_comm_hooks", None):
@@ -299,11 +296,13 @@ class TorchRecorder:
         divide_after = size > 1 and buffer.element_size() >= 4
         if size > 1 and not divide_after:
             buffer.div_(size)
-        if not self._recording or "comm" not in self.mechanisms:
-            return group.allreduce([buffer]).get_future().then(_averaged(size if divide_after else 1))
+        average = _averaged(size if divide_after else 1)
+        timed = self._recording and "comm" in self.mechanisms
         log, step, mark = self._log, self._iteration, self._mark
-        start = mark()
+        start = mark() if timed else None
         fut = group.allreduce([buffer]).get_future()
+        if not timed:
+            return fut.then(average)
         index, nbytes = bucket.index(), buffer.nbytes
         known = self._bucket_tensors.get(index)
         if known is None or known[0] != nbytes:  # buckets are rebuilt once, after DDP's first iteration
@@ -315,8 +314,7 @@ class TorchRecorder:
             log.ops.append((f"COMM.bucket{index}.allreduce", "COMM", COMM, start, end,
                             {"step": step, "bytes": nbytes, "tensors": known[1], "op": "allreduce",
                              "phase": "allreduce", "bucket": index}))
-            summed = f.value()[0]
-            return summed.div_(size) if divide_after else summed
+            return average(f)
 
         return fut.then(done)
 
@@ -386,7 +384,7 @@ class TorchRecorder:
                 self.batch_ready(now)
             recomputing = in_backward()
             passed = log.backward
-            if (passed.bw_start or passed.grad_ready) and not recomputing:
+            if (passed.bw_start or passed.grad_ready) and not recomputing:  # a backward ran (inline: hot path)
                 log.new_pass()  # gradient accumulation: the next micro-batch's forward
             opened = log.fw_open.get(name)
             if opened is None:
