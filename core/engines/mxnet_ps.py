@@ -27,8 +27,8 @@ from dpro.errors import UsageError
 from dpro.sim.cost import robust_line
 
 __all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "NAME", "NUM_SERVERS", "ServerModel",
-           "bigarray_bound", "fit_server_model", "key_servers", "ps_model", "search", "server_host", "server_hosts",
-           "server_model", "server_queue", "worker_hosts"]
+           "bigarray_bound", "fit_server_model", "free_cpus", "host_cpus", "key_servers", "ps_model", "search",
+           "server_host", "server_hosts", "server_model", "server_queue", "server_slowdown", "worker_hosts"]
 
 NAME = "mxnet-ps"
 BIGARRAY_BOUND = "mxnet.kvstore.bigarray_bound"
@@ -77,6 +77,7 @@ class ServerModel:
     link_us_per_byte: float
     world_size: int
     source: str = ""
+    free_cpus: dict[str, float] = dataclasses.field(default_factory=dict)  # host -> CPUs the workers leave
 
     def server_us(self, nbytes: float, world_size: int | None = None) -> float:
         workers = (world_size or self.world_size) / max(self.world_size, 1)  # pushes per key grow with the workers
@@ -89,6 +90,7 @@ class ServerModel:
 
 
 SERVER_HOSTS_ENV = "DPRO_MXNET_SERVER_HOSTS"  # the host of each server, by server rank (comma-separated)
+MAX_HOST_CPUS = 1 << 16  # a host's CPU count beyond this is not believed (run.json is input)
 
 
 def server_hosts(run: Any) -> list[str]:
@@ -125,19 +127,38 @@ def server_host(server: int, recorded: list[str], workers: list[str]) -> str | N
     return placed[server]
 
 
-def server_queue(server: int, hosts: list[str], workers: list[str] | None = None) -> str:
-    """The queue a server's work takes: its host's when known (servers on one host share its CPUs: on one machine
-    they answer one request after another whatever their number), else its own."""
-    host = server_host(server, hosts, workers or [])
-    return f"server@{host}" if host is not None else f"server{server}"
+def host_cpus(run: Any) -> dict[str, int]:
+    """The CPUs each recorded host lets the job use (run.json's ``mxnet.host_cpus``); empty when not known."""
+    cpus = _section(run).get("host_cpus")
+    if not isinstance(cpus, dict):
+        return {}
+    return {h: n for h, n in cpus.items() if isinstance(h, str) and isinstance(n, int) and not isinstance(n, bool)
+            and 1 <= n <= MAX_HOST_CPUS}
+
+
+def server_queue(server: int, hosts: list[str], workers: list[str] | None = None,
+                 cpus: Mapping[str, int] | None = None) -> str:
+    """The queue a server's work takes. A server answers its requests one after another on one thread; servers
+    on one host run side by side on its CPUs (``cpus``: per host; 2 servers on a 2-CPU machine answered 10-18%
+    sooner than 1 in ``bench/mxnet_ps.py``), so a host's servers take turns on as many lanes as it has CPUs
+    (``server@host#lane``; one lane, ``server@host``, where its CPUs are not known). Unknown hosts: its own."""
+    workers = workers or []
+    host = server_host(server, hosts, workers)
+    if host is None:
+        return f"server{server}"
+    lanes = (cpus or {}).get(host, 1)
+    if lanes <= 1:
+        return f"server@{host}"
+    before = sum(server_host(k, hosts, workers) == host for k in range(server))  # this host's servers before it
+    return f"server@{host}#{before % lanes}"
 
 
 def _transfer_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
     servers = args.get("servers")
     if not isinstance(servers, list):
         return ()
-    hosts, workers = server_hosts(run), worker_hosts(run)
-    return tuple(dict.fromkeys(server_queue(int(k), hosts, workers) for k in servers
+    hosts, workers, cpus = server_hosts(run), worker_hosts(run), host_cpus(run)
+    return tuple(dict.fromkeys(server_queue(int(k), hosts, workers, cpus) for k in servers
                                if isinstance(k, int) and not isinstance(k, bool)))
 
 
@@ -183,14 +204,18 @@ def fit_server_model(ctx: Any) -> ServerModel:
     cumulative time against the cumulative bytes along each queue (a robust line; queues weighted by their bytes); the
     fixed cost is the median of what each request took beyond its bytes. When the bytes say nothing (sizes too
     alike), the mean cost per byte. A run whose pushes crossed hosts spends that per byte on the links: its
-    servers' work is left at the fixed cost."""
+    servers' work is left at the fixed cost. Times are divided by how much the recorded servers slowed each other
+    (``server_slowdown``), so the model prices a server working alone."""
+    free = free_cpus(ctx)
+    recorded = _recorded_slowdown(ctx, free)
     chains: dict[str, list[tuple[float, float]]] = {}
     for name, args in _key_ops(ctx).items():  # in program order
         queue = ctx.base.transfer_queues.get(name, ("",))[0]
-        chains.setdefault(queue, []).append((float(args.get("bytes", 0)), ctx.base.transfer[name]))
+        slowdown = recorded.get(_recorded_parts(args)[0][0], 1.0)
+        chains.setdefault(queue, []).append((float(args.get("bytes", 0)), ctx.base.transfer[name] / slowdown))
     samples = [s for chain in chains.values() for s in chain]
     if not samples:
-        return ServerModel(0.0, 0.0, 0.0, ctx.run.world_size, "no push_pull recorded")
+        return ServerModel(0.0, 0.0, 0.0, ctx.run.world_size, "no push_pull recorded", free)
     slopes = []  # (slope, the chain's bytes)
     for chain in chains.values():
         cumulative, x, y = [], 0.0, 0.0
@@ -210,8 +235,48 @@ def fit_server_model(ctx: Any) -> ServerModel:
     fixed = max(0.0, statistics.median(t - per_byte * b for b, t in samples))
     if _crosses_hosts(ctx):
         return ServerModel(min(fixed, min(t for _, t in samples)), 0.0, per_byte, ctx.run.world_size,
-                           how + "; on the links between hosts")
-    return ServerModel(fixed, per_byte, 0.0, ctx.run.world_size, how)
+                           how + "; on the links between hosts", free)
+    return ServerModel(fixed, per_byte, 0.0, ctx.run.world_size, how, free)
+
+
+def _recorded_slowdown(ctx: Any, free: Mapping[str, float]) -> dict[int, float]:
+    load: dict[int, float] = defaultdict(float)
+    for args in _key_ops(ctx).values():
+        for k, share in _recorded_parts(args):
+            if isinstance(k, int) and not isinstance(k, bool):
+                load[k] += share * float(args.get("bytes", 0))
+    return server_slowdown(load, server_hosts(ctx.run), worker_hosts(ctx.run), host_cpus(ctx.run), free)
+
+
+def free_cpus(ctx: Any) -> dict[str, float]:
+    """Per host of known CPUs: the CPUs its workers leave to its servers, on average over the step (CPUs less the
+    share of the step each worker there computes), at least 1."""
+    cpus, workers = host_cpus(ctx.run), worker_hosts(ctx.run)
+    busy: dict[str, float] = defaultdict(float)
+    for rank, ops in ctx.base.ops.items():
+        step = ctx.base.step_us_by_rank.get(rank) or 0.0
+        if rank < len(workers) and step > 0:
+            busy[workers[rank]] += min(1.0, sum(op.duration for op in ops if op.category != "COMM") / step)
+    return {host: min(float(n), max(1.0, n - busy[host])) for host, n in cpus.items()}
+
+
+def server_slowdown(load: Mapping[int, float], hosts: list[str], workers: list[str], cpus: Mapping[str, int],
+                    free: Mapping[str, float]) -> dict[int, float]:
+    """How much slower than alone each server of a layout works (``load``: server -> the bytes it serves). A host's
+    servers run side by side on the CPUs its workers leave (``free``): while server k works, another server of its
+    host works beside it for as much of that time as its bytes allow (``min(1, theirs / k's)``), so k shares the
+    CPUs with ``1 + that sum`` servers (at most the CPUs): slowed by that over the free CPUs, at least 1; 1 where
+    the host's CPUs are not known. (Two servers on a 2-CPU machine each holding half of the bytes answered 10-20%
+    sooner than one holding all; one holding nearly all of them, as slowly as one alone: ``bench/mxnet_ps.py``.)"""
+    where = {k: server_host(k, hosts, workers) for k in load}
+    out = {}
+    for k, host in where.items():
+        if host is None or host not in cpus or host not in free or load[k] <= 0:
+            out[k] = 1.0
+            continue
+        beside = sum(min(1.0, load[j] / load[k]) for j, other in where.items() if other == host and j != k)
+        out[k] = max(1.0, min(1.0 + beside, cpus[host]) / free[host])
+    return out
 
 
 def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
@@ -226,7 +291,7 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
     scale = 0.5 if compression in ("fp16", "bf16") else 1.0
     world, bandwidth = knobs.get("world_size"), float(knobs.get("bandwidth_scale", 1.0))
     elements = _elements(ctx)
-    hosts, workers = server_hosts(ctx.run), worker_hosts(ctx.run)
+    hosts, workers, cpus = server_hosts(ctx.run), worker_hosts(ctx.run), host_cpus(ctx.run)
     ranks = sorted(ctx.base.ops)
     layout = []
     for name, args in _key_ops(ctx).items():
@@ -235,6 +300,11 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
         layout.append((name, [(k, share * float(args.get("bytes", 0)) * scale, server_host(k, hosts, workers))
                               for k, share in key_servers(int(args["key"]), count, servers, bound)]))
     sharing = link_sharing(layout, [workers[r] if r < len(workers) else None for r in ranks])
+    load: dict[int, float] = defaultdict(float)
+    for _, parts in layout:
+        for k, nbytes, _ in parts:
+            load[k] += nbytes
+    slowdown = server_slowdown(load, hosts, workers, cpus, server.free_cpus)
     out = copy.deepcopy(ctx.base)
     for name, parts in layout:
         priced = []
@@ -249,7 +319,8 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
                 connection = (f"link@{mine}~{at}",)  # the pushes and the answers between the two hosts
                 push[rank] = (us, connection)
                 pull[rank] = (us, connection)
-            priced.append(ExchangePart(server_queue(k, hosts, workers), server.server_us(nbytes, world), push, pull))
+            work = server.server_us(nbytes, world) * slowdown[k]
+            priced.append(ExchangePart(server_queue(k, hosts, workers, cpus), work, push, pull))
         out.exchanges[name] = priced
     return out
 
@@ -405,8 +476,10 @@ def _describe(ctx: Any) -> str:
     def rate(per_byte: float) -> str:
         return f"{1 / per_byte:,.0f} MB/s" if per_byte > 0 else "free"
 
+    cpus = ", ".join(f"{host} {n:.1f}" for host, n in sorted(model.free_cpus.items()))
+    side = f"; a host's servers side by side on the CPUs its workers leave ({cpus})" if cpus else ""
     return (f"parameter-server model: a server's work {model.fixed_us:.0f} us + {rate(model.us_per_byte)} (its "
-            f"host's queue), links between hosts {rate(model.link_us_per_byte)} ({model.source})")
+            f"host's queue{side}), links between hosts {rate(model.link_us_per_byte)} ({model.source})")
 
 
 def _notes(run: Any) -> list[str]:

@@ -52,6 +52,7 @@ __all__ = [
     "parse_skew",
     "parse_steps",
     "recording_overhead",
+    "usable_cpus",
     "wall_minus_clock_ns",
 ]
 
@@ -80,6 +81,14 @@ def parse_steps(steps: Iterable[int]) -> tuple[int, ...]:
     if chosen[0] < 0:
         raise UsageError(f"steps={steps!r} holds negative step {chosen[0]}; steps count from 0")
     return tuple(chosen)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which containers and taskset narrow), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
 
 
 def check_window_fits(steps: tuple[int, ...], total_steps: int | None, who: str) -> None:

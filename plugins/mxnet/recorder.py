@@ -57,6 +57,7 @@ from dpro.record.protocol import (
     claim_run_dir,
     clock_samples,
     parse_steps,
+    usable_cpus,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
@@ -356,6 +357,9 @@ class GluonRecorder:
         self.hosts = self.transport.gather_texts(self.host)
         # the address ps-lite knows each worker by (a machine's, even for processes in network namespaces)
         self.worker_hosts = self.transport.gather_texts(os.environ.get("DMLC_NODE_HOST") or self.host)
+        # the CPUs of each worker's machine this job may use: servers there run side by side on them
+        cpus = self.transport.gather_texts(str(usable_cpus()))
+        self.host_cpus = dict(zip(self.worker_hosts, (int(n) for n in cpus), strict=False))
         pingpong = clock_samples(self.transport, self.clock)
         self._params = [p for p in self.trainer._params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
@@ -660,6 +664,7 @@ class GluonRecorder:
                                             "server_hosts": [h for h in os.environ.get(SERVER_HOSTS_ENV, "").split(",")
                                                              if h] or None,
                                             "worker_hosts": self.worker_hosts,
+                                            "host_cpus": self.host_cpus,
                                             "default_bigarray_bound": DEFAULT_BIGARRAY_BOUND,
                                             "note": "times from MXNet's wait_to_read on the rank's clock: FW per "
                                                     "block with parameters, BW from gradient readiness, one "

@@ -12,7 +12,16 @@ import pytest
 
 from dpro.config import knob_table
 from dpro.engines import get_engine
-from dpro.engines.mxnet_ps import BIGARRAY_BOUND, NUM_SERVERS, bigarray_bound, key_servers, server_queue
+from dpro.engines.mxnet_ps import (
+    BIGARRAY_BOUND,
+    NUM_SERVERS,
+    bigarray_bound,
+    free_cpus,
+    host_cpus,
+    key_servers,
+    server_queue,
+    server_slowdown,
+)
 from dpro.errors import UsageError
 from dpro.io.load import load_run
 from dpro.optimize import optimize
@@ -36,6 +45,42 @@ def test_servers_on_one_host_share_its_queue():
     assert server_queue(0, ["a", "a"]) == server_queue(1, ["a", "a"]) == "server@a"
     assert server_queue(3, ["a", "b"]) == "server@b"  # beyond the recorded ones: round-robin over their hosts
     assert server_queue(1, []) == "server1"
+
+
+def test_servers_on_one_host_take_turns_on_its_cpus():
+    assert server_queue(0, ["a", "a"], cpus={"a": 2}) == "server@a#0"
+    assert server_queue(1, ["a", "a"], cpus={"a": 2}) == "server@a#1"
+    assert server_queue(2, ["a", "a", "a"], cpus={"a": 2}) == "server@a#0"  # a third server shares a CPU
+    assert server_queue(1, ["a", "b"], cpus={"a": 2, "b": 4}) == "server@b#0"
+    assert server_queue(1, ["a", "a"], cpus={"a": 1}) == "server@a"
+
+
+def test_servers_side_by_side_slow_each_other_by_the_bytes_they_serve_together():
+    free = {"a": 1.5}
+    even = server_slowdown({0: 100.0, 1: 100.0}, ["a", "a"], [], {"a": 2}, free)
+    assert even == {0: pytest.approx(2 / 1.5), 1: pytest.approx(2 / 1.5)}
+    lopsided = server_slowdown({0: 100.0, 1: 10.0}, ["a", "a"], [], {"a": 2}, free)
+    assert lopsided[0] == 1.0  # the small server is done early: the big one works alone most of the time
+    assert lopsided[1] == pytest.approx(2 / 1.5)
+    assert server_slowdown({0: 100.0}, ["a"], [], {"a": 2}, free) == {0: 1.0}
+    assert server_slowdown({0: 100.0, 1: 100.0}, ["a", "a"], [], {}, {}) == {0: 1.0, 1: 1.0}  # CPUs not known
+
+
+def test_a_recording_that_knows_its_cpus_prices_a_second_server_on_them(tmp_path):
+    known = tmp_path / "known"
+    shutil.copytree(RECORDED, known)
+    meta = json.loads((known / "run.json").read_text())
+    host = meta["mxnet"]["server_hosts"][0]
+    meta["mxnet"]["host_cpus"] = {host: 2, "other": "x", "huge": 10**30}
+    (known / "run.json").write_text(json.dumps(meta))
+    run = load_run(known)
+    assert host_cpus(run) == {host: 2}  # what is not a believable count is left out
+    ctx = context(run)
+    assert 1.0 <= free_cpus(ctx)[host] <= 2.0
+    assert len(set(ctx.base.transfer_queues.values())) == 2
+    two = predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms
+    assert two == pytest.approx(predict(ctx, {}).predicted_step_ms, rel=0.02)
+    assert predict(ctx, {NUM_SERVERS: 1}).predicted_step_ms > two
 
 
 def test_the_knobs_are_the_engines_and_tensor_groups_are_refused():

@@ -77,6 +77,7 @@ def test_an_unmodified_script_is_recorded_and_priced_for_one_server(tmp_path):
                    "--steps", "12"), cwd=tmp_path, timeout=150)
     loaded = load_run(run)
     assert loaded.meta["engine"] == "mxnet-ps" and loaded.meta["mxnet"]["server_hosts"]
+    assert set(loaded.meta["mxnet"]["host_cpus"]) == set(loaded.meta["mxnet"]["worker_hosts"])  # servers share them
     for rank in (0, 1):
         names = {e["name"] for e in events(run, rank)}
         assert {"FW.0", "FW.1", "BW.0", "BW.1"} <= names
