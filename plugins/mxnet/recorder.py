@@ -49,6 +49,7 @@ from dpro.engines.mxnet_ps import DEFAULT_BIGARRAY_BOUND, SERVER_HOSTS_ENV, biga
 from dpro.engines.mxnet_ps import NAME as ENGINE_PS
 from dpro.errors import UsageError
 from dpro.plugins.mxnet.transport import default_transport
+from dpro.record.backward import split_backward
 from dpro.record.protocol import (
     Clock,
     Transport,
@@ -63,7 +64,7 @@ from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
 
 __all__ = ["GluonRecorder", "Unit", "active_recorders", "block_paths", "gradient_names", "recorded_units",
-           "split_backward", "spread"]
+           "spread"]
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
 _ACTIVE: weakref.WeakSet[GluonRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
@@ -184,39 +185,6 @@ def param_short_name(param: Any, block: Any) -> str:
     prefix = getattr(block, "prefix", "") or ""
     name = str(param.name)
     return name[len(prefix):] if prefix and name.startswith(prefix) else name
-
-
-def split_backward(order: list[tuple[str, float, float]], start_us: float,
-                   segment_us: float = SEGMENT_US) -> list[tuple[str, float, float, int]]:
-    """Backward spans of units from when their gradients were ready.
-
-    ``order``: (unit, gradients ready µs, forward µs) in backward order; ``start_us``: when the backward began.
-    Each unit runs from the previous unit's ready time to its own. Units whose gradients came out together
-    (within ``segment_us`` of the unit before: one bulked engine segment) share the segment's span in proportion
-    to their forward times. Returns (unit, start µs, end µs, segment) in backward order; units of one segment
-    share its number.
-    """
-    segments: list[list[tuple[str, float, float]]] = []
-    previous = start_us
-    for unit, ready, fw in order:
-        ready = max(ready, previous)
-        if segments and ready - previous <= segment_us:
-            segments[-1].append((unit, ready, fw))
-        else:
-            segments.append([(unit, ready, fw)])
-        previous = ready
-    out: list[tuple[str, float, float, int]] = []
-    begin = start_us
-    for k, seg in enumerate(segments):
-        end = seg[-1][1]
-        weights = [max(fw, 1e-3) for _, _, fw in seg]
-        total, at = sum(weights), begin
-        for (unit, _, _), w in zip(seg, weights, strict=True):
-            stop = at + (end - begin) * w / total
-            out.append((unit, at, stop, k))
-            at = stop
-        begin = end
-    return out
 
 
 def _arrays(obj: Any) -> list[Any]:
@@ -553,7 +521,7 @@ class GluonRecorder:
                     continue
                 grads_of[unit.path] = idx
                 order.append((unit.path, max(step.grad_ready[i] for i in idx), fw_us.get(unit.path, 0.0)))
-            spans = split_backward(order, max(step.backward_issued, last_fw))
+            spans = split_backward(order, max(step.backward_issued, last_fw), SEGMENT_US)
             sizes = Counter(seg for *_, seg in spans)
             by_path = {u.path: u for u in self._units}
             for k, (path, start, stop, seg) in enumerate(spans):

@@ -64,6 +64,7 @@ class DproCallback(*_callback_bases()):
             Its recompute modules are wrapped and its bucket sizes passed to DDP in ``setup``, before
             the strategy wraps the model; a config made for another job raises ``ConfigError``.
         force: apply a config made for another job anyway (a warning lists what differs).
+        backward_marks: ``"gradients"`` (default) or ``"tensors"``: how BW is timed (see ``TorchRecorder``).
 
     Works with ``strategy="ddp"`` on CPU as on GPU: the DDP communication hook is registered on
     ``trainer.strategy.model`` when training starts (Lightning itself registers hooks on CUDA only).
@@ -75,13 +76,14 @@ class DproCallback(*_callback_bases()):
 
     def __init__(
         self, run_dir: str | Path | None = None, steps: Iterable[int] = range(10, 20), *,
-        config: str | Path | None = None, force: bool = False,
+        config: str | Path | None = None, force: bool = False, backward_marks: str = "gradients",
     ) -> None:
         super().__init__()
         self.run_dir = run_dir
         self.steps = parse_steps(steps)
         self.config_path = config if config is not None else (os.environ.get(DPRO_CONFIG) or None)
         self.force = force
+        self.backward_marks = backward_marks
         self.config: Config | None = None
         self.recorder: TorchRecorder | None = None
         self._global_step = 0
@@ -137,7 +139,7 @@ class DproCallback(*_callback_bases()):
         self.recorder = TorchRecorder(
             pl_module, optimizer, self.run_dir, self.steps,
             total_steps=self._total_steps(trainer), ddp=ddp, extra_knobs=extra_knobs,
-            versions=_lightning_versions(), who="DproCallback",
+            versions=_lightning_versions(), who="DproCallback", backward_marks=self.backward_marks,
         )
         self._global_step = trainer.global_step
         self.recorder.start()

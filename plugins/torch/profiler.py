@@ -28,6 +28,8 @@ class Profiler:
             ``$DPRO_RUN_DIR``). An existing non-empty directory is refused: runs are never overwritten.
         steps: iterations to record, counted from 0 (default ``range(10, 20)``: skip warm-up).
         total_steps: the loop's length if known, so a window beyond it is refused at once.
+        backward_marks: ``"gradients"`` (default: BW from the gradients' ready marks, modules without gradients of
+            their own estimated) or ``"tensors"`` (a tensor hook per module: exact, costlier); see ``TorchRecorder``.
 
     Example:
         >>> with Profiler(ddp_model, opt, run_dir="runs/a", steps=range(5, 10)) as prof:  # doctest: +SKIP
@@ -44,8 +46,10 @@ class Profiler:
         steps: Iterable[int] = range(10, 20),
         *,
         total_steps: int | None = None,
+        backward_marks: str = "gradients",
     ) -> None:
-        self._recorder = TorchRecorder(model, optimizer, run_dir, steps, total_steps=total_steps)
+        self._recorder = TorchRecorder(model, optimizer, run_dir, steps, total_steps=total_steps,
+                                       backward_marks=backward_marks)
         self._entered = False
 
     @property

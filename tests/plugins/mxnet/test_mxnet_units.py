@@ -1,5 +1,5 @@
-"""The Gluon recorder's pure parts (run in the MXNet venv: ``make test`` runs them there): backward spans from
-gradient readiness, block paths and units, gradient names."""
+"""The Gluon recorder's pure parts (run in the MXNet venv: ``make test`` runs them there): block paths and units,
+gradient names."""
 
 from __future__ import annotations
 
@@ -7,21 +7,10 @@ import pytest
 
 mx = pytest.importorskip("mxnet")
 
-from dpro.plugins.mxnet.recorder import gradient_names, recorded_units, split_backward, spread  # noqa: E402
+from dpro.plugins.mxnet.recorder import gradient_names, recorded_units, spread  # noqa: E402
 
 
-def test_backward_spans_run_from_one_units_gradients_to_the_next():
-    spans = split_backward([("2", 105.0, 1.0), ("1", 300.0, 1.0), ("0", 600.0, 1.0)], start_us=100.0)
-    assert [(u, round(a), round(b)) for u, a, b, _ in spans] == [("2", 100, 105), ("1", 105, 300), ("0", 300, 600)]
-    assert len({seg for *_, seg in spans}) == 3  # each ready well after the one before: a segment each
-
-
-def test_a_bulked_segment_is_shared_by_forward_time():
-    spans = split_backward([("2", 1000.0, 1.0), ("1", 1010.0, 3.0), ("0", 2000.0, 5.0)], start_us=0.0)
-    first, second, third = spans
-    assert first[3] == second[3] != third[3]
-    assert second[2] == pytest.approx(1010.0) and (second[2] - second[1]) == pytest.approx(3 * (first[2] - first[1]))
-    assert third[1:3] == (1010.0, 2000.0)
+def test_spread_cuts_a_span_by_shares():
     assert spread(0.0, 10.0, [("a", 0.25), ("b", 0.75)]) == [("a", 0.0, 2.5), ("b", 2.5, 10.0)]
 
 

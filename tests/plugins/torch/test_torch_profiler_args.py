@@ -35,6 +35,40 @@ def test_plain_loop_without_ddp(tmp_path):
     assert not any(e["cat"] == "COMM" for e in run.ranks[0].events)
 
 
+def bw_events(run_dir) -> dict[int, dict[str, dict]]:
+    out: dict[int, dict[str, dict]] = {}
+    for e in load_run(run_dir).ranks[0].events:
+        if e["cat"] == "BW":
+            out.setdefault(e["args"]["step"], {})[e["name"]] = e
+    return out
+
+
+def test_backward_from_gradient_marks_covers_every_module_and_tensor_hooks_time_each(tmp_path):
+    original = torch.autograd.backward
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Profiler(model, opt, run_dir=tmp_path / "grads", steps=range(1, 4)) as prof:
+        train(prof, model, opt, 2)
+        assert torch.autograd.backward is not original  # the pass's start is marked while recording
+        train(prof, model, opt, 3)
+    assert torch.autograd.backward is original
+    for step, bw in bw_events(tmp_path / "grads").items():
+        assert set(bw) == {"BW.0", "BW.1", "BW.2"}, step
+        # backward order, back to back: each module from the gradients of the one before it to its own
+        assert bw["BW.2"]["ts"] + bw["BW.2"]["dur"] == pytest.approx(bw["BW.1"]["ts"], abs=0.01)
+        assert bw["BW.1"]["ts"] + bw["BW.1"]["dur"] == pytest.approx(bw["BW.0"]["ts"], abs=0.01)
+        end = bw["BW.0"]["ts"] + bw["BW.0"]["dur"]
+        assert end == pytest.approx(max(bw["BW.0"]["args"]["grads_ready_us"]), abs=0.01)
+        assert "estimated" in bw["BW.1"]["args"] and "estimated" in bw["BW.0"]["args"]  # the ReLU shares BW.0's span
+        assert "estimated" not in bw["BW.2"]["args"] and sorted(bw["BW.2"]["args"]["grads"]) == ["2.bias", "2.weight"]
+    with Profiler(model, opt, run_dir=tmp_path / "tensors", steps=range(1, 3), backward_marks="tensors") as prof:
+        train(prof, model, opt, 3)
+    for bw in bw_events(tmp_path / "tensors").values():
+        assert set(bw) == {"BW.0", "BW.1", "BW.2"} and not any("estimated" in e["args"] for e in bw.values())
+    with pytest.raises(UsageError, match="backward_marks"):
+        Profiler(model, opt, run_dir=tmp_path / "bad", backward_marks="hooks")
+
+
 def test_hooks_are_removed_outside_the_window(tmp_path):
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
