@@ -9,8 +9,9 @@ spread of that overhead over the rounds (each round's median of a mode's block a
 off-window cost after a window).
 
 ``--breakdown`` prices each recording mechanism (``dpro.plugins.torch.recorder.MECHANISMS``) instead: in one job the
-recorder rotates through blocks with all mechanisms, with each one left out in turn, and with none (the step hand-off
-and the builder thread alone), against "off" blocks; a second, identical DDP model with no hook at all ("built-in")
+recorder rotates through blocks with all mechanisms, with each one left out in turn, with none (the step hand-off
+and the builder thread alone), and with BW timed by tensor hooks per module instead of gradient marks, against "off"
+blocks; a second, identical DDP model with no hook at all ("built-in")
 prices the dormant Python comm hook. A mechanism's cost is the all-mechanisms overhead minus the overhead without it.
 First, in a 1-rank job (no other rank to share the cores with), ``hook_chain`` (32 tiny modules whose compute is next
 to nothing) gives each mechanism's cost per event (per module forward, BW mark, gradient, bucket, optimizer step); each
@@ -35,7 +36,8 @@ from typing import Any
 
 BLOCK = 4
 MODES = ("off", "dpro", "torch.profiler")
-VARIANTS = ("all", "-forward", "-backward", "-grad_ready", "-comm", "-update", "none")  # --breakdown's dpro blocks
+# --breakdown's dpro blocks; "tensor-bw": all mechanisms, BW from tensor hooks per module (backward_marks="tensors")
+VARIANTS = ("all", "-forward", "-backward", "-grad_ready", "-comm", "-update", "none", "tensor-bw")
 
 
 def worker(models: list[str], rounds: int, out_dir: Path) -> None:
@@ -90,7 +92,7 @@ def breakdown_worker(models: list[str], rounds: int, out_dir: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     modes = ("off", "built-in", *VARIANTS)
-    mechanisms_of = {"all": MECHANISMS, "none": ()}
+    mechanisms_of = {"all": MECHANISMS, "none": (), "tensor-bw": MECHANISMS}
     mechanisms_of.update({f"-{m}": tuple(x for x in MECHANISMS if x != m and not (m == "forward" and x == "backward"))
                           for m in MECHANISMS})
     rows = []
@@ -115,6 +117,7 @@ def breakdown_worker(models: list[str], rounds: int, out_dir: Path) -> None:
                 # hooks are installed when a step opens (in the step() before it): put this block's in place
                 recorder.suspend()
                 recorder.mechanisms = frozenset(mechanisms_of[mode_of[i]])
+                recorder.backward_marks = "tensors" if mode_of[i] == "tensor-bw" else "gradients"
                 recorder.resume()
             net = builtin if mode_of[i] == "built-in" else model
             wall, cpu = _timed_step(example, net, opts[id(net)], gen, recorder.step)
@@ -216,6 +219,8 @@ def print_breakdown(rows: list[tuple[str, dict[str, list[tuple[int, float, float
                         f"  {cpu[0] * 1000.0 / events:.1f} us per event ({events:g}/step)" if events else "")
             line(f"  {mech}" + (" (module hooks, without backward)" if mech == "forward" else ""), cpu,
                  _cost(times, base, without, 1)[0], estimate)
+        line("  BW from tensor hooks instead (per module)", _cost(times, "tensor-bw", "all", 2),
+             _cost(times, "tensor-bw", "all", 1)[0])
         line("  steps alone (no hooks: log, hand-off)", _cost(times, "none", "off", 2),
              _cost(times, "none", "off", 1)[0])
         line("dormant Python comm hook vs DDP built-in", _cost(times, "off", "built-in", 2),
@@ -228,8 +233,8 @@ def print_breakdown(rows: list[tuple[str, dict[str, list[tuple[int, float, float
 
 
 def _events_per_step(mechanism: str, per_step: dict[str, float]) -> float:
-    """How many times a mechanism's hook runs in a step: module forwards (a pre and a post hook each), BW marks
-    (one tensor hook per recorded module), gradients, buckets, the optimizer step."""
+    """How many times a mechanism's hook runs in a step: module forwards (a pre and a post hook each), BW events (one
+    mark per backward pass; with tensor hooks, one per recorded module), gradients, buckets, the optimizer step."""
     return {"forward": per_step["FW"], "backward": per_step["BW"], "grad_ready": per_step["grads"],
             "comm": per_step["COMM"], "update": 1.0}.get(mechanism, 0.0)
 

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -546,6 +547,8 @@ class TorchRecorder:
             self._suspended = False
             if self._recording:
                 self._install_hooks()
+                if self._log is not None:  # the hooks in place from now on say how this step's BW is timed
+                    self._log.gradient_marks = self._gradient_marks
 
     def _open_step(self) -> None:
         if self._writer is None:
@@ -676,12 +679,12 @@ class TorchRecorder:
         began = resolve(marks.called) if marks.called is not None else fw_end
         busy = [(resolve(t0), resolve(t1)) for _, cat, _, t0, t1, _ in log.ops if cat == "RECOMPUTE"]
         spans = split_backward(order[::-1], began, busy=busy)
-        shared = {seg for _, _, _, seg in spans if sum(1 for *_, other in spans if other == seg) > 1}
+        sizes = Counter(seg for *_, seg in spans)
         rows = []
         for name, t0, t1, seg in spans:
             grads = grads_in[name]
             args: dict[str, Any] = {"step": step, "grads": grads, "grads_ready_us": [ready[g] for g in grads]}
-            if seg in shared:
+            if sizes[seg] > 1:
                 args["estimated"] = "modules between two gradient marks: their span split by forward times"
             rows.append(event_row(f"BW.{name}", "BW", COMPUTE, t0, t1 - t0, args))
         return rows
