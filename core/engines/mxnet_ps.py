@@ -315,12 +315,6 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
                 if at is None or mine is None or mine == at:
                     push[rank] = pull[rank] = (0.0, ())
                     continue
-                import os as _os
-                if _os.environ.get("DPRO_EXP_DIRECTION"):
-                    us = server.link_us(nbytes, world, bandwidth)
-                    push[rank] = (us, (f"up@{mine}", f"down@{at}"))
-                    pull[rank] = (us, (f"up@{at}", f"down@{mine}"))
-                    continue
                 us = server.link_us(nbytes, world, bandwidth) * sharing[(mine, at)]
                 connection = (f"link@{mine}~{at}",)  # the pushes and the answers between the two hosts
                 push[rank] = (us, connection)
