@@ -588,22 +588,31 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
 
 def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict[int, tuple[int, int]]],
                     it: int) -> None:
-    """The pushes, server work and answers of the iteration's exchanges, key by key in launch order (the order
-    their nodes take on the shared link and server queues)."""
-    for name, members in exchanged.items():
-        for part in model.exchanges[name]:
-            pushes = []
-            for rank, (arrival, _) in sorted(members.items()):
-                us, links = part.push.get(rank, (0.0, ()))
-                node = b.add(f"{name}.push", "XFER", rank, it, None, us, 0.0, [arrival])
-                for link in links:
-                    b.wait_on_queue(link, node)
-                pushes.append(node)
-            served = b.add(f"{name}.server", "XFER", -1, it, None, part.server_us, 0.0, pushes)
-            b.wait_on_queue(part.server_queue, served)
-            for rank, (_, done) in sorted(members.items()):
-                us, links = part.pull.get(rank, (0.0, ()))
-                node = b.add(f"{name}.pull", "XFER", rank, it, None, us, 0.0, [served])
-                for link in links:
-                    b.wait_on_queue(link, node)
-                b.preds[done].append(node)
+    """The pushes, server work and answers of the iteration's exchanges: every push first, then the servers'
+    work, then the answers, each phase key by key in launch order (the order their nodes take on the shared link
+    and server queues). Workers push each key as soon as it is ready and the answers come once every push of a key
+    is in, so a link carries the pushes before the answers that follow them; pushes of two parts in opposite
+    directions run side by side."""
+    parts = [(name, members, part) for name, members in exchanged.items() for part in model.exchanges[name]]
+    pushed = []
+    for name, members, part in parts:
+        nodes = []
+        for rank, (arrival, _) in sorted(members.items()):
+            us, links = part.push.get(rank, (0.0, ()))
+            node = b.add(f"{name}.push", "XFER", rank, it, None, us, 0.0, [arrival])
+            for link in links:
+                b.wait_on_queue(link, node)
+            nodes.append(node)
+        pushed.append(nodes)
+    served = []
+    for (name, _, part), pushes in zip(parts, pushed, strict=True):
+        node = b.add(f"{name}.server", "XFER", -1, it, None, part.server_us, 0.0, pushes)
+        b.wait_on_queue(part.server_queue, node)
+        served.append(node)
+    for (name, members, part), server in zip(parts, served, strict=True):
+        for rank, (_, done) in sorted(members.items()):
+            us, links = part.pull.get(rank, (0.0, ()))
+            node = b.add(f"{name}.pull", "XFER", rank, it, None, us, 0.0, [server])
+            for link in links:
+                b.wait_on_queue(link, node)
+            b.preds[done].append(node)

@@ -19,6 +19,7 @@ from dpro.engines.mxnet_ps import (
     free_cpus,
     host_cpus,
     key_servers,
+    link_queues,
     server_queue,
     server_slowdown,
 )
@@ -146,16 +147,10 @@ def test_servers_on_other_hosts_are_priced_by_the_links_between_hosts(tmp_path):
     assert split.predicted_step_ms < predict(ctx, {NUM_SERVERS: 1, BIGARRAY_BOUND: 1000}).predicted_step_ms
     exchanges = ps_model(ctx, {NUM_SERVERS: 1}, model).exchanges
     links = {q for parts in exchanges.values() for part in parts for _, qs in part.push.values() for q in qs}
-    assert links == {"link@hostA~hostB"}  # worker 1 (hostA) talks to the one server, on hostB
+    assert links == {"link-out@hostA", "link-in@hostB"}  # worker 1 (hostA) pushes to the one server, on hostB
     assert predict(ctx, {"env": {"DMLC_NUM_SERVER": "1"}}).predicted_step_ms == one.predicted_step_ms
 
 
-def test_a_connection_is_slowed_by_the_others_on_its_hosts_links_by_their_bytes():
-    from dpro.engines.mxnet_ps import link_sharing
-
-    both = [("k", [(0, 100.0, "B"), (1, 100.0, "A")])]  # a key split over servers on hosts B and A
-    shared = link_sharing(both, ["B", "A"])
-    assert shared == {("A", "B"): 1.5, ("B", "A"): 1.5}  # as many bytes on the same links: half slower
-    lopsided = link_sharing([("k", [(0, 100.0, "B")]), ("b", [(1, 1.0, "A")])], ["B", "A"])
-    assert lopsided[("A", "B")] == pytest.approx(1.005) and lopsided[("B", "A")] == 1.5
-    assert link_sharing([("k", [(0, 100.0, "B")])], ["B", "A"]) == {("A", "B"): 1.0}  # alone on its links
+def test_a_transfer_takes_its_hosts_outgoing_and_incoming_links():
+    assert link_queues("A", "B") == ("link-out@A", "link-in@B")
+    assert not set(link_queues("A", "B")) & set(link_queues("B", "A"))  # full duplex: opposite ways side by side
