@@ -68,11 +68,13 @@ logger = get_logger("dpro.plugins.torch")
 _ACTIVE: weakref.WeakSet[TorchRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
 
 MECHANISMS = ("forward", "backward", "grad_ready", "comm", "update")
-BACKWARD_MARKS = ("gradients", "tensors")
 """What the recorder hooks, each of which can be left out (``mechanisms=``): module forward hooks (FW, and the end of
-IO), tensor hooks hung on module outputs and inputs (BW start and end), post-accumulate-grad hooks (when each gradient
-is ready), DDP's communication hook (COMM per bucket; without it DDP keeps its built-in allreduce), optimizer step
-hooks (UPDATE). ``bench/overhead.py --breakdown`` prices each by leaving it out."""
+IO), BW (by ``BACKWARD_MARKS``), post-accumulate-grad hooks (when each gradient is ready), DDP's communication hook
+(COMM per bucket; without it DDP keeps its built-in allreduce), optimizer step hooks (UPDATE).
+``bench/overhead.py --breakdown`` prices each by leaving it out."""
+BACKWARD_MARKS = ("gradients", "tensors")
+"""How BW is timed: from one mark per backward pass and the gradient marks (each module from the gradients of the one
+before it to its own), or from tensor hooks hung on module outputs and inputs (each module's own BW start and end)."""
 
 
 def active_recorders() -> list[TorchRecorder]:
