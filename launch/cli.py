@@ -120,12 +120,16 @@ dpro options:
                                    "tensor_groups" become hvd.DistributedOptimizer(groups=) unless the script
                                    passes groups; "recompute" is applied to the model found for the optimizer.
     --force                        apply a config made for another job anyway
+    --backward-marks gradients|tensors
+                                   how the torch recorder times BW: from the gradients' ready marks (default)
+                                   or with a tensor hook per module (exact per module, costlier)
     --auto                         profile -> optimize -> run again with the config, recorded into
                                    RUN-applied -> print measured step before and after, the predicted step
                                    and the knobs applied
 
 What a job gets in its environment: DPRO_LAUNCH=1, DPRO_AUTO_RECORD (1 or 0), DPRO_PROFILE=START:STOP,
 DPRO_RUN_DIR=RUN, DPRO_CONFIG (with --apply FILE), DPRO_APPLY_SEARCH (with --apply auto), DPRO_FORCE,
+DPRO_BACKWARD_MARKS (with --backward-marks tensors),
 the Horovod variables above (with the horovod engine, HOROVOD_TIMELINE=DYNAMIC when recording and no
 timeline is named, so that dpro's Horovod recorder can run the timeline for the window only), and
 PYTHONPATH with dpro's auto-attach directory first (a sitecustomize.py that also runs the one it hides,
@@ -250,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     dpro.add_argument("--allow-compression", action="store_true", help="--optimize may choose fp16 compression")
     dpro.add_argument("--apply", metavar="FILE|auto", help="apply a dpro config (auto: the newest made for this job)")
     dpro.add_argument("--force", action="store_true", help="apply a config made for another job anyway")
+    dpro.add_argument("--backward-marks", choices=("gradients", "tensors"), default="gradients",
+                      help="how the torch recorder times BW (default: from the gradients' ready marks)")
     dpro.add_argument("--auto", action="store_true",
                       help="profile, optimize, re-run with the config, print before/after")
     return parser
@@ -298,7 +304,7 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
         horovod_config_file=args.config_file, profile=None if args.no_profile else parse_window(args.profile),
         run_dir=Path(args.run_dir) if args.run_dir else None, optimize=args.optimize, apply=apply, auto=args.auto,
         memory_budget_bytes=budget, allow_compression=args.allow_compression, force=args.force,
-        num_servers=args.num_servers, cwd=cwd,
+        backward_marks=args.backward_marks, num_servers=args.num_servers, cwd=cwd,
     )
 
 

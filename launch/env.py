@@ -27,6 +27,7 @@ __all__ = [
     "AUTOATTACH_DIR",
     "DPRO_APPLY_SEARCH",
     "DPRO_AUTO_RECORD",
+    "DPRO_BACKWARD_MARKS",
     "DPRO_FORCE",
     "DPRO_LAUNCH",
     "DPRO_PROFILE",
@@ -47,6 +48,7 @@ DPRO_AUTO_RECORD = "DPRO_AUTO_RECORD"    # "1": attach a recorder to the script'
 DPRO_PROFILE = "DPRO_PROFILE"            # the window, "START:STOP"
 DPRO_FORCE = "DPRO_FORCE"                # "1": apply a config made for another job anyway
 DPRO_APPLY_SEARCH = "DPRO_APPLY_SEARCH"  # --apply auto: the ranks pick the newest config made for their model here
+DPRO_BACKWARD_MARKS = "DPRO_BACKWARD_MARKS"  # --backward-marks tensors: the torch recorder times BW per module
 # DPRO_RUN_DIR (dpro.record.protocol.RUN_DIR_ENV): the run directory; DPRO_CONFIG (dpro.config.DPRO_CONFIG): the config
 
 
@@ -184,6 +186,8 @@ def job_env(config: LaunchConfig, *, base: Mapping[str, str] | None = None) -> d
         env[DPRO_APPLY_SEARCH] = str(apply_search_root(config))
     if config.force:
         env[DPRO_FORCE] = "1"
+    if config.backward_marks != "gradients":
+        env[DPRO_BACKWARD_MARKS] = config.backward_marks
     env["PYTHONPATH"] = _prepend_path(str(AUTOATTACH_DIR), base.get("PYTHONPATH"))
     return env
 

@@ -356,6 +356,8 @@ class LaunchConfig:
         auto: profile, optimize, re-run with the config, and print before/after.
         memory_budget_bytes: peak memory per rank that ``optimize`` must respect (recomputation).
         force: apply a config made for another job anyway.
+        backward_marks: how the torch recorder times BW: "gradients" (from the gradients' ready marks, the default)
+            or "tensors" (a tensor hook per module: exact per module, costlier).
 
     Raises:
         UsageError: any inconsistent or out-of-range value, with how to fix it.
@@ -385,6 +387,7 @@ class LaunchConfig:
     memory_budget_bytes: int | None = None
     allow_compression: bool = False
     force: bool = False
+    backward_marks: str = "gradients"
     num_servers: int | None = None
     cwd: Path = field(default_factory=Path.cwd)
 
@@ -471,6 +474,8 @@ class LaunchConfig:
                                  "choose another --run-dir")
         if self.optimize and self.profile is None:
             raise UsageError("--optimize analyzes the recorded run; it cannot be combined with --no-profile")
+        if self.backward_marks not in ("gradients", "tensors"):
+            raise UsageError(f"--backward-marks {self.backward_marks!r}: expected gradients or tensors")
         if self.apply is not None and self.apply != "auto":
             path = Path(self.apply)
             path = path if path.is_absolute() else self.cwd / path

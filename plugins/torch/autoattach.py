@@ -62,6 +62,7 @@ __all__ = ["install", "installed", "owning_model"]
 # The variables dpro-launch sets (dpro.launch.env names them too; a plugin does not import the launcher).
 AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
 CONFIG, APPLY_SEARCH, FORCE = "DPRO_CONFIG", "DPRO_APPLY_SEARCH", "DPRO_FORCE"
+BACKWARD_MARKS = "DPRO_BACKWARD_MARKS"
 STEP_TIMES = "DPRO_STEP_TIMES"
 ELSEWHERE_FILE = "recorded-elsewhere.json"
 WHO = "dpro-launch"
@@ -285,7 +286,8 @@ class _State:
         if self.config_source:
             knobs["dpro.config"] = self.config_source
         try:
-            self.recorder = recorder_class(model, optimizer, self.run_dir, steps, extra_knobs=knobs, who=WHO)
+            self.recorder = recorder_class(model, optimizer, self.run_dir, steps, extra_knobs=knobs, who=WHO,
+                                           backward_marks=os.environ.get(BACKWARD_MARKS) or "gradients")
         except DproError as err:
             _say(f"not recording: {err}")
             unhook()
@@ -401,7 +403,8 @@ def _patch_trainer(module: ModuleType) -> None:
             given = kwargs.get("callbacks")
             listed = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
             if not any(isinstance(cb, DproCallback) for cb in listed):
-                listed.append(DproCallback(run_dir=state.run_dir, steps=range(*state.window)))
+                listed.append(DproCallback(run_dir=state.run_dir, steps=range(*state.window),
+                                           backward_marks=os.environ.get(BACKWARD_MARKS) or "gradients"))
                 kwargs["callbacks"] = listed
         original(self, *args, **kwargs)
         callbacks = [cb for cb in getattr(self, "callbacks", []) if isinstance(cb, DproCallback)]

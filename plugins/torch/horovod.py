@@ -138,7 +138,7 @@ class HorovodRecorder(TorchRecorder):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path | None,
                  steps: Iterable[int], *, total_steps: int | None = None, extra_knobs: dict[str, Any] | None = None,
-                 who: str = "dpro.plugins.torch.horovod.record_horovod") -> None:
+                 who: str = "dpro.plugins.torch.horovod.record_horovod", backward_marks: str = "gradients") -> None:
         if not hvd.is_initialized():
             raise UsageError(f"{who}: Horovod is not initialized; call hvd.init() before recording")
         if not hasattr(optimizer, "_allreduce_grad_async") or not hasattr(optimizer, "synchronize"):
@@ -150,7 +150,7 @@ class HorovodRecorder(TorchRecorder):
         # optimizer=None: TorchRecorder's UPDATE hooks would fire twice under Horovod (see _install_hooks)
         super().__init__(model, None, run_dir, steps, total_steps=total_steps, extra_knobs=extra,
                          versions={"horovod": horovod.__version__}, engine=ENGINE, who=who,
-                         transport=HorovodTransport(), claim=_claim_beside_timeline)
+                         transport=HorovodTransport(), claim=_claim_beside_timeline, backward_marks=backward_marks)
         self._pending: dict[Any, tuple[str, str, list[str], int, Any, int, dict]] = {}
         self._update_start: Any = None
         self._update_open = False

@@ -92,6 +92,14 @@ def test_horovodrun_settings_become_fields_and_environment(flags, field, value, 
         assert horovod_env(again.horovod) == env
 
 
+def test_backward_marks_reach_the_ranks_only_when_asked_for():
+    assert "DPRO_BACKWARD_MARKS" not in launch_env(parse("-np", "2", "python", "train.py"))
+    config = parse("-np", "2", "--backward-marks", "tensors", "python", "train.py")
+    assert config.backward_marks == "tensors" and launch_env(config)["DPRO_BACKWARD_MARKS"] == "tensors"
+    with pytest.raises(UsageError, match="backward-marks"):
+        LaunchConfig(command=["python", "train.py"], np=2, backward_marks="hooks")
+
+
 def test_every_horovod_knob_has_a_flag():
     parser = build_parser()
     options = {opt for action in parser._actions for opt in action.option_strings}
@@ -316,6 +324,8 @@ def test_unmodified_script_is_recorded(tmp_path):
         steps = [e["args"]["step"] for e in _events(run, rank, "STEP")]
         assert steps == [2, 3, 4, 5]
         assert _events(run, rank, "COMM") and _events(run, rank, "UPDATE")
+        # BW from the gradient marks: the ReLUs, which have no gradients of their own, share a span (estimated)
+        assert {e["name"] for e in _events(run, rank, "BW") if "estimated" in e["args"]} >= {"BW.1", "BW.3"}
     # two ranks print to one pipe: their lines can interleave, so find each record by its shape
     env_lines = sorted(re.findall(r"ENV RANK=\d .*?OMP_NUM_THREADS=\d+", proc.stdout))
     assert env_lines == [f"ENV RANK={r} LOCAL_RANK={r} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
