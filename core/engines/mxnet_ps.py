@@ -71,7 +71,7 @@ class ServerModel:
     side by side, while transfers the same way take turns, every push of a step before the answers (the graph wires
     them so); between processes of one host: nothing beyond the server's work. (The previous model, one queue per
     worker-server connection slowed by the others on its hosts, missed the emulated 1 Gbit/s cnn's 1-server
-    what-if by 15-29%; this one by 5-11%: ``bench/mxnet_ps.py``.)"""
+    what-if by 16-21% (too fast); this one by 10-17% (too slow): ``bench/mxnet_ps.py``.)"""
 
     fixed_us: float
     us_per_byte: float
