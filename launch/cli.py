@@ -151,6 +151,7 @@ from pathlib import Path
 from dpro import __version__
 from dpro.errors import DproError, UsageError
 from dpro.launch.settings import (
+    BACKWARD_MARKS,
     ENGINE_NAMES,
     LOG_LEVELS,
     HorovodSettings,
@@ -254,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     dpro.add_argument("--allow-compression", action="store_true", help="--optimize may choose fp16 compression")
     dpro.add_argument("--apply", metavar="FILE|auto", help="apply a dpro config (auto: the newest made for this job)")
     dpro.add_argument("--force", action="store_true", help="apply a config made for another job anyway")
-    dpro.add_argument("--backward-marks", choices=("gradients", "tensors"), default="gradients",
+    dpro.add_argument("--backward-marks", choices=BACKWARD_MARKS, default="gradients",
                       help="how the torch recorder times BW (default: from the gradients' ready marks)")
     dpro.add_argument("--auto", action="store_true",
                       help="profile, optimize, re-run with the config, print before/after")

@@ -17,6 +17,7 @@ from typing import Any
 from dpro.errors import UsageError
 
 __all__ = [
+    "BACKWARD_MARKS",
     "ENGINE_NAMES",
     "LOG_LEVELS",
     "HorovodSettings",
@@ -33,6 +34,7 @@ __all__ = [
 ENGINE_NAMES = ("torch", "horovod", "tf", "mxnet")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # horovod's config_parser.LOG_LEVELS
 DEFAULT_WINDOW = (10, 20)
+BACKWARD_MARKS = ("gradients", "tensors")  # --backward-marks: the torch recorder's (a launcher imports no plugin)
 DEFAULT_START_TIMEOUT_S = 30.0  # horovodrun's default; HOROVOD_START_TIMEOUT overrides it, --start-timeout wins
 
 
@@ -474,7 +476,7 @@ class LaunchConfig:
                                  "choose another --run-dir")
         if self.optimize and self.profile is None:
             raise UsageError("--optimize analyzes the recorded run; it cannot be combined with --no-profile")
-        if self.backward_marks not in ("gradients", "tensors"):
+        if self.backward_marks not in BACKWARD_MARKS:
             raise UsageError(f"--backward-marks {self.backward_marks!r}: expected gradients or tensors")
         if self.apply is not None and self.apply != "auto":
             path = Path(self.apply)

@@ -80,6 +80,11 @@ def _rank() -> int:
     return int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or 0)
 
 
+def _backward_marks() -> str:
+    """How dpro-launch asked the recorders to time BW (``--backward-marks``; a recorder refuses a wrong value)."""
+    return os.environ.get(BACKWARD_MARKS) or "gradients"
+
+
 def _say(message: str) -> None:
     """Users hear from rank 0 only."""
     if _rank() == 0:
@@ -287,7 +292,7 @@ class _State:
             knobs["dpro.config"] = self.config_source
         try:
             self.recorder = recorder_class(model, optimizer, self.run_dir, steps, extra_knobs=knobs, who=WHO,
-                                           backward_marks=os.environ.get(BACKWARD_MARKS) or "gradients")
+                                           backward_marks=_backward_marks())
         except DproError as err:
             _say(f"not recording: {err}")
             unhook()
@@ -404,7 +409,7 @@ def _patch_trainer(module: ModuleType) -> None:
             listed = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
             if not any(isinstance(cb, DproCallback) for cb in listed):
                 listed.append(DproCallback(run_dir=state.run_dir, steps=range(*state.window),
-                                           backward_marks=os.environ.get(BACKWARD_MARKS) or "gradients"))
+                                           backward_marks=_backward_marks()))
                 kwargs["callbacks"] = listed
         original(self, *args, **kwargs)
         callbacks = [cb for cb in getattr(self, "callbacks", []) if isinstance(cb, DproCallback)]

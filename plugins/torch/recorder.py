@@ -149,11 +149,11 @@ class _StepLog:
         self.passes.append(self.backward)
         self.backward = _BackwardMarks(first_forward=len(self.forwards))
 
-    def pass_forwards(self) -> list[tuple[_BackwardMarks, list[tuple[str, Any, Any, int, bool]]]]:
-        """Each backward pass of the step with the forwards that came before it."""
+    def pass_ranges(self) -> list[tuple[_BackwardMarks, slice]]:
+        """Each backward pass of the step with where the forwards that came before it lie in ``forwards``."""
         marks = [*self.passes, self.backward]
         ends = [m.first_forward for m in marks[1:]] + [len(self.forwards)]
-        return [(m, self.forwards[m.first_forward:end]) for m, end in zip(marks, ends, strict=True)]
+        return [(m, slice(m.first_forward, end)) for m, end in zip(marks, ends, strict=True)]
 
 
 def in_backward() -> bool:
@@ -618,9 +618,10 @@ class TorchRecorder:
         t_start = resolve(log.start)
         rows = [event_row("STEP", "STEP", HOST, t_start, resolve(log.end) - t_start,
                           {"step": step, "peak_memory_bytes": self._peak_memory()})]
-        for name, t0, t1, nbytes, _ in log.forwards:
-            ts = resolve(t0)
-            rows.append(event_row(f"FW.{name}", "FW", COMPUTE, ts, resolve(t1) - ts, {"step": step, "bytes": nbytes}))
+        forwards = [(name, resolve(t0), resolve(t1), nbytes, needs_grad)
+                    for name, t0, t1, nbytes, needs_grad in log.forwards]
+        for name, ts, te, nbytes, _ in forwards:
+            rows.append(event_row(f"FW.{name}", "FW", COMPUTE, ts, te - ts, {"step": step, "bytes": nbytes}))
             self._fired.add(name)
         for name, cat, tid, t0, t1, args in log.ops:
             ts = resolve(t0)
@@ -629,10 +630,10 @@ class TorchRecorder:
                 self._fired.add(name[3:])
         grads_of = self._grads_by_module()
         ready: dict[str, float] = {}
-        for marks, forwards in log.pass_forwards():
+        for marks, forwards_before in log.pass_ranges():
             ready = {n: resolve(m) for n, m in marks.grad_ready.items()}
             if log.gradient_marks:
-                rows += self._backward_rows(log, marks, forwards, ready, grads_of, step)
+                rows += self._backward_rows(log, marks, forwards[forwards_before], ready, grads_of, step)
                 continue
             bw_end = dict(marks.bw_end)
             for name, alias in marks.bw_end_is_start_of.items():
@@ -658,16 +659,16 @@ class TorchRecorder:
         if self.rank == 0 and len(self._writer.steps_done) == 1:
             self._write_model_json()
 
-    def _backward_rows(self, log: _StepLog, marks: _BackwardMarks, forwards: list[tuple[str, Any, Any, int, bool]],
+    def _backward_rows(self, log: _StepLog, marks: _BackwardMarks, forwards: list[tuple[str, float, float, int, bool]],
                        ready: dict[str, float], grads_of: dict[str, list[str]], step: int) -> list[list[Any]]:
-        """BW events of one pass from its gradient marks (``backward_marks="gradients"``; ``split_backward``)."""
+        """BW events of one pass from its gradient marks (``backward_marks="gradients"``; ``split_backward``);
+        ``forwards``: the pass's forwards, resolved to µs."""
         resolve = self._resolve
         order: list[tuple[str, float | None, float]] = []
         seen: set[str] = set()
         grads_in: dict[str, list[str]] = {}
         fw_end = None
-        for name, t0, t1, _, needs_grad in forwards:
-            start, end = resolve(t0), resolve(t1)
+        for name, start, end, _, needs_grad in forwards:
             fw_end = end if fw_end is None else max(fw_end, end)
             if name in seen:
                 continue  # a module run twice in a pass: its gradients are ready once, after both backwards
