@@ -111,8 +111,15 @@ class RankTraceWriter:
     world_size: int
     header: dict[str, Any]
     steps_done: list[int] = field(default_factory=list)
-    rows: list[list[Any]] = field(default_factory=list)
     finished: bool = False
+    # each finished step's journal line: strings, which the garbage collector does not traverse (rows kept as lists
+    # and dicts made every collection of the training process slower as the window went on)
+    _lines: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def rows(self) -> list[list[Any]]:
+        """Every finished step's events, in the order they were journaled."""
+        return [row for line in self._lines for row in json.loads(line)["rows"]]
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -124,7 +131,7 @@ class RankTraceWriter:
         self._write_line({"schema": TRACE_SCHEMA, "rank": self.rank, "world_size": self.world_size,
                           "header": self.header})
 
-    def _write_line(self, obj: dict[str, Any]) -> None:
+    def _write_line(self, obj: dict[str, Any]) -> str:
         if _orjson is not None:
             try:
                 line = _orjson.dumps(obj).decode()
@@ -134,12 +141,12 @@ class RankTraceWriter:
             line = json.dumps(obj, separators=(",", ":"))
         self._journal.write(line + "\n")
         self._journal.flush()
+        return line
 
     def end_step(self, step: int, rows: list[list[Any]]) -> None:
         """Record a finished step's events (``dpro.record.trace.event_row`` rows): journaled at once, kept."""
-        self._write_line({"step": step, "rows": rows})
+        self._lines.append(self._write_line({"step": step, "rows": rows}))
         self.steps_done.append(step)
-        self.rows.extend(rows)
 
     @contextlib.contextmanager
     def inside(self, what: str) -> Iterator[None]:

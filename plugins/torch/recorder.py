@@ -13,15 +13,15 @@ the events are turned into microseconds on the host clock once per profiled step
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
-import queue
 import resource
 import socket
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +72,8 @@ MECHANISMS = ("forward", "backward", "grad_ready", "comm", "update")
 IO), BW (by ``BACKWARD_MARKS``), post-accumulate-grad hooks (when each gradient is ready), DDP's communication hook
 (COMM per bucket; without it DDP keeps its built-in allreduce), optimizer step hooks (UPDATE).
 ``bench/overhead.py --breakdown`` prices each by leaving it out."""
+BUILD_INTERVAL_S = 0.05
+"""How often the builder thread journals the steps finished since: what a process killed outright can lose."""
 BACKWARD_MARKS = ("gradients", "tensors")
 """How BW is timed: from one mark per backward pass and the gradient marks (each module from the gradients of the one
 before it to its own), or from tensor hooks hung on module outputs and inputs (each module's own BW start and end)."""
@@ -207,8 +209,9 @@ class TorchRecorder:
             on each module's output and input tensors mark its own backward, exact per module at about 17 µs more
             per module and step on a CPU (also used when grad_ready is not among ``mechanisms``).
 
-    The training thread only takes timestamps; each step's events are built and journaled by a background thread
-    (``close`` waits for it), so a process killed outright may lose the step it finished in the last millisecond.
+    The training thread only takes timestamps; the steps' events are built and journaled by a background thread
+    every ``BUILD_INTERVAL_S`` (``close`` waits for it), so a process killed outright may lose the steps it finished
+    in the last 50 ms.
 
     Engines other than torch.distributed (Horovod) pass their own ``transport`` and add their entries
     to run.json through ``_run_extra``; the hooks are the same.
@@ -286,7 +289,8 @@ class TorchRecorder:
         self._step_ends: dict[int, tuple[float, float]] = {}  # iteration -> (wall, thread CPU) at its end
         self._bucket_tensors: dict[int, tuple[int, list[str]]] = {}  # bucket index -> (bytes, gradient names)
         self._builder: threading.Thread | None = None
-        self._to_build: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_build: deque[tuple[_StepLog, int]] = deque()  # finished steps; appended without waking anyone
+        self._stop_building = threading.Event()
         self._build_error: BaseException | None = None
         self.build_cpu_s = 0.0  # the builder thread's CPU time (what recording costs beside the training thread)
         _ACTIVE.add(self)
@@ -365,9 +369,17 @@ class TorchRecorder:
     def _install_hooks(self) -> None:
         mechanisms = self.mechanisms
         if "forward" in mechanisms:
+            timed: dict[int, tuple[Callable, Callable]] = {}
             for name, mod in self._modules:
+                if isinstance(mod, torch.jit.ScriptModule):
+                    continue  # takes neither hooks nor a wrapper: its time stays in the gap before the next module
                 pre, post = self._module_hooks(name, backward=self._tensor_marks)
-                self._handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+                if "forward" in mod.__dict__:  # a forward of its own instance, which the class's does not reach
+                    self._handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+                else:
+                    timed[id(mod)] = (pre, post)
+            if timed:
+                self._handles += _time_class_forwards([mod for _, mod in self._modules if id(mod) in timed], timed)
         if "grad_ready" in mechanisms:
             for name, p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(name)))
@@ -594,22 +606,26 @@ class TorchRecorder:
         log.end = self._mark()
         self.batch_ready(log.end)  # a step without a forward still closes its IO event
         log.last_output = None  # the builder keeps the log; not the activation
-        self._to_build.put((log, self._iteration))
+        self._to_build.append((log, self._iteration))
 
     def _build_steps(self) -> None:
-        """The builder thread: turns each finished step's marks into events and journals them, in order."""
+        """The builder thread: every ``BUILD_INTERVAL_S`` (and once more when told to stop), turns the steps finished
+        since into events and journals them, in order. Waking it at each step's end cost the training thread about
+        25 µs per step (the wake-up and the GIL passed back and forth); a few steps at a time cost a fraction."""
         start_cpu = time.thread_time()
         while True:
-            item = self._to_build.get()
-            if item is None:
-                break
-            if self._build_error is not None:
-                continue  # keep draining; the first error is reported by close()
-            try:
-                self._build_step(*item)
-            except BaseException as err:  # noqa: BLE001 - handed to close(), which reports it
-                self._build_error = err
+            stopping = self._stop_building.wait(BUILD_INTERVAL_S)
+            while self._to_build:
+                item = self._to_build.popleft()
+                if self._build_error is not None:
+                    continue  # keep draining; the first error is reported by close()
+                try:
+                    self._build_step(*item)
+                except BaseException as err:  # noqa: BLE001 - handed to close(), which reports it
+                    self._build_error = err
             self.build_cpu_s = time.thread_time() - start_cpu
+            if stopping:
+                break
 
     def _build_step(self, log: _StepLog, step: int) -> None:
         if self.cuda:
@@ -696,7 +712,7 @@ class TorchRecorder:
         """Wait for the builder thread to journal every finished step."""
         if self._builder is None:
             return
-        self._to_build.put(None)
+        self._stop_building.set()
         self._builder.join()
         self._builder = None
         if self._build_error is not None:
@@ -861,6 +877,50 @@ def _events_of(log: _StepLog) -> list[Any]:
         events += [*marks.bw_start.values(), *marks.bw_end.values(), *marks.grad_ready.values()]
         events += [marks.called] if marks.called is not None else []
     return list({id(ev): ev for ev in events}.values())
+
+
+class _ClassForwardPatch:
+    """The timed ``forward`` of one module class, in place while a window records; ``remove()`` puts the class's own
+    back. Hooks registered on a module make every call of it take nn.Module's slow path (about 7 µs per module and
+    call on a CPU, where a wrapper of ``forward`` costs under 2 µs), so recorded modules are timed here instead.
+    The wrapper is on the class, not the instance: a copy of a module made while recording (``copy.deepcopy`` for an
+    EMA model) must run its own forward, and instances that are not recorded pass straight through."""
+
+    def __init__(self, cls: type, original: Callable, timed: dict[int, tuple[Callable, Callable]]) -> None:
+        self.cls, self.timed = cls, timed
+        self.had_own = "forward" in cls.__dict__
+        self.own = cls.__dict__.get("forward")
+
+        @functools.wraps(original)
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            hooks = timed.get(id(module))
+            if hooks is None:
+                return original(module, *args, **kwargs)
+            pre, post = hooks
+            pre(module, args)
+            output = original(module, *args, **kwargs)
+            post(module, args, output)
+            return output
+
+        self.forward = forward
+        cls.forward = forward
+
+    def remove(self) -> None:
+        self.timed.clear()  # inert from now on, even if another wrapper was put over ours since
+        if self.cls.__dict__.get("forward") is self.forward:
+            if self.had_own:
+                self.cls.forward = self.own
+            else:
+                del self.cls.forward
+
+
+def _time_class_forwards(modules: list[nn.Module], timed: dict[int, tuple[Callable, Callable]]) -> list[Any]:
+    """Wrap the ``forward`` of each class of ``modules``: a call of a module in ``timed`` (id -> pre and post hook)
+    runs between its two hooks. Every class's forward is looked up before any is wrapped, so a recorded subclass
+    that inherits the forward of another recorded class is timed once."""
+    classes = {type(mod): None for mod in modules}
+    originals = {cls: cls.forward for cls in classes}
+    return [_ClassForwardPatch(cls, originals[cls], timed) for cls in classes]
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:

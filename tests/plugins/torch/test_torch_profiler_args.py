@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy as copy_module
+import functools
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -72,12 +76,40 @@ def test_backward_from_gradient_marks_covers_every_module_and_tensor_hooks_time_
 def test_hooks_are_removed_outside_the_window(tmp_path):
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    linear_forward, relu_forward = torch.nn.Linear.forward, torch.nn.ReLU.forward
     with Profiler(model, opt, run_dir=tmp_path / "run", steps=range(1, 2)) as prof:
-        train(prof, model, opt, 1)
-        assert model[0]._forward_hooks, "hooks are installed during the window"
-        train(prof, model, opt, 1)
-        assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks and not model[0]._backward_hooks
+        assert torch.nn.Linear.forward is linear_forward
+        train(prof, model, opt, 1)  # step 1 opens at the end of step 0: its forwards run through timed class forwards
+        assert torch.nn.Linear.forward is not linear_forward and torch.nn.ReLU.forward is not relu_forward
+        copy = copy_module.deepcopy(model)  # a copy made while recording (an EMA model) runs as itself, untimed
+        with torch.no_grad():
+            for p in copy.parameters():
+                p.zero_()
+        assert not copy(torch.ones(2, 8)).any() and model(torch.ones(2, 8)).any()
         train(prof, model, opt, 2)
+        assert torch.nn.Linear.forward is linear_forward and torch.nn.ReLU.forward is relu_forward
+        assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks and not model[0]._backward_hooks
+    fw = [e for e in json.loads((tmp_path / "run" / "rank-0.json").read_text())["traceEvents"]
+          if e.get("cat") == "FW"]
+    # step 1: the training forward, and the model's own call beside the copy's (the copy's is not there)
+    assert sorted(e["name"] for e in fw) == ["FW.0", "FW.0", "FW.1", "FW.1", "FW.2", "FW.2"]
+
+
+def test_inherited_and_instance_forwards_are_timed_once_and_a_scripted_module_is_left_alone(tmp_path):
+    class Wider(torch.nn.Linear):  # inherits Linear's forward: timed by the wrapper of its own class, not twice
+        pass
+
+    own = torch.nn.Linear(8, 8)
+    own.forward = functools.partial(torch.nn.Linear.forward, own)  # a forward of the instance's own: module hooks
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Wider(8, 8), own, torch.jit.script(torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Profiler(model, opt, run_dir=tmp_path / "run", steps=range(1, 3)) as prof:
+        train(prof, model, opt, 3)
+    assert torch.nn.Linear.forward is Wider.forward and "forward" not in Wider.__dict__
+    assert not own._forward_hooks and not own._forward_pre_hooks
+    names = [e["name"] for e in json.loads((tmp_path / "run" / "rank-0.json").read_text())["traceEvents"]
+             if e.get("cat") == "FW"]
+    assert sorted(names) == ["FW.0", "FW.0", "FW.1", "FW.1", "FW.2", "FW.2"]  # the scripted module has none
 
 
 def test_model_without_parameters_is_refused(tmp_path):
