@@ -1,12 +1,15 @@
-"""Recorder overhead: step time with dpro on vs off vs torch.profiler, side by side in one run.
+"""Recorder overhead: step time with dpro on vs off, and with torch.profiler on vs off, side by side in one run.
 
-Runs a 2-rank gloo DDP job per bundled model. Within one job the three modes rotate in blocks of
-BLOCK steps (off -> dpro -> torch.profiler -> off ...), so all three see the same machine state;
-the table gives, per mode, the median step's wall time and the training thread's CPU time
-(``time.thread_time``: what the machine's neighbours cannot inflate), the overhead relative to "off", and the
-spread of that overhead over the rounds (each round's median of a mode's block against its own "off" block).
-"off" steps run with dpro's dormant DDP comm-hook wrapper in place once the first dpro block has run (the real
-off-window cost after a window).
+Two 2-rank gloo DDP jobs run the bundled models, one per profiler: in each, blocks of BLOCK steps recorded by the
+profiler alternate with "off" blocks, so both see the same machine state. Each profiler has a job of its own because
+one leaves work behind for the steps after its blocks (torch.profiler's exported traces, hundreds of thousands of
+Python objects, made the garbage collector run in the following steps: with all three modes rotating in one job,
+dpro's blocks measured +3 to +5 points more than alone).
+The table gives, per mode, the median step's wall time and the training thread's CPU time
+(``time.thread_time``: what the machine's neighbours cannot inflate), the overhead relative to its job's "off"
+blocks, and the spread of that overhead over the rounds (each round's median of a mode's block against its own
+"off" block). "off" steps run with dpro's dormant DDP comm-hook wrapper in place once the first dpro block has run
+(the real off-window cost after a window).
 
 ``--breakdown`` prices each recording mechanism (``dpro.plugins.torch.recorder.MECHANISMS``) instead: in one job the
 recorder rotates through blocks with all mechanisms, with each one left out in turn, with none (the step hand-off
@@ -35,13 +38,17 @@ from pathlib import Path
 from typing import Any
 
 BLOCK = 4
-MODES = ("off", "dpro", "torch.profiler")
+PROFILERS = ("dpro", "torch.profiler")  # each in a job of its own, its blocks alternating with "off" blocks
 # --breakdown's dpro blocks; "tensor-bw": all mechanisms, BW from tensor hooks per module (backward_marks="tensors")
 VARIANTS = ("all", "-forward", "-backward", "-grad_ready", "-comm", "-update", "none", "tensor-bw")
 CARRY_BW = ("forward", "grad_ready")  # mechanisms BW is timed with: each is priced against "-backward"
 
 
-def worker(models: list[str], rounds: int, out_dir: Path) -> None:
+def worker(models: list[str], rounds: int, out_dir: Path, profiler: str) -> None:
+    """One job: blocks of "off" steps alternating with blocks recorded by ``profiler`` (dpro or torch.profiler);
+    rank 0 writes each model's step times to ``out_dir/<profiler>-<model>.json``."""
+    import json
+
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -52,7 +59,7 @@ def worker(models: list[str], rounds: int, out_dir: Path) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    rows = []
+    modes = ("off", profiler)
     for name in models:
         example = get_example(name)
         torch.manual_seed(0)
@@ -60,24 +67,24 @@ def worker(models: list[str], rounds: int, out_dir: Path) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         gen = torch.Generator().manual_seed(rank)
         warmup = BLOCK
-        total = warmup + rounds * len(MODES) * BLOCK
-        mode_of = ["warmup"] * warmup + [MODES[(i // BLOCK) % len(MODES)] for i in range(total - warmup)]
-        dpro_steps = [i for i, m in enumerate(mode_of) if m == "dpro"]
-        # torch.profiler's cycle: skip the warm-up, then wait over off+dpro blocks, run over its own block.
-        sched = schedule(skip_first=warmup, wait=2 * BLOCK, warmup=1, active=BLOCK - 1, repeat=0)
-        trace_path = out_dir / f"torch-{name}-{rank}.json"
-        times: dict[str, list[tuple[int, float, float]]] = {m: [] for m in MODES}  # (round, wall ms, CPU ms)
-        with Profiler(model, opt, run_dir=out_dir / f"dpro-{name}", steps=dpro_steps, total_steps=total) as prof, \
-                profile(activities=[ProfilerActivity.CPU], schedule=sched,
-                        on_trace_ready=_exporter(trace_path)) as tprof:
+        total = warmup + rounds * len(modes) * BLOCK
+        mode_of = ["warmup"] * warmup + [modes[(i // BLOCK) % len(modes)] for i in range(total - warmup)]
+        times: dict[str, list[tuple[int, float, float]]] = {m: [] for m in modes}  # (round, wall ms, CPU ms)
+        if profiler == "dpro":
+            recorder = Profiler(model, opt, run_dir=out_dir / f"dpro-{name}",
+                                steps=[i for i, m in enumerate(mode_of) if m == "dpro"], total_steps=total)
+        else:  # torch.profiler's cycle: skip the warm-up, then wait over an off block, run over its own block
+            sched = schedule(skip_first=warmup, wait=BLOCK, warmup=1, active=BLOCK - 1, repeat=0)
+            recorder = profile(activities=[ProfilerActivity.CPU], schedule=sched,
+                               on_trace_ready=_exporter(out_dir / f"torch-{name}-{rank}.json"))
+        with recorder as prof:
             for i in range(total):
-                wall, cpu = _timed_step(example, model, opt, gen, prof.step, tprof.step)
+                wall, cpu = _timed_step(example, model, opt, gen, prof.step)
                 if mode_of[i] in times:
-                    times[mode_of[i]].append(((i - warmup) // (len(MODES) * BLOCK), wall, cpu))
-        rows.append((name, times))
-        del model, opt, prof, tprof  # free DDP before the process group goes
-    if rank == 0:
-        print_table(rows)
+                    times[mode_of[i]].append(((i - warmup) // (len(modes) * BLOCK), wall, cpu))
+        if rank == 0:
+            (out_dir / f"{profiler}-{name}.json").write_text(json.dumps(times))
+        del model, opt, prof, recorder  # free DDP before the process group goes
     dist.barrier()
     dist.destroy_process_group()
 
@@ -255,18 +262,25 @@ def _overhead(times: dict[str, list[tuple[int, float, float]]], mode: str, k: in
     return 100 * (med(mode) / med("off") - 1), min(per_round), max(per_round)
 
 
-def print_table(rows: list[tuple[str, dict[str, list[tuple[int, float, float]]]]]) -> None:
+def print_table(models: list[str], out_dir: Path) -> None:
+    """One line per model: dpro's job (off and dpro blocks) and torch.profiler's job (off and torch.profiler blocks),
+    each profiler against the off blocks of its own job."""
+    import json
+
     head = (f"{'model':<12} {'steps/mode':>10} {'off ms':>8} {'dpro ms':>8} {'dpro +% wall [rounds]':>24} "
             f"{'off CPU ms':>10} {'dpro CPU ms':>11} {'dpro +% CPU [rounds]':>24} {'torch +% wall':>13} "
             f"{'torch +% CPU':>12}")
     print(head)
     print("-" * len(head))
-    for name, times in rows:
+    for name in models:
+        times = json.loads((out_dir / f"dpro-{name}.json").read_text())
+        torch_times = json.loads((out_dir / f"torch.profiler-{name}.json").read_text())
+
         def ms(mode: str, k: int, times: dict = times) -> float:
             return statistics.median(v[k] for v in times[mode])
 
         wall, cpu = _overhead(times, "dpro", 1), _overhead(times, "dpro", 2)
-        twall, tcpu = _overhead(times, "torch.profiler", 1)[0], _overhead(times, "torch.profiler", 2)[0]
+        twall, tcpu = _overhead(torch_times, "torch.profiler", 1)[0], _overhead(torch_times, "torch.profiler", 2)[0]
         print(f"{name:<12} {len(times['off']):>10} {ms('off', 1):>8.2f} {ms('dpro', 1):>8.2f} "
               f"{f'{wall[0]:+.1f} [{wall[1]:+.1f}..{wall[2]:+.1f}]':>24} {ms('off', 2):>10.2f} {ms('dpro', 2):>11.2f} "
               f"{f'{cpu[0]:+.1f} [{cpu[1]:+.1f}..{cpu[2]:+.1f}]':>24} {twall:>+13.1f} {tcpu:>+12.1f}")
@@ -279,35 +293,47 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="rotations of the three modes")
     parser.add_argument("--breakdown", action="store_true", help="price each recording mechanism (see above)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profiler", default="dpro", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
     if args.worker:
-        (breakdown_worker if args.breakdown else worker)(models, args.rounds, Path(args.out))
-        return 0
-    modes = ("off", "built-in", *VARIANTS) if args.breakdown else MODES
-    print(f"2-rank gloo DDP, 1 thread per rank, blocks of {BLOCK} steps rotating {' -> '.join(modes)}, "
-          f"{args.rounds} rounds; median step time (wall, and the training thread's CPU time) per mode", flush=True)
-    with tempfile.TemporaryDirectory() as out:
-        jobs = [(2, args.models, args.rounds)]
         if args.breakdown:
-            jobs.insert(0, (1, "hook_chain", 3 * args.rounds))
-        for ranks, models_arg, rounds in jobs:
-            status = _job(ranks, models_arg, rounds, out, args.breakdown)
+            breakdown_worker(models, args.rounds, Path(args.out))
+        else:
+            worker(models, args.rounds, Path(args.out), args.profiler)
+        return 0
+    if args.breakdown:
+        print(f"2-rank gloo DDP, 1 thread per rank, blocks of {BLOCK} steps rotating "
+              f"{' -> '.join(('off', 'built-in', *VARIANTS))}, {args.rounds} rounds; median step time (wall, and the "
+              "training thread's CPU time) per mode", flush=True)
+    else:
+        print(f"2-rank gloo DDP, 1 thread per rank; one job per profiler, blocks of {BLOCK} steps alternating off -> "
+              f"profiler, {args.rounds} rounds; median step time (wall, and the training thread's CPU time) per mode",
+              flush=True)
+    with tempfile.TemporaryDirectory() as out:
+        if args.breakdown:
+            jobs = [(1, "hook_chain", 3 * args.rounds, ""), (2, args.models, args.rounds, "")]
+        else:
+            jobs = [(2, args.models, args.rounds, profiler) for profiler in PROFILERS]
+        for ranks, models_arg, rounds, profiler in jobs:
+            status = _job(ranks, models_arg, rounds, out, args.breakdown, profiler)
             if status:
                 return status
+        if not args.breakdown:
+            print_table(models, Path(out))
         return 0
 
 
-def _job(ranks: int, models: str, rounds: int, out: str, breakdown: bool) -> int:
+def _job(ranks: int, models: str, rounds: int, out: str, breakdown: bool, profiler: str) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
            "--worker", "--models", models, "--rounds", str(rounds), "--out", out,
-           *(["--breakdown"] if breakdown else [])]
+           *(["--breakdown"] if breakdown else ["--profiler", profiler])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
-        if line.strip() and not line.startswith("USDT:"):  # torch.profiler's start/stop notes, per rank and cycle
-            print(line, end="", flush=True)
+        if line.strip() and not line.startswith("USDT:") and "Warning" not in line and "_warn_once" not in line:
+            print(line, end="", flush=True)  # (torch.profiler's start/stop notes and cycle warnings, per rank)
     return proc.wait()
 
 
