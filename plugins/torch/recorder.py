@@ -1,8 +1,9 @@
-"""The torch recorder: module, gradient, DDP-bucket and optimizer hooks of one rank.
+"""The torch recorder: module forwards, gradient, DDP-bucket and optimizer hooks of one rank.
 
 ``TorchRecorder`` is shared by ``Profiler`` (plain training loops) and the Lightning callback. It
 installs its hooks only for the profiled steps and removes them afterwards, so steps outside the
-window run the model untouched. The one exception is DDP's communication hook, which DDP lets a
+window run the model untouched (module forwards are timed by a wrapper of each recorded module class's
+``forward``, in place only while the window records). The one exception is DDP's communication hook, which DDP lets a
 process register once: dpro registers a thin wrapper around DDP's default allreduce that, outside the
 window, only forwards the call.
 
@@ -68,10 +69,10 @@ logger = get_logger("dpro.plugins.torch")
 _ACTIVE: weakref.WeakSet[TorchRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
 
 MECHANISMS = ("forward", "backward", "grad_ready", "comm", "update")
-"""What the recorder hooks, each of which can be left out (``mechanisms=``): module forward hooks (FW, and the end of
-IO), BW (by ``BACKWARD_MARKS``), post-accumulate-grad hooks (when each gradient is ready), DDP's communication hook
-(COMM per bucket; without it DDP keeps its built-in allreduce), optimizer step hooks (UPDATE).
-``bench/overhead.py --breakdown`` prices each by leaving it out."""
+"""What the recorder hooks, each of which can be left out (``mechanisms=``): module forwards (FW, and the end of IO;
+a wrapper of the recorded classes' ``forward``), BW (by ``BACKWARD_MARKS``), post-accumulate-grad hooks (when each
+gradient is ready), DDP's communication hook (COMM per bucket; without it DDP keeps its built-in allreduce),
+optimizer step hooks (UPDATE). ``bench/overhead.py --breakdown`` prices each by leaving it out."""
 BUILD_INTERVAL_S = 0.05
 """How often the builder thread journals the steps finished since: what a process killed outright can lose."""
 BACKWARD_MARKS = ("gradients", "tensors")
