@@ -52,6 +52,7 @@ __all__ = [
     "parse_skew",
     "parse_steps",
     "recording_overhead",
+    "step_ended",
     "usable_cpus",
     "wall_minus_clock_ns",
 ]
@@ -292,6 +293,13 @@ def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = P
         for i in range(repeat):
             samples.append([float(nbytes), transport.timed_allreduce(nbytes, f"dpro.probe.{nbytes}.{i}", clock)])
     return samples
+
+
+def step_ended(ends: dict[int, tuple[float, float]], iteration: int, window: list[int]) -> None:
+    """Note in ``ends`` when ``iteration`` ended (wall s, this thread's CPU s), if ``recording_overhead`` will use it:
+    from a few steps before the window to its end. A recorder calls it at every step boundary, after its own work."""
+    if window[0] - BASELINE_STEPS - 2 <= iteration <= window[-1]:
+        ends[iteration] = (time.perf_counter(), time.thread_time())
 
 
 def recording_overhead(ends: dict[int, tuple[float, float]], window: list[int]) -> dict[str, Any] | None:

@@ -38,6 +38,8 @@ from dpro.record.protocol import (
     claim_run_dir,
     clock_samples,
     parse_steps,
+    recording_overhead,
+    step_ended,
     wall_minus_clock_ns,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
@@ -209,6 +211,7 @@ class TFRecorder:
         self._writer: RankTraceWriter | None = None
         self._closed = False
         self._timeline_started = False
+        self._step_ends: dict[int, tuple[float, float]] = {}  # iteration -> (wall, thread CPU) at its end
 
     @property
     def started(self) -> bool:
@@ -234,6 +237,7 @@ class TFRecorder:
         if self.iteration in self.window and self._profiling and self._step_begin is not None:
             self._marks.append((self.iteration, self._step_begin, now))
         self._last_end = now
+        step_ended(self._step_ends, self.iteration, self.steps)  # the overhead's clock
         self.iteration += 1
         if self.iteration > self.steps[-1]:
             self.close()
@@ -298,6 +302,9 @@ class TFRecorder:
         missing = [s for s in self.steps if s not in rows_by_step]
         if missing and not note:
             note = f"the run ended before steps {missing[0]}..{missing[-1]}"
+        overhead = recording_overhead(self._step_ends, list(self.steps))
+        if overhead is not None:  # the Python thread's CPU only: TensorFlow runs the ops (and its profiler) on its own
+            self._writer.header["recording_overhead"] = overhead
         self._writer.finish(complete=not missing, note=note)
         if self.rank == 0:
             self._write_model_json(rows_by_step)

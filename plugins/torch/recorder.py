@@ -39,7 +39,6 @@ from dpro.logs import get_logger
 from dpro.plugins.torch.transport import TorchDistTransport
 from dpro.record.backward import split_backward
 from dpro.record.protocol import (
-    BASELINE_STEPS,
     Clock,
     LocalTransport,
     Transport,
@@ -50,6 +49,7 @@ from dpro.record.protocol import (
     clock_samples,
     parse_steps,
     recording_overhead,
+    step_ended,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.writer import (
@@ -544,8 +544,7 @@ class TorchRecorder:
             if not self._suspended:
                 self._remove_hooks()
             self._recording = False
-        if self.steps[0] - BASELINE_STEPS - 2 <= self._iteration - 1 <= self.steps[-1]:  # the overhead's clock
-            self._step_ends[self._iteration - 1] = (time.perf_counter(), time.thread_time())
+        step_ended(self._step_ends, self._iteration - 1, self.steps)  # the overhead's clock
         if self._iteration > self.steps[-1]:
             self.close()
 

@@ -207,6 +207,8 @@ def test_mwms_fit_records_every_layer_and_the_gradient_bytes(tmp_path: Path) -> 
     assert (run / "xplane-rank0").is_dir() and (run / "xplane-rank1").is_dir()  # the raw profile is kept
     for rank in (0, 1):
         events = _events(run, rank)
+        overhead = json.loads((run / f"rank-{rank}.json").read_text())["recording_overhead"]  # for `dpro info`
+        assert overhead["recorded_steps"] == 3 and overhead["unrecorded_steps"] == 4, overhead
         for step in (6, 7, 8, 9):
             names = {e["name"] for e in events if e["args"]["step"] == step}
             for layer in WEIGHTED:
