@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import gc
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -96,6 +97,21 @@ def write_model_json(run_dir: Path, doc: dict[str, Any]) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's garbage collector off while the block runs (as it was before, after). Writing a rank's trace makes a
+    few objects per event, all alive until the file is written: the collections they set off promote them, until a
+    full collection of the whole process runs (measured: 125-165 ms with torch's ~290,000 objects, in the step that
+    closed a 1,200-step window). They hold no cycles, so reference counting frees them all once the file is written."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @dataclass
 class RankTraceWriter:
     """Writes one rank's trace: a journal line per finished step, then ``rank-<r>.json`` at the end.
@@ -164,6 +180,10 @@ class RankTraceWriter:
         if self.finished:
             return self.run_dir / rank_file(self.rank)
         self.finished = True
+        with _collector_paused():
+            return self._write_rank_file(complete=complete, note=note)
+
+    def _write_rank_file(self, *, complete: bool, note: str) -> Path:
         doc = {
             "schema": TRACE_SCHEMA,
             "dpro_version": __version__,
