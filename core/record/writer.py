@@ -129,7 +129,7 @@ class RankTraceWriter:
     steps_done: list[int] = field(default_factory=list)
     finished: bool = False
     # each finished step's journal line: strings, which the garbage collector does not traverse (rows kept as lists
-    # and dicts made every collection of the training process slower as the window went on)
+    # and dicts would add a few objects per event to every full collection of the training process)
     _lines: list[str] = field(default_factory=list, repr=False)
 
     @property
