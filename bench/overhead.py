@@ -2,9 +2,8 @@
 
 Two 2-rank gloo DDP jobs run the bundled models, one per profiler: in each, blocks of BLOCK steps recorded by the
 profiler alternate with "off" blocks, so both see the same machine state. Each profiler has a job of its own because
-one leaves work behind for the steps after its blocks (torch.profiler's exported traces, hundreds of thousands of
-Python objects, made the garbage collector run in the following steps: with all three modes rotating in one job,
-dpro's blocks measured +3 to +5 points more than alone).
+torch.profiler's blocks, which export a trace each, slow the blocks after them: with all three modes rotating in one
+job, dpro's mlp blocks measured +2.7 to +7.9%, against +0.4 to +0.7% with off and dpro blocks alone.
 The table gives, per mode, the median step's wall time and the training thread's CPU time
 (``time.thread_time``: what the machine's neighbours cannot inflate), the overhead relative to its job's "off"
 blocks, and the spread of that overhead over the rounds (each round's median of a mode's block against its own

@@ -428,7 +428,8 @@ class TorchRecorder:
         self._patched_backward = (backward, original)
 
     def _module_hooks(self, name: str, *, backward: bool = True) -> tuple[Callable, Callable]:
-        """Forward pre/post hooks of one module; with ``backward`` they also hang BW marks on the module's tensors.
+        """What runs before and after one module's forward (called by the class-forward wrapper, or registered as
+        module hooks where the wrapper cannot reach); with ``backward`` they also hang BW marks on its tensors.
 
         BW starts when the gradient of the module's output arrives (a hook on the output tensor)
         and ends when the gradient of its input is complete (a hook on the input tensor) or, for
