@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from dpro.dag.align import Alignment, align
-from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model
+from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model, typical_step_us
 from dpro.io.load import Run, load_run
 from dpro.sim.replay import Schedule, critical_path, plan_levels, replay
+from dpro.sim.steps import replay_recorded_steps
 
 __all__ = [
     "Analysis",
@@ -312,21 +313,28 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
     model = step_model(run, alignment)
     g = graph_from_steps(model, iterations=iterations)
     sched = replay(g, plan_levels(g))
-    predicted = predicted_step_us(g, sched)
+    # the step time is predicted from the recorded steps replayed one after another; the median step's graph
+    # answers where the time goes (breakdown, critical path) and is what a what-if changes
+    recorded = replay_recorded_steps(run, alignment, model)
+    pred, measured = recorded.predicted_step_us, recorded.measured_step_us
     parts = breakdown(g, sched)
-    pred = statistics.median(predicted.values())
     keys = ("compute", "communication", "overlapped_communication", "idle")
     summary = {k: statistics.median(p[k] for p in parts.values()) / 1000.0 for k in keys}
-    per_rank = [{"rank": r, "measured_step_ms": model.step_us_by_rank[r] / 1000.0,
-                 "predicted_step_ms": predicted.get(r, float("nan")) / 1000.0,
+    per_rank = [{"rank": r, "measured_step_ms": typical_step_us(recorded.measured_us[r]) / 1000.0,
+                 "predicted_step_ms": typical_step_us(recorded.predicted_us[r]) / 1000.0,
                  **{k + "_ms": parts[r][k] / 1000.0 for k in keys}} for r in sorted(parts)]
+    median_step = statistics.median(predicted_step_us(g, sched).values())
+    notes = [f"the median step (each op's median) replays at {median_step / 1000.0:.2f} ms "
+             f"({error_pct(median_step, measured):+.1f} %)"]
+    if len(recorded.steps) < len(model.steps):
+        notes.append(f"{len(recorded.steps)} of the {len(model.steps)} recorded steps were replayed (evenly spaced)")
     analysis = Analysis(
-        source=str(run.path), measured_step_ms=model.measured_step_us / 1000.0, predicted_step_ms=pred / 1000.0,
-        error_pct=error_pct(pred, model.measured_step_us), breakdown=summary,
+        source=str(run.path), measured_step_ms=measured / 1000.0, predicted_step_ms=pred / 1000.0,
+        error_pct=error_pct(pred, measured), breakdown=summary,
         critical_path=critical_ops(g, sched), stragglers=stragglers(model), per_rank=per_rank,
         alignment={"offset_us": {str(r): o for r, o in alignment.offset_us.items()},
                    "method": {str(r): m for r, m in alignment.method.items()}},
-        notes=list(run.problems) + alignment.notes + _engine_notes(run), graph_nodes=g.size,
+        notes=list(run.problems) + alignment.notes + _engine_notes(run) + notes, graph_nodes=g.size,
     )
     return AnalyzedRun(analysis, g, sched, alignment, model)
 

@@ -32,9 +32,11 @@ __all__ = [
     "NO_QUEUE",
     "OpStats",
     "StepModel",
+    "graph_from_step_sequence",
     "graph_from_steps",
     "occurrence_name",
     "step_model",
+    "typical_step_us",
 ]
 
 
@@ -197,6 +199,16 @@ class StepModel:
     exchanges: dict[str, list[ExchangePart]] = field(default_factory=dict)
 
 
+def typical_step_us(durations: list[float]) -> float:
+    """A run's step time from its steps' durations: the mean of the middle half (all of them when there are fewer
+    than 4). An outlier (a garbage collection, a neighbour's burst) moves it little, as it does a median."""
+    values = sorted(durations)
+    if not values:
+        raise ValueError("no step durations")
+    cut = len(values) // 4
+    return statistics.fmean(values[cut:len(values) - cut])
+
+
 def _contained(events: list[dict]) -> set[int]:
     """Indices of FW/BW events that contain another on the same queue (parent modules: keep the leaves)."""
     out = set()
@@ -305,6 +317,30 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
     return out, ends
 
 
+def _gradient_launches(events: list[dict]) -> dict[str, float]:
+    """Gradient -> when the first collective carrying it was launched (µs, the rank's clock)."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e["cat"] == "COMM":
+            for grad in e["args"].get("tensors") or ():
+                out[grad] = min(out.get(grad, e["ts"]), e["ts"])
+    return out
+
+
+def _with_ready_times(bw: dict, launch_of: dict[str, float]) -> dict:
+    """A backward event's args with ``_ts`` and a ready time per gradient: the recorded one (its op's end when none
+    is), or the launch of the collective carrying the gradient when that came first, since a collective cannot start
+    before its gradient exists (a recorder that marks a whole layer's gradients ready at the layer's end; TensorFlow
+    computes the weight gradient before the input's)."""
+    grads = bw["args"]["grads"]
+    ready = bw["args"].get("grads_ready_us") or []
+    if len(ready) != len(grads):
+        ready = [bw["ts"] + bw["dur"]] * len(grads)
+    ready = [min(t, launch_of[g]) if bw["ts"] < launch_of.get(g, float("-inf")) < t else t
+             for g, t in zip(grads, ready, strict=True)]
+    return {**bw["args"], "_ts": bw["ts"], "grads_ready_us": ready}
+
+
 def _median_ready_offsets(samples: list[tuple[float, float, float, dict]]) -> dict[str, float]:
     """When each gradient of a backward op is ready, from the op's start (median over steps): a collective of a
     gradient can start then, before the op ends (it goes on computing other gradients and its input's)."""
@@ -368,6 +404,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
             drop = _contained(work)
             work = [e for i, e in enumerate(work) if i not in drop]
             work.sort(key=lambda e: e["ts"])
+            launch_of = _gradient_launches(work)
             last_end: dict[int, float] = {}
             runs: dict[str, int] = defaultdict(int)
             for e in work:
@@ -377,8 +414,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
                 last_end[e["tid"]] = max(last_end.get(e["tid"], 0.0), start + e["dur"])
                 name = occurrence_name(e["name"], runs[e["name"]])
                 runs[e["name"]] += 1
-                args = {**e["args"], "_ts": e["ts"]} if e["cat"] == "BW" and e["args"].get("grads_ready_us") \
-                    else e["args"]
+                args = _with_ready_times(e, launch_of) if e["cat"] == "BW" and e["args"].get("grads") else e["args"]
                 per_op[(rank, name)].append((start, e["dur"], gap, args))
                 queue_of[(rank, name)] = q
                 cat_of[name] = e["cat"]
@@ -413,21 +449,28 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     canonical = [op.name for op in next(iter(ops.values())) if op.category == "COMM"] if ops else []
     if transfers == "in-step":
         launched: dict[str, tuple[int, float]] = {}
+        # the median step starts on every rank at once; one recorded step starts when it started on each rank, so the
+        # rank that arrived last is the latest in aligned time, not the one latest into its own step
+        frame = {rank: starts[(rank, steps[0])] if len(steps) == 1 else 0.0 for rank in ops}
+        latest: dict[str, float] = {}
         for rank, rank_ops in sorted(ops.items()):
             for op in rank_ops:
-                if op.category == "COMM" and (op.name not in launched or op.order > launched[op.name][1]):
+                if op.category == "COMM" and (op.name not in launched or frame[rank] + op.order > latest[op.name]):
                     launched[op.name] = (rank, op.order)
+                    latest[op.name] = frame[rank] + op.order
         if len(ops) < len(run.ranks):
             launched = {}
         transfer, transfer_end = _transfer_times_in_step(comm_by_step, canonical, steps, starts, launched,
                                                          transfer_queues)
+        if len(steps) == 1:
+            transfer_end = {}  # one recorded step: each rank measures the ops after a collective from its own end
     else:
         transfer, transfer_end = _transfer_times(comm_by_step, canonical, steps, len(run.ranks)), {}
-    measured = statistics.median(statistics.median(v) for v in step_us.values())
+    measured = statistics.median(typical_step_us(v) for v in step_us.values())
     arrivals = {key: {r: se[0] for r, se in members.items()} for key, members in comm_by_step.items()}
     return StepModel(
         ops=dict(ops), transfer=transfer,
-        measured_step_us=measured, step_us_by_rank={r: statistics.median(v) for r, v in step_us.items()},
+        measured_step_us=measured, step_us_by_rank={r: typical_step_us(v) for r, v in step_us.items()},
         steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
         async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end, chained_launch=chained,
         comm_after_backward=engine.comm_after_backward, transfer_queues=transfer_queues,
@@ -467,10 +510,16 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
     Each op's gap is its measured start minus the measured end of the last of its predecessors; ops
     without a gap get it filled in here (so a transformed copy of ``model`` keeps the measured gaps).
     """
+    return graph_from_step_sequence([model] * iterations)
+
+
+def graph_from_step_sequence(models: list[StepModel]) -> Graph:
+    """Wire one iteration per model, each after the one before it on every rank (``graph_from_steps`` repeats one
+    median step; a sequence of single recorded steps replays the steps as they varied)."""
     b = GraphBuilder()
-    ranks = sorted(model.ops)
+    ranks = sorted(models[0].ops)
     prev_end: dict[int, int | None] = dict.fromkeys(ranks)
-    for it in range(iterations):
+    for it, model in enumerate(models):
         transfers: dict[str, int] = {}
         previous_transfer: int | None = None
         exchanged: dict[str, dict[int, tuple[int, int]]] = {}  # exchange -> rank -> (arrival, done) nodes
@@ -482,6 +531,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
             if prev_end[rank] is not None:
                 measured_end[prev_end[rank]] = 0.0
             grad_node: dict[str, int] = {}
+            own_end: dict[int, float] = {}  # collective node -> its measured end on this rank (µs into the step)
             bw_nodes: list[int] = []
             comm_done: list[int] = []
             grad_comm_done: list[int] = []  # the collectives that carry gradients (the optimizer needs those)
@@ -506,8 +556,12 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                         deps.append(bw_nodes[-1])  # (an engine that reduces only after the whole backward)
                 if op.category == "UPDATE":
                     # the gradients' collectives; a reduction of the step's outputs (loss, metrics) is no input of
-                    # the update (a source that names no collective's tensors: every collective)
-                    deps += bw_nodes[-1:] + (grad_comm_done or comm_done)
+                    # the update (a source that names no collective's tensors: every collective). A collective
+                    # that, as measured on this rank, was still running when the update had ended is no input of
+                    # it (TensorFlow applies each variable once its own gradient is reduced): the step's end waits
+                    # for it instead
+                    deps += bw_nodes[-1:] + [c for c in (grad_comm_done or comm_done)
+                                             if own_end[c] <= op.order + op.duration]
                 if op.category == "COMM" and model.chained_launch and last_transfer is not None:
                     deps.append(last_transfer)
                 queue = f"r{rank}/{op.queue}"
@@ -568,6 +622,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
                     measured_end[node] = max(op.order + op.duration, busy_until.get(queue, float("-inf")))
                     busy_until[queue] = measured_end[node]
                 if op.category == "COMM":
+                    own_end[node] = op.order + op.duration
                     comm_done.append(node)
                     if op.args.get("tensors"):
                         grad_comm_done.append(node)
