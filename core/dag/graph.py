@@ -276,6 +276,7 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
                             steps: list[int], step_start: dict[tuple[int, int], float],
                             launched: dict[str, tuple[int, float]],
                             queues: dict[str, tuple[str, ...]] | None = None,
+                            frame: dict[int, float] | None = None,
                             ) -> tuple[dict[str, float], dict[str, float]]:
     """Transfer times such that the median step's collectives end when they end in the median step.
 
@@ -290,6 +291,10 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
 
     A collective with ``queues`` (the servers holding a parameter-server key) follows the one before it on those
     queues only, not the one before it in the step.
+
+    ``frame``: when each rank's step started, on a clock common to the ranks (one recorded step: the aligned step
+    starts, as the rank that launched last may differ from one collective to the next); none: every rank's step
+    starts at 0 (the median step). Ends are returned on that clock.
 
     Returns (transfer µs, ``e`` µs) per collective.
     """
@@ -307,7 +312,8 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
                    if rank in (members := comm_by_step.get((name, step), {})) and (rank, step) in step_start]
         if not samples:
             continue
-        e = statistics.median(samples)
+        shift = (frame or {}).get(rank, 0.0)
+        e, launch = statistics.median(samples) + shift, launch + shift
         out[name] = max(0.0, e - max(launch, previous))
         ends[name] = max(e, previous)
         if own:
@@ -451,7 +457,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         launched: dict[str, tuple[int, float]] = {}
         # the median step starts on every rank at once; one recorded step starts when it started on each rank, so the
         # rank that arrived last is the latest in aligned time, not the one latest into its own step
-        frame = {rank: starts[(rank, steps[0])] if len(steps) == 1 else 0.0 for rank in ops}
+        frame = {rank: starts[(rank, steps[0])] - min(starts.values()) if len(steps) == 1 else 0.0 for rank in ops}
         latest: dict[str, float] = {}
         for rank, rank_ops in sorted(ops.items()):
             for op in rank_ops:
@@ -461,7 +467,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         if len(ops) < len(run.ranks):
             launched = {}
         transfer, transfer_end = _transfer_times_in_step(comm_by_step, canonical, steps, starts, launched,
-                                                         transfer_queues)
+                                                         transfer_queues, frame)
         if len(steps) == 1:
             transfer_end = {}  # one recorded step: each rank measures the ops after a collective from its own end
     else:

@@ -64,18 +64,22 @@ def _single_step_runs(run: Run, steps: list[int]) -> list[Run]:
 def replay_recorded_steps(run: Run, alignment: Alignment, model: StepModel) -> StepReplay:
     """Replay ``model.steps`` (the steps every rank recorded) in order, each from its own measurements.
 
-    The first step is replayed twice, so that every recorded step has a replayed step before it; a step's replayed
-    time on a rank runs from the end of its previous step to its own end there.
+    A step's replayed time on a rank runs from the end of its previous step to its own end there, so the first
+    recorded step is only the others' start: how the ranks entered it depends on steps before the window. It is
+    compared only when it is the one step recorded (then replayed twice).
     """
     steps = model.steps
     if len(steps) > MAX_REPLAYED_STEPS:
         stride = len(steps) / MAX_REPLAYED_STEPS
         steps = [steps[int(i * stride)] for i in range(MAX_REPLAYED_STEPS)]
     models = [step_model(one, alignment) for one in _single_step_runs(run, steps)]
-    g = graph_from_step_sequence(models[:1] + models)
+    if len(models) == 1:
+        models = models * 2
+    g = graph_from_step_sequence(models)
     schedule = replay(g, plan_levels(g))
     ranks = sorted(model.ops)
     predicted = {r: [float(schedule.end[g.step_end[(r, it)]] - schedule.end[g.step_end[(r, it - 1)]])
-                     for it in range(1, len(models) + 1)] for r in ranks}
-    measured = {r: [m.step_us_by_rank[r] for m in models] for r in ranks}
-    return StepReplay(steps=steps, measured_us=measured, predicted_us=predicted, graph=g, schedule=schedule)
+                     for it in range(1, len(models))] for r in ranks}
+    measured = {r: [m.step_us_by_rank[r] for m in models[1:]] for r in ranks}
+    return StepReplay(steps=steps[-len(models) + 1:], measured_us=measured, predicted_us=predicted, graph=g,
+                      schedule=schedule)
