@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from dpro.dag.align import Alignment, align
-from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model, typical_step_us
+from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model
 from dpro.io.load import Run, load_run
 from dpro.sim.replay import Schedule, critical_path, plan_levels, replay
-from dpro.sim.steps import replay_recorded_steps
+from dpro.sim.steps import one_step_models, replay_recorded
 
 __all__ = [
     "Analysis",
@@ -313,21 +313,15 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
     model = step_model(run, alignment)
     g = graph_from_steps(model, iterations=iterations)
     sched = replay(g, plan_levels(g))
-    # the step time is predicted from the recorded steps replayed one after another; the median step's graph
-    # answers where the time goes (breakdown, critical path) and is what a what-if changes
-    recorded = replay_recorded_steps(run, alignment, model)
-    pred, measured = recorded.predicted_step_us, recorded.measured_step_us
+    predicted = predicted_step_us(g, sched)
+    pred, measured = statistics.median(predicted.values()), model.measured_step_us
     parts = breakdown(g, sched)
     keys = ("compute", "communication", "overlapped_communication", "idle")
     summary = {k: statistics.median(p[k] for p in parts.values()) / 1000.0 for k in keys}
-    per_rank = [{"rank": r, "measured_step_ms": typical_step_us(recorded.measured_us[r]) / 1000.0,
-                 "predicted_step_ms": typical_step_us(recorded.predicted_us[r]) / 1000.0,
+    per_rank = [{"rank": r, "measured_step_ms": model.step_us_by_rank[r] / 1000.0,
+                 "predicted_step_ms": predicted.get(r, float("nan")) / 1000.0,
                  **{k + "_ms": parts[r][k] / 1000.0 for k in keys}} for r in sorted(parts)]
-    median_step = statistics.median(predicted_step_us(g, sched).values())
-    notes = [f"the median step (each op's median) replays at {median_step / 1000.0:.2f} ms "
-             f"({error_pct(median_step, measured):+.1f} %)"]
-    if len(recorded.steps) < len(model.steps):
-        notes.append(f"{len(recorded.steps)} of the {len(model.steps)} recorded steps were replayed (evenly spaced)")
+    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model)]
     analysis = Analysis(
         source=str(run.path), measured_step_ms=measured / 1000.0, predicted_step_ms=pred / 1000.0,
         error_pct=error_pct(pred, measured), breakdown=summary,
@@ -337,6 +331,24 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
         notes=list(run.problems) + alignment.notes + _engine_notes(run) + notes, graph_nodes=g.size,
     )
     return AnalyzedRun(analysis, g, sched, alignment, model)
+
+
+def _as_recorded_note(run: Run, alignment: Alignment, model: StepModel) -> str:
+    """How the recorded steps replay as they were, each with its own times: a check of the DAG's wiring."""
+    steps, one_step = one_step_models(run, alignment, model.steps)
+    recorded = replay_recorded(steps, one_step)
+    replayed, measured = recorded.predicted_step_us, recorded.measured_step_us
+    return (f"the recorded steps replayed as they were, each with its own times, take {replayed / 1000.0:.2f} ms "
+            f"against their measured {measured / 1000.0:.2f} ms ({error_pct(replayed, measured):+.2f} %; means of "
+            "the middle half): that checks the DAG's wiring (which op waits for which), not a prediction")
+
+
+def _left_out_note(model: StepModel) -> list[str]:
+    if not model.left_out_steps:
+        return []
+    listed = ", ".join(f"{step} ({us / 1000.0:.1f} ms)" for step, us in model.left_out_steps.items())
+    return [f"steps far outside the others (beyond 3 interquartile ranges), left out of the model and of the "
+            f"measured step: {listed}"]
 
 
 def _engine_notes(run: Run) -> list[str]:

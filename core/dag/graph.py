@@ -32,11 +32,11 @@ __all__ = [
     "NO_QUEUE",
     "OpStats",
     "StepModel",
+    "far_out_steps",
     "graph_from_step_sequence",
     "graph_from_steps",
     "occurrence_name",
     "step_model",
-    "typical_step_us",
 ]
 
 
@@ -197,16 +197,35 @@ class StepModel:
     # collective -> its parts as point-to-point exchanges with servers (a what-if of a parameter server); such a
     # collective has no shared transfer: each rank's copy ends when its answers are back
     exchanges: dict[str, list[ExchangePart]] = field(default_factory=dict)
+    # collective -> rank -> how long after the collective's end that rank saw it end (a model of one recorded step)
+    done_after: dict[str, dict[int, float]] = field(default_factory=dict)
+    # step -> its duration (µs, median over ranks): steps far outside the others, in neither the model nor the
+    # measured step (``far_out_steps``)
+    left_out_steps: dict[int, float] = field(default_factory=dict)
 
 
-def typical_step_us(durations: list[float]) -> float:
-    """A run's step time from its steps' durations: the mean of the middle half (all of them when there are fewer
-    than 4). An outlier (a garbage collection, a neighbour's burst) moves it little, as it does a median."""
-    values = sorted(durations)
-    if not values:
-        raise ValueError("no step durations")
-    cut = len(values) // 4
-    return statistics.fmean(values[cut:len(values) - cut])
+FAR_OUT_IQR = 3.0  # Tukey's "far out": beyond the quartiles by 3 interquartile ranges
+FAR_OUT_MIN_STEPS = 8  # fewer steps give no quartiles to judge by
+
+
+def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
+    """Steps whose duration (median over ranks) lies beyond ``FAR_OUT_IQR`` interquartile ranges outside the
+    quartiles of the others: a collection, a checkpoint, a neighbour taking the CPU. Their ops would move every op's
+    mean; they are left out of the step model and of the measured step alike, and the analysis names them."""
+    if len(steps) < FAR_OUT_MIN_STEPS:
+        return {}
+    wanted = set(steps)
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for trace in run.ranks.values():
+        for e in trace.events:
+            if e["cat"] == "STEP" and e["args"].get("step") in wanted:
+                by_step[e["args"]["step"]].append(e["dur"])
+    durations = {step: statistics.median(v) for step, v in by_step.items()}
+    if len(durations) < FAR_OUT_MIN_STEPS:
+        return {}
+    q1, _, q3 = statistics.quantiles(durations.values(), n=4)
+    fence = FAR_OUT_IQR * (q3 - q1)
+    return {step: d for step, d in sorted(durations.items()) if d > q3 + fence or d < q1 - fence}
 
 
 def _contained(events: list[dict]) -> set[int]:
@@ -294,12 +313,15 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
 
     ``frame``: when each rank's step started, on a clock common to the ranks (one recorded step: the aligned step
     starts, as the rank that launched last may differ from one collective to the next); none: every rank's step
-    starts at 0 (the median step). Ends are returned on that clock.
+    starts at 0 (the median step). Ends are returned on that clock. With a frame, a collective ends when the first
+    rank saw it end, and each rank that saw it end later gets how much later (a process descheduled on a busy host
+    takes its result late; the others have moved on).
 
-    Returns (transfer µs, ``e`` µs) per collective.
+    Returns (transfer µs, ``e`` µs) per collective, and (with a frame) rank -> µs it saw the end later.
     """
     out: dict[str, float] = {}
     ends: dict[str, float] = {}
+    done_after: dict[str, dict[int, float]] = {}
     chain = float("-inf")
     queue_end: dict[str, float] = {}
     for name in order:
@@ -312,15 +334,21 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
                    if rank in (members := comm_by_step.get((name, step), {})) and (rank, step) in step_start]
         if not samples:
             continue
-        shift = (frame or {}).get(rank, 0.0)
-        e, launch = statistics.median(samples) + shift, launch + shift
+        if frame is None:
+            e = statistics.fmean(samples)
+        else:  # one step: the collective ends when its first rank sees it end; the others see it later (done_after)
+            seen = {r: end - step_start[(r, step)] + frame.get(r, 0.0) for step in steps
+                    for r, (_, end) in comm_by_step.get((name, step), {}).items() if (r, step) in step_start}
+            e = min(seen.values())
+            done_after[name] = {r: t - max(e, previous) for r, t in seen.items() if t > max(e, previous)}
+            launch += frame.get(rank, 0.0)
         out[name] = max(0.0, e - max(launch, previous))
         ends[name] = max(e, previous)
         if own:
             queue_end.update(dict.fromkeys(own, ends[name]))
         else:
             chain = ends[name]
-    return out, ends
+    return out, ends, done_after
 
 
 def _gradient_launches(events: list[dict]) -> dict[str, float]:
@@ -380,6 +408,8 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         raise GraphError(f"{run.path}: the ranks have no profiled step in common "
                          f"({', '.join(f'rank {r}: {format_steps(t.steps)}' for r, t in sorted(run.ranks.items()))}); "
                          "record the same window on every rank")
+    left_out = far_out_steps(run, steps)
+    steps = [step for step in steps if step not in left_out]
     wanted = set(steps)
     per_op: dict[tuple[int, str], list[tuple[float, float, float, dict]]] = defaultdict(list)
     step_us: dict[int, list[float]] = defaultdict(list)
@@ -436,10 +466,10 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
             # an op in fewer than half of the steps (a source whose ops split or merge differently from step to
             # step) is no part of the median step: its time stays in the gap before the op after it
             continue
-        order = statistics.median(s[0] for s in samples)
-        duration = statistics.median(s[1] for s in samples)
+        order = statistics.fmean(s[0] for s in samples)
+        duration = statistics.fmean(s[1] for s in samples)
         if transfers == "in-step" and cat_of[name] == "COMM":
-            duration = max(0.0, statistics.median(s[0] + s[1] for s in samples) - order)  # ends at its median end
+            duration = max(0.0, statistics.fmean(s[0] + s[1] for s in samples) - order)  # ends at its mean end
         args = {k: v for k, v in samples[-1][3].items() if k != "_ts"}
         if cat_of[name] == "BW":
             args["grads_ready_offset_us"] = _median_ready_offsets(samples)
@@ -466,20 +496,21 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
                     latest[op.name] = frame[rank] + op.order
         if len(ops) < len(run.ranks):
             launched = {}
-        transfer, transfer_end = _transfer_times_in_step(comm_by_step, canonical, steps, starts, launched,
-                                                         transfer_queues, frame)
+        transfer, transfer_end, done_after = _transfer_times_in_step(
+            comm_by_step, canonical, steps, starts, launched, transfer_queues, frame if len(steps) == 1 else None)
         if len(steps) == 1:
             transfer_end = {}  # one recorded step: each rank measures the ops after a collective from its own end
     else:
-        transfer, transfer_end = _transfer_times(comm_by_step, canonical, steps, len(run.ranks)), {}
-    measured = statistics.median(typical_step_us(v) for v in step_us.values())
+        transfer, transfer_end, done_after = _transfer_times(comm_by_step, canonical, steps, len(run.ranks)), {}, {}
+    measured = statistics.median(statistics.fmean(v) for v in step_us.values())
     arrivals = {key: {r: se[0] for r, se in members.items()} for key, members in comm_by_step.items()}
     return StepModel(
         ops=dict(ops), transfer=transfer,
-        measured_step_us=measured, step_us_by_rank={r: typical_step_us(v) for r, v in step_us.items()},
-        steps=steps, tail_us={r: statistics.median(v) for r, v in tail_us.items()}, arrivals=arrivals,
+        measured_step_us=measured, step_us_by_rank={r: statistics.fmean(v) for r, v in step_us.items()},
+        steps=steps, tail_us={r: statistics.fmean(v) for r, v in tail_us.items()}, arrivals=arrivals,
         async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end, chained_launch=chained,
-        comm_after_backward=engine.comm_after_backward, transfer_queues=transfer_queues,
+        comm_after_backward=engine.comm_after_backward, transfer_queues=transfer_queues, done_after=done_after,
+        left_out_steps=left_out,
     )
 
 
@@ -605,6 +636,9 @@ def graph_from_step_sequence(models: list[StepModel]) -> Graph:
                     else:
                         b.occupy(queue, node)  # the rank's comm queue is busy until the transfer ends
                         queue_last[queue] = node
+                    late = model.done_after.get(op.name, {}).get(rank, 0.0)
+                    if late > 0:
+                        node = b.add(f"{op.name}.done", "XFER", rank, it, None, late, 0.0, [node])
                 elif op.category == "BW" and _ready_splits(op):
                     # gradients ready part-way through the op: a collective waits for the part before its gradient
                     done, node = 0.0, None

@@ -1,14 +1,13 @@
-"""Replay the recorded steps one after another, each with its own durations, gaps and transfers.
+"""Replay the recorded steps as they were, one after another, each with its own durations, gaps and transfers.
 
-The median step (``dag.graph.step_model``) is one step built from each op's median. When the ranks' steps vary a
-lot and independently (CPU jobs, TensorFlow's executor), a collective in a real step starts when the *later* rank of
-*that* step arrives; in the median step it starts at the later of the ranks' *medians*, which is earlier. Replaying
-each recorded step as it was, chained on every rank, keeps which rank was late in which step, and the replayed steps
-can be compared with the measured ones one by one.
+Every recorded step becomes a one-step ``StepModel`` of its own (on the aligned clock: a collective starts when the
+rank that arrived last *in that step* arrives, and each rank sees it end when it did), and
+``graph_from_step_sequence`` chains them on every rank. Replayed this way a run reproduces its own steps, so this
+checks the DAG's wiring (which op waits for which), not a prediction: an op waiting for something it did not wait
+for shows up as replayed steps longer than measured. ``dpro analyze`` notes it next to its prediction.
 
-Both sides are summarised by ``dag.graph.typical_step_us``, the mean of the middle half of the steps: unlike the
-median, it is not moved by time that the replay shifts from one step to the next (a rank's step boundary replayed a
-little earlier or later than it was measured).
+Both sides are summarised by ``typical_step_us``, the mean of the middle half of the steps: an outlier moves it
+little, and unlike a median it does not move when the replay shifts time from one step to the next.
 """
 
 from __future__ import annotations
@@ -19,18 +18,18 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from dpro.dag.align import Alignment
-from dpro.dag.graph import Graph, StepModel, graph_from_step_sequence, step_model, typical_step_us
+from dpro.dag.graph import Graph, StepModel, graph_from_step_sequence, step_model
 from dpro.io.load import Run
 from dpro.sim.replay import Schedule, plan_levels, replay
 
-__all__ = ["MAX_REPLAYED_STEPS", "StepReplay", "replay_recorded_steps"]
+__all__ = ["MAX_STEPS", "StepReplay", "one_step_models", "replay_recorded", "typical_step_us"]
 
-MAX_REPLAYED_STEPS = 256  # a longer window is thinned to this many evenly spaced steps (the graph grows per step)
+MAX_STEPS = 256  # a longer window is thinned to this many evenly spaced steps (each is a model of its own)
 
 
 @dataclass
 class StepReplay:
-    """Each recorded step, measured and replayed (µs), per rank, in step order."""
+    """Replayed step times (µs) per rank, one per iteration after the first, and the measured ones."""
 
     steps: list[int]
     measured_us: dict[int, list[float]]
@@ -47,6 +46,15 @@ class StepReplay:
         return statistics.median(typical_step_us(v) for v in self.predicted_us.values())
 
 
+def typical_step_us(durations: list[float]) -> float:
+    """The mean of the middle half of ``durations`` (all of them when there are fewer than 4)."""
+    values = sorted(durations)
+    if not values:
+        raise ValueError("no step durations")
+    cut = len(values) // 4
+    return statistics.fmean(values[cut:len(values) - cut])
+
+
 def _single_step_runs(run: Run, steps: list[int]) -> list[Run]:
     """One ``Run`` per step holding only that step's events (read once, not once per step)."""
     events: dict[tuple[int, int], list[dict]] = defaultdict(list)
@@ -61,25 +69,25 @@ def _single_step_runs(run: Run, steps: list[int]) -> list[Run]:
         for rank, trace in run.ranks.items()}) for step in steps]
 
 
-def replay_recorded_steps(run: Run, alignment: Alignment, model: StepModel) -> StepReplay:
-    """Replay ``model.steps`` (the steps every rank recorded) in order, each from its own measurements.
+def one_step_models(run: Run, alignment: Alignment, steps: list[int]) -> tuple[list[int], list[StepModel]]:
+    """A ``StepModel`` of each step (up to ``MAX_STEPS``, evenly spaced), on the aligned clock."""
+    if len(steps) > MAX_STEPS:
+        stride = len(steps) / MAX_STEPS
+        steps = [steps[int(i * stride)] for i in range(MAX_STEPS)]
+    return steps, [step_model(one, alignment) for one in _single_step_runs(run, steps)]
 
-    A step's replayed time on a rank runs from the end of its previous step to its own end there, so the first
-    recorded step is only the others' start: how the ranks entered it depends on steps before the window. It is
-    compared only when it is the one step recorded (then replayed twice).
-    """
-    steps = model.steps
-    if len(steps) > MAX_REPLAYED_STEPS:
-        stride = len(steps) / MAX_REPLAYED_STEPS
-        steps = [steps[int(i * stride)] for i in range(MAX_REPLAYED_STEPS)]
-    models = [step_model(one, alignment) for one in _single_step_runs(run, steps)]
-    if len(models) == 1:
-        models = models * 2
-    g = graph_from_step_sequence(models)
+
+def _periods(g: Graph, schedule: Schedule, ranks: list[int], iterations: int) -> dict[int, list[float]]:
+    return {r: [float(schedule.end[g.step_end[(r, it)]] - schedule.end[g.step_end[(r, it - 1)]])
+                for it in range(1, iterations)] for r in ranks}
+
+
+def replay_recorded(steps: list[int], models: list[StepModel]) -> StepReplay:
+    """Replay the recorded steps in order, each with its own times (a check of the DAG's wiring: a step's replayed
+    time runs from the end of the step before it, so the first step is not compared)."""
+    ranks = sorted(set.intersection(*(set(m.ops) for m in models)))
+    sequence = models if len(models) > 1 else models * 2
+    g = graph_from_step_sequence(sequence)
     schedule = replay(g, plan_levels(g))
-    ranks = sorted(model.ops)
-    predicted = {r: [float(schedule.end[g.step_end[(r, it)]] - schedule.end[g.step_end[(r, it - 1)]])
-                     for it in range(1, len(models))] for r in ranks}
-    measured = {r: [m.step_us_by_rank[r] for m in models[1:]] for r in ranks}
-    return StepReplay(steps=steps[-len(models) + 1:], measured_us=measured, predicted_us=predicted, graph=g,
-                      schedule=schedule)
+    measured = {r: [m.step_us_by_rank[r] for m in sequence[1:]] for r in ranks}
+    return StepReplay(steps[-len(sequence) + 1:], measured, _periods(g, schedule, ranks, len(sequence)), g, schedule)
