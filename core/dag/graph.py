@@ -142,13 +142,13 @@ class GraphBuilder:
 
 @dataclass
 class OpStats:
-    """One op of one rank, summarised over the profiled steps (medians)."""
+    """One op of one rank, summarised over the profiled steps (means)."""
 
     name: str
     category: str
     queue: str
     rank: int
-    order: float                 # median start offset within the step (sorts program order)
+    order: float                 # mean start offset within the step (sorts program order)
     duration: float
     gap: float | None                 # None: derived from measured times when the graph is built
     args: dict = field(default_factory=dict)
@@ -183,7 +183,7 @@ class StepModel:
     # compute that feeds them, and each transfer waits for the one before it
     async_launch: bool = False
     step_spans: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (rank, step) -> aligned
-    # collective -> its calibrated end in the median step (µs from step start; "in-step" transfers): what the
+    # collective -> its calibrated end in the mean step (µs from step start; "in-step" transfers): what the
     # ops after it measure their gap from, on every rank
     transfer_end: dict[str, float] = field(default_factory=dict)
     # each collective is launched only once the one before it has completed (TensorFlow chains its collectives
@@ -245,7 +245,7 @@ def _contained(events: list[dict]) -> set[int]:
 
 
 def _same_collective_order(ops: dict[int, list[OpStats]]) -> None:
-    """Issue collectives in one order on every rank (engines require it; medians can disagree).
+    """Issue collectives in one order on every rank (engines require it; means can disagree).
 
     Each rank keeps the positions of its COMM ops; they are refilled in the order of the mean
     measured launch time over ranks.
@@ -297,23 +297,23 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
                             queues: dict[str, tuple[str, ...]] | None = None,
                             frame: dict[int, float] | None = None,
                             ) -> tuple[dict[str, float], dict[str, float]]:
-    """Transfer times such that the median step's collectives end when they end in the median step.
+    """Transfer times such that the mean step's collectives end when they end, on average, in the recorded steps.
 
     For engines that decide at run time which collectives run together (an engine that fuses the tensors
     ready in one cycle, differently from step to step), a collective's transfer in one step is either
     empty (it completed with the one before it) or the whole fused buffer; the median of such a
-    mixture, summed over a chain, is no step's. Here the median step starts a collective when its
-    latest rank launches it (``launched``: that rank and its median launch, relative to its step
-    start); the collective's end ``e`` is the median over steps of its end on that rank, relative to
+    mixture, summed over a chain, is no step's. Here the mean step starts a collective when its
+    latest rank launches it (``launched``: that rank and its mean launch, relative to its step
+    start); the collective's end ``e`` is the mean over steps of its end on that rank, relative to
     that rank's step start; its transfer is ``e - max(launch, e of the collective before it)``: what
-    remains after the later of the two, so the replayed chain ends each collective at its median end.
+    remains after the later of the two, so the replayed chain ends each collective at its mean end.
 
     A collective with ``queues`` (the servers holding a parameter-server key) follows the one before it on those
     queues only, not the one before it in the step.
 
     ``frame``: when each rank's step started, on a clock common to the ranks (one recorded step: the aligned step
     starts, as the rank that launched last may differ from one collective to the next); none: every rank's step
-    starts at 0 (the median step). Ends are returned on that clock. With a frame, a collective ends when the first
+    starts at 0 (the mean step). Ends are returned on that clock. With a frame, a collective ends when the first
     rank saw it end, and each rank that saw it end later gets how much later (a process descheduled on a busy host
     takes its result late; the others have moved on).
 
@@ -390,10 +390,14 @@ def _median_ready_offsets(samples: list[tuple[float, float, float, dict]]) -> di
 
 
 def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
-    """Summarise the profiled steps of every rank (aligned clocks) into one median step.
+    """Summarise the profiled steps of every rank (aligned clocks) into one mean step: each op's mean start and
+    duration (means, not medians: a step is a sum of its ops, and the medians of skewed parts add up to no step;
+    hvd.keras on 2 CPU ranks replayed 2-11% short with medians). Steps far outside the others are left out first
+    (``far_out_steps``), so that one stall does not move every op's mean; the measured step is the mean of the
+    same steps.
 
     ``transfers``: how collectives' transfer times are calibrated, ``"per-step"`` (medians of each
-    step's transfer, ``_transfer_times``) or ``"in-step"`` (from median arrival and end times within
+    step's transfer, ``_transfer_times``) or ``"in-step"`` (from mean arrival and end times within
     the step, ``_transfer_times_in_step``); default: what the run's engine says
     (``Engine.transfer_calibration``, ``"in-step"`` unless an engine says otherwise).
     """
@@ -464,7 +468,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     for (rank, name), samples in per_op.items():
         if 2 * len(samples) < len(steps) and cat_of[name] != "COMM":
             # an op in fewer than half of the steps (a source whose ops split or merge differently from step to
-            # step) is no part of the median step: its time stays in the gap before the op after it
+            # step) is no part of the mean step: its time stays in the gap before the op after it
             continue
         order = statistics.fmean(s[0] for s in samples)
         duration = statistics.fmean(s[1] for s in samples)
@@ -485,7 +489,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     canonical = [op.name for op in next(iter(ops.values())) if op.category == "COMM"] if ops else []
     if transfers == "in-step":
         launched: dict[str, tuple[int, float]] = {}
-        # the median step starts on every rank at once; one recorded step starts when it started on each rank, so the
+        # the mean step starts on every rank at once; one recorded step starts when it started on each rank, so the
         # rank that arrived last is the latest in aligned time, not the one latest into its own step
         frame = {rank: starts[(rank, steps[0])] - min(starts.values()) if len(steps) == 1 else 0.0 for rank in ops}
         latest: dict[str, float] = {}
@@ -536,7 +540,7 @@ def _ready_splits(op: OpStats) -> list[tuple[float, list[str]]]:
 
 
 def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
-    """Wire ``iterations`` consecutive copies of the median step into one DAG.
+    """Wire ``iterations`` consecutive copies of the mean step into one DAG.
 
     Within a rank: program order on each queue; FW -> next FW; last FW -> first BW; a COMM group
     waits for the BW ops that produced its gradients (a collective carrying no gradients, e.g. a loss or
@@ -552,7 +556,7 @@ def graph_from_steps(model: StepModel, iterations: int = 3) -> Graph:
 
 def graph_from_step_sequence(models: list[StepModel]) -> Graph:
     """Wire one iteration per model, each after the one before it on every rank (``graph_from_steps`` repeats one
-    median step; a sequence of single recorded steps replays the steps as they varied)."""
+    mean step; a sequence of single recorded steps replays the steps as they varied)."""
     b = GraphBuilder()
     ranks = sorted(models[0].ops)
     prev_end: dict[int, int | None] = dict.fromkeys(ranks)
@@ -657,7 +661,7 @@ def graph_from_step_sequence(models: list[StepModel]) -> Graph:
                 if op.category == "COMM":
                     measured_end[node] = model.transfer_end.get(op.name, op.order + op.duration)
                 else:
-                    # medians of starts and durations can overlap on a queue: an op's queue is busy until the
+                    # means of starts and durations can overlap on a queue: an op's queue is busy until the
                     # latest end so far, so the op after it measures its gap from there, not from an earlier end
                     measured_end[node] = max(op.order + op.duration, busy_until.get(queue, float("-inf")))
                     busy_until[queue] = measured_end[node]

@@ -281,7 +281,7 @@ def server_slowdown(load: Mapping[int, float], hosts: list[str], workers: list[s
 
 
 def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
-    """The median step with every key re-placed on the servers (``key_servers`` under the knobs' server count and
+    """The mean step with every key re-placed on the servers (``key_servers`` under the knobs' server count and
     bound) as exchanges (``dpro.dag.graph.ExchangePart``): each part pushed by every worker over the links
     between their hosts, the server's work on its host's queue, the answers back, priced by ``server``."""
     from dpro.dag.graph import ExchangePart

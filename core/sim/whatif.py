@@ -1,6 +1,6 @@
 """What-if: rebuild the step under changed knobs and replay it.
 
-Each knob is a transformation of the median step (``dpro.dag.graph.StepModel``), priced by the cost
+Each knob is a transformation of the mean step (``dpro.dag.graph.StepModel``), priced by the cost
 models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``. The knobs are those of
 ``dpro.config.knob_table()`` that what-if can predict (``whatif_knobs()``):
 
@@ -309,7 +309,7 @@ def recorded_groups(ctx: Context) -> list[list[str]]:
 
 
 def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
-    """The median step under ``knobs`` (names from ``whatif_knobs()``)."""
+    """The mean step under ``knobs`` (names from ``whatif_knobs()``)."""
     _validate(knobs)
     model = ctx.base
     engine = get_engine(ctx.engine)
@@ -408,7 +408,7 @@ def scale_out(ctx: Context, model: StepModel, knobs: dict[str, Any], seeds: int 
 
 
 def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iterations: int = 4) -> Prediction:
-    """Replay ``iterations`` copies of a (transformed) median step: the prediction under ``knobs``."""
+    """Replay ``iterations`` copies of a (transformed) mean step: the prediction under ``knobs``."""
     g = graph_from_steps(model, iterations=iterations)
     sched = replay(g, plan_levels(g))
     from dpro.analyze import predicted_step_us

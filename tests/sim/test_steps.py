@@ -6,10 +6,10 @@ from run_builder import make_run_of, x_event
 
 from dpro.analyze import analyze_path
 from dpro.dag.align import align
-from dpro.dag.graph import graph_from_steps, step_model, typical_step_us
+from dpro.dag.graph import far_out_steps, graph_from_steps, step_model
 from dpro.io.load import load_run
 from dpro.sim.replay import plan_levels, replay
-from dpro.sim.steps import replay_recorded_steps
+from dpro.sim.steps import one_step_models, replay_recorded, typical_step_us
 
 FAST_US, SLOW_US, TRANSFER_US, UPDATE_US = 2000.0, 6000.0, 1000.0, 200.0
 PERIOD_US = SLOW_US + 500.0 + TRANSFER_US + UPDATE_US
@@ -39,14 +39,14 @@ def test_a_straggler_that_changes_from_step_to_step_is_replayed_step_by_step(tmp
     assert abs(analysis.error_pct) < 1.0, analysis
     for row in analysis.per_rank:
         assert abs(row["predicted_step_ms"] - PERIOD_US / 1000.0) < 0.05
-    assert any(n.startswith("the median step (each op's median) replays at") for n in analysis.notes)
+    assert any("checks the DAG's wiring" in n and "(+0.00 %" in n for n in analysis.notes), analysis.notes
 
 
 def test_each_recorded_step_replays_to_its_measured_time(tmp_path):
     root = make_run_of(tmp_path / "run", _alternating_straggler, steps=range(3, 11))
     run = load_run(root)
     alignment = align(run)
-    recorded = replay_recorded_steps(run, alignment, step_model(run, alignment))
+    recorded = replay_recorded(*one_step_models(run, alignment, step_model(run, alignment).steps))
     assert recorded.steps == list(range(4, 11))  # the first recorded step only starts the others
     for rank in (0, 1):
         assert recorded.measured_us[rank] == [PERIOD_US] * 7
@@ -89,3 +89,30 @@ def test_collectives_launched_before_their_layer_ends_and_an_update_that_does_no
     # UPDATE ends 3.5 ms before fc1's allreduce does: it starts after BW.fc1, not after that allreduce
     assert abs(schedule.start[node[("UPDATE.optimizer", 0)]] - first - 4000.0) < 1.0
     assert abs(analyze_path(run.path).error_pct) < 1.0
+
+
+def _one_stall(rank: int, step: int) -> list[dict]:
+    """Steps of 7.7 ms but one (step 9), where both ranks stalled 40 ms in their forward."""
+    events = _alternating_straggler(rank, step)
+    if step == 9:
+        for e in events:
+            if e["name"] == "FW.fc1":
+                e["dur"] += 40_000.0
+            elif e["name"] != "STEP":
+                e["ts"] += 40_000.0
+            else:
+                e["dur"] += 40_000.0
+    return events
+
+
+def test_a_step_far_outside_the_others_is_left_out_of_the_model_and_the_measured_step(tmp_path):
+    root = make_run_of(tmp_path / "run", lambda rank, step: [
+        {**e, "ts": e["ts"] + (40_000.0 if step > 9 else 0.0)} for e in _one_stall(rank, step)], steps=range(3, 15))
+    run = load_run(root)
+    assert far_out_steps(run, list(range(3, 15))) == {9: PERIOD_US + 40_000.0}
+    model = step_model(run, align(run))
+    assert 9 not in model.steps and model.left_out_steps == {9: PERIOD_US + 40_000.0}
+    analysis = analyze_path(root)
+    assert analysis.measured_step_ms == PERIOD_US / 1000.0 and abs(analysis.error_pct) < 1.0
+    assert any("left out of the model and of the measured step: 9 (47.7 ms)" in n for n in analysis.notes)
+    assert far_out_steps(run, list(range(3, 10))) == {}  # too few steps to judge by

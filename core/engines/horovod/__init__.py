@@ -52,7 +52,7 @@ def _notes(run: Any) -> list[str]:
     if merged.get("distinct_fusions", 0) > 1:
         return [f"Horovod fused the gradients {merged['distinct_fusions']} different ways in "
                 f"{len(merged.get('steps', []))} steps (fusion depends on timing); every step is used: each tensor's "
-                "allreduce ends with its fused buffer, and transfers are calibrated from median end times in the step"]
+                "allreduce ends with its fused buffer, and transfers are calibrated from mean end times in the step"]
     return []
 
 

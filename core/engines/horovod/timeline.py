@@ -24,7 +24,7 @@ and it runs one response at a time (``fused_groups``).
 per-tensor ``COMM.<tensor>.allreduce`` events the end of the fused buffer the tensor went in (the
 recorder sees a completion only at its next poll) and the buffer's index, size and phases. Names do
 not depend on fusion, which Horovod decides from timing and which differs from step to step, so
-every profiled step enters the median step; tensors fused with the one before them end with it
+every profiled step enters the mean step; tensors fused with the one before them end with it
 (an empty transfer in the DAG).
 
 Clock: the recorder stores a (wall clock, rank clock) pair in run.json, which with the timeline's
@@ -504,7 +504,7 @@ def merge_horovod_timeline(run: Any, path: str | Path | None = None) -> dict[str
 
     The names do not depend on fusion, which Horovod decides from timing and which may differ from
     step to step: tensors fused with the one before them complete with it, so in the DAG their
-    transfer is empty, and every profiled step takes part in the median step (``dpro.dag.graph``).
+    transfer is empty, and every profiled step takes part in the mean step (``dpro.dag.graph``).
 
     The summary (also ``run.meta["horovod"]["merged"]``) lists every fused buffer (``buffers``: step,
     tensors, bytes, the last launch over ranks, start and end on rank 0's aligned clock, phases) and
