@@ -176,7 +176,8 @@ class StepModel:
     measured_step_us: float
     step_us_by_rank: dict[int, float]
     steps: list[int]
-    tail_us: dict[int, float] = field(default_factory=dict)  # rank -> last op end .. step end
+    # rank -> the mean step's end after the end of the ops it waits for (filled in when the graph is built)
+    tail_us: dict[int, float] = field(default_factory=dict)
     arrivals: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)  # (COMM, step) -> rank -> t
     # collectives launched without waiting for the previous one's transfer (an engine that enqueues
     # requests and runs them from a background loop, one after another): arrivals follow only program order and the
@@ -417,7 +418,6 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     wanted = set(steps)
     per_op: dict[tuple[int, str], list[tuple[float, float, float, dict]]] = defaultdict(list)
     step_us: dict[int, list[float]] = defaultdict(list)
-    tail_us: dict[int, list[float]] = defaultdict(list)
     comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
     starts: dict[tuple[int, int], float] = {}
     spans: dict[tuple[int, int], tuple[float, float]] = {}
@@ -463,7 +463,6 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
                     queues = engine.transfer_queues(run, e["args"])
                     if queues:
                         transfer_queues[name] = queues
-            tail_us[rank].append(max(0.0, boundary["dur"] - max(last_end.values(), default=0.0)))
     ops: dict[int, list[OpStats]] = defaultdict(list)
     for (rank, name), samples in per_op.items():
         if 2 * len(samples) < len(steps) and cat_of[name] != "COMM":
@@ -511,7 +510,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     return StepModel(
         ops=dict(ops), transfer=transfer,
         measured_step_us=measured, step_us_by_rank={r: statistics.fmean(v) for r, v in step_us.items()},
-        steps=steps, tail_us={r: statistics.fmean(v) for r, v in tail_us.items()}, arrivals=arrivals,
+        steps=steps, arrivals=arrivals,
         async_launch=transfers == "in-step", step_spans=spans, transfer_end=transfer_end, chained_launch=chained,
         comm_after_backward=engine.comm_after_backward, transfer_queues=transfer_queues, done_after=done_after,
         left_out_steps=left_out,
@@ -598,11 +597,11 @@ def graph_from_step_sequence(models: list[StepModel]) -> Graph:
                 if op.category == "UPDATE":
                     # the gradients' collectives; a reduction of the step's outputs (loss, metrics) is no input of
                     # the update (a source that names no collective's tensors: every collective). A collective
-                    # that, as measured on this rank, was still running when the update had ended is no input of
-                    # it (TensorFlow applies each variable once its own gradient is reduced): the step's end waits
-                    # for it instead
+                    # that, as measured on this rank, was still running when the update started is no input of its
+                    # start (TensorFlow applies each variable once its own gradient is reduced): the step's end
+                    # waits for it instead
                     deps += bw_nodes[-1:] + [c for c in (grad_comm_done or comm_done)
-                                             if own_end[c] <= op.order + op.duration]
+                                             if own_end[c] <= op.order]
                 if op.category == "COMM" and model.chained_launch and last_transfer is not None:
                     deps.append(last_transfer)
                 queue = f"r{rank}/{op.queue}"
@@ -678,7 +677,12 @@ def graph_from_step_sequence(models: list[StepModel]) -> Graph:
                     for g in op.args.get("grads", []):
                         grad_node.setdefault(g, node)  # a split op registered its ready part above
             ends = [last[c] for c in ("UPDATE", "BW") if c in last] + comm_done
-            step_end = b.add("STEP.end", "STEP", rank, it, f"r{rank}/host", 0.0, model.tail_us.get(rank, 0.0), ends)
+            if rank not in model.tail_us:
+                # like any op's gap: the mean step's end after the mean end of what it waits for (a mean of each
+                # step's tail after its own last op would add up to a shorter step whenever the last op varies)
+                ready = max((measured_end[d] for d in ends if d in measured_end), default=0.0)
+                model.tail_us[rank] = max(0.0, model.step_us_by_rank.get(rank, ready) - ready)
+            step_end = b.add("STEP.end", "STEP", rank, it, f"r{rank}/host", 0.0, model.tail_us[rank], ends)
             b.step_end[(rank, it)] = step_end
             prev_end[rank] = step_end
         _wire_exchanges(b, model, exchanged, it)
