@@ -507,7 +507,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         transfer, transfer_end, done_after = _transfer_times(comm_by_step, canonical, steps, len(run.ranks)), {}, {}
     measured = statistics.median(statistics.fmean(v) for v in step_us.values())
     arrivals = {key: {r: se[0] for r, se in members.items()} for key, members in comm_by_step.items()}
-    return StepModel(
+    model = StepModel(
         ops=dict(ops), transfer=transfer,
         measured_step_us=measured, step_us_by_rank={r: statistics.fmean(v) for r, v in step_us.items()},
         steps=steps, arrivals=arrivals,
@@ -515,6 +515,10 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         comm_after_backward=engine.comm_after_backward, transfer_queues=transfer_queues, done_after=done_after,
         left_out_steps=left_out,
     )
+    # wiring it once fills in the measured gaps and tails, so that a what-if's transformed copy keeps them (a tail
+    # filled in on a changed step would stretch that step back to the measured one)
+    graph_from_steps(model, iterations=1)
+    return model
 
 
 SPLIT_MIN_US = 20.0  # a gradient ready less than this before its op ends is ready at the end (timer noise)

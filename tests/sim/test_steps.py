@@ -116,3 +116,12 @@ def test_a_step_far_outside_the_others_is_left_out_of_the_model_and_the_measured
     assert analysis.measured_step_ms == PERIOD_US / 1000.0 and abs(analysis.error_pct) < 1.0
     assert any("left out of the model and of the measured step: 9 (47.7 ms)" in n for n in analysis.notes)
     assert far_out_steps(run, list(range(3, 10))) == {}  # too few steps to judge by
+
+
+def test_the_step_model_comes_with_its_measured_gaps_and_tails(tmp_path):
+    """A what-if copies the step model and changes it: gaps and tails filled in on the changed copy would stretch
+    its step back to the measured one, so the model holds them from the start."""
+    run = load_run(make_run_of(tmp_path / "run", _tensorflow_like_step, steps=range(3, 9)))
+    model = step_model(run, align(run))
+    assert set(model.tail_us) == {0, 1}
+    assert all(op.gap is not None for ops in model.ops.values() for op in ops)
