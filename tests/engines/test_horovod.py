@@ -471,3 +471,23 @@ def test_the_buffers_own_line_prices_an_extra_buffer_despite_a_late_rank_and_an_
     intercept, slope = robust_line(buffers)
     assert abs(slope - per_byte) / per_byte < 0.01 and abs(intercept - fixed) < 50
     assert robust_line([(1e6, 10.0), (1.2e6, 12.0)]) is None  # sizes too alike for a slope
+
+
+def test_an_extra_buffer_costs_at_least_what_the_smallest_buffers_took() -> None:
+    """A token-bucket link passes mid-sized buffers faster than its rate, which pulls the line's fixed cost to 0;
+    the 5 KB buffers, whose bytes cost next to nothing, still took 390 µs each (the GRU recording of bench/launch.py:
+    no fusion, priced as free, ran 35% slower)."""
+    from types import SimpleNamespace
+
+    from dpro.engines.horovod.search import horovod_comm_model
+    from dpro.sim.cost import CommModel
+
+    per_byte = 8.2e-3
+    sizes = [(5_140, 390.0), (263_168, 720.0), (268_308, 750.0), (792_576, 4_900.0), (2_244_608, 17_300.0),
+             (3_037_184, 25_000.0)]
+    buffers = [{"bytes": b, "allreduce_us": us + i} for i in range(4) for b, us in sizes]
+    ctx = SimpleNamespace(run=SimpleNamespace(meta={"horovod": {"merged": {"buffers": buffers}}}), world_size=2,
+                          comm=CommModel(latency_us=0.0, us_per_byte=per_byte, world_size=2, source="probe"))
+    model = horovod_comm_model(ctx)
+    fixed = model.latency_us * 2  # two hops for two ranks
+    assert 300.0 < fixed < 400.0, model
