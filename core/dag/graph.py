@@ -297,7 +297,7 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
                             launched: dict[str, tuple[int, float]],
                             queues: dict[str, tuple[str, ...]] | None = None,
                             frame: dict[int, float] | None = None,
-                            ) -> tuple[dict[str, float], dict[str, float]]:
+                            ) -> tuple[dict[str, float], dict[str, float], dict[str, dict[int, float]]]:
     """Transfer times such that the mean step's collectives end when they end, on average, in the recorded steps.
 
     For engines that decide at run time which collectives run together (an engine that fuses the tensors
@@ -490,18 +490,19 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         launched: dict[str, tuple[int, float]] = {}
         # the mean step starts on every rank at once; one recorded step starts when it started on each rank, so the
         # rank that arrived last is the latest in aligned time, not the one latest into its own step
-        frame = {rank: starts[(rank, steps[0])] - min(starts.values()) if len(steps) == 1 else 0.0 for rank in ops}
+        frame = {rank: starts[(rank, steps[0])] - min(starts.values()) for rank in ops} if len(steps) == 1 else None
         latest: dict[str, float] = {}
         for rank, rank_ops in sorted(ops.items()):
+            at = (frame or {}).get(rank, 0.0)
             for op in rank_ops:
-                if op.category == "COMM" and (op.name not in launched or frame[rank] + op.order > latest[op.name]):
+                if op.category == "COMM" and (op.name not in launched or at + op.order > latest[op.name]):
                     launched[op.name] = (rank, op.order)
-                    latest[op.name] = frame[rank] + op.order
+                    latest[op.name] = at + op.order
         if len(ops) < len(run.ranks):
             launched = {}
         transfer, transfer_end, done_after = _transfer_times_in_step(
-            comm_by_step, canonical, steps, starts, launched, transfer_queues, frame if len(steps) == 1 else None)
-        if len(steps) == 1:
+            comm_by_step, canonical, steps, starts, launched, transfer_queues, frame)
+        if frame is not None:
             transfer_end = {}  # one recorded step: each rank measures the ops after a collective from its own end
     else:
         transfer, transfer_end, done_after = _transfer_times(comm_by_step, canonical, steps, len(run.ranks)), {}, {}
