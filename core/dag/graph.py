@@ -27,6 +27,7 @@ from dpro.io.load import Run, format_steps
 
 __all__ = [
     "ExchangePart",
+    "Flows",
     "Graph",
     "GraphBuilder",
     "NO_QUEUE",
@@ -41,6 +42,21 @@ __all__ = [
 
 
 NO_QUEUE = -1
+
+
+@dataclass(frozen=True)
+class Flows:
+    """Nodes that are transfers over network links shared with other connections (a parameter server's pushes and
+    answers): replayed by ``dpro.sim.links.replay_shared``."""
+
+    nodes: np.ndarray                   # int64 node ids (their duration: the time with the links to themselves)
+    connection: np.ndarray              # int64, per node: messages of one connection go one after another
+    links: tuple[tuple[int, ...], ...]  # per node: the links it crosses (ids into link_names)
+    link_names: tuple[str, ...] = ()    # "link-out@host", ...
+
+    @property
+    def size(self) -> int:
+        return int(self.nodes.size)
 
 
 @dataclass
@@ -58,6 +74,7 @@ class Graph:
     category: list[str]         # FW, BW, COMM, UPDATE, IO, STEP, XFER (collective transfer), ...
     queue_names: list[str]      # "r0/compute", "r1/comm", ...
     step_end: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, iteration) -> STEP end node
+    flows: Flows | None = None  # transfers over shared links, if any
 
     @property
     def size(self) -> int:
@@ -83,6 +100,7 @@ class GraphBuilder:
     _queue_id: dict[str, int] = field(default_factory=dict)
     _queue_last: dict[int, int] = field(default_factory=dict)
     step_end: dict[tuple[int, int], int] = field(default_factory=dict)
+    _flows: list[tuple[int, str, tuple[str, ...]]] = field(default_factory=list)  # node, connection, links
 
     def queue_id(self, name: str) -> int:
         if name not in self._queue_id:
@@ -120,6 +138,11 @@ class GraphBuilder:
             self.preds[node].append(last)
         self.occupy(queue, node)
 
+    def share_links(self, node: int, connection: str, links: tuple[str, ...]) -> None:
+        """Make ``node`` (already added; its duration: its time with the links to itself) a message on
+        ``connection`` over ``links``, shared with the other connections crossing them (``Flows``)."""
+        self._flows.append((node, connection, tuple(links)))
+
     def occupy(self, queue: str, node: int) -> None:
         """Make ``node`` the op the next op on ``queue`` waits for (a collective's transfer)."""
         self._queue_last[self.queue_id(queue)] = node
@@ -134,8 +157,19 @@ class GraphBuilder:
             iteration=np.asarray(self.iteration, dtype=np.int32), queue=np.asarray(self.queue, dtype=np.int32),
             duration=np.asarray(self.duration, dtype=np.float64), gap=np.asarray(self.gap, dtype=np.float64),
             pred_ptr=ptr, pred_idx=idx, category=self.category, queue_names=self.queue_names,
-            step_end=dict(self.step_end),
+            step_end=dict(self.step_end), flows=self._frozen_flows(),
         )
+
+    def _frozen_flows(self) -> Flows | None:
+        if not self._flows:
+            return None
+        connections: dict[str, int] = {}
+        links: dict[str, int] = {}
+        per_node = tuple(tuple(links.setdefault(x, len(links)) for x in ls) for _, _, ls in self._flows)
+        return Flows(nodes=np.array([n for n, _, _ in self._flows], dtype=np.int64),
+                     connection=np.array([connections.setdefault(c, len(connections)) for _, c, _ in self._flows],
+                                         dtype=np.int64),
+                     links=per_node, link_names=tuple(links))
 
 
 # ---- dpro run directories -----------------------------------------------------------------------
@@ -158,13 +192,16 @@ class OpStats:
 @dataclass
 class ExchangePart:
     """One part of a parameter-server key: every rank's push to the server, the server's work once all pushes
-    are in, and its answer to every rank. Each push and answer occupies the link queues it crosses (a host's
-    outgoing and incoming link; none between processes of one host), the server's work its host's queue."""
+    are in, and its answer to every rank. Each push and answer is a message on its worker's connection to the
+    server, over the links it crosses (a host's outgoing and the other host's incoming link; none between
+    processes of one host), shared with the other connections crossing them; the server's work takes its host's
+    queue."""
 
     server_queue: str
     server_us: float
-    push: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs, link queues)
-    pull: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs, link queues)
+    push: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs with the links to itself, links)
+    pull: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs with the links to itself, links)
+    server: str = ""                                 # the server process (one connection per worker); default queue
 
 
 @dataclass
@@ -696,11 +733,9 @@ def graph_from_step_sequence(models: list[StepModel]) -> Graph:
 
 def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict[int, tuple[int, int]]],
                     it: int) -> None:
-    """The pushes, server work and answers of the iteration's exchanges: every push first, then the servers'
-    work, then the answers, each phase key by key in launch order (the order their nodes take on the shared link
-    and server queues). Workers push each key as soon as it is ready and the answers come once every push of a key
-    is in, so a link carries the pushes before the answers that follow them; pushes of two parts in opposite
-    directions run side by side."""
+    """The pushes, server work and answers of the iteration's exchanges, each phase key by key in launch order
+    (the order the servers take their work in). Pushes and answers that cross hosts are messages on their
+    connections over shared links (``GraphBuilder.share_links``): the replay times them together."""
     parts = [(name, members, part) for name, members in exchanged.items() for part in model.exchanges[name]]
     pushed = []
     for name, members, part in parts:
@@ -708,8 +743,8 @@ def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict
         for rank, (arrival, _) in sorted(members.items()):
             us, links = part.push.get(rank, (0.0, ()))
             node = b.add(f"{name}.push", "XFER", rank, it, None, us, 0.0, [arrival])
-            for link in links:
-                b.wait_on_queue(link, node)
+            if links:
+                b.share_links(node, f"r{rank}->{part.server or part.server_queue}", links)
             nodes.append(node)
         pushed.append(nodes)
     served = []
@@ -721,6 +756,6 @@ def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict
         for rank, (_, done) in sorted(members.items()):
             us, links = part.pull.get(rank, (0.0, ()))
             node = b.add(f"{name}.pull", "XFER", rank, it, None, us, 0.0, [server])
-            for link in links:
-                b.wait_on_queue(link, node)
+            if links:
+                b.share_links(node, f"{part.server or part.server_queue}->r{rank}", links)
             b.preds[done].append(node)

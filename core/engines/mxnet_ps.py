@@ -66,12 +66,13 @@ class ServerModel:
 
     A server's work on one part of ``b`` bytes (every worker's push summed, the optimizer run): ``fixed_us +
     us_per_byte * b`` on its host's queue (servers of one host share its CPUs). A push or an answer that crosses
-    from one host to another: ``link_us_per_byte * b`` on the sending host's outgoing link and the receiving host's
-    incoming link (``link_queues``): links are full duplex, so two hosts each pushing to the other's server do so
-    side by side, while transfers the same way take turns, every push of a step before the answers (the graph wires
-    them so); between processes of one host: nothing beyond the server's work. (The previous model, one queue per
-    worker-server connection slowed by the others on its hosts, missed the emulated 1 Gbit/s cnn's 1-server
-    what-if by 16-21% (too fast); this one by 10-17% (too slow): ``bench/mxnet_ps.py``.)"""
+    from one host to another: ``link_us_per_byte * b`` with the sending host's outgoing link and the receiving host's
+    incoming link to itself (``link_queues``). Links are full duplex and shared: the replay sends each
+    worker/server connection's messages in turn and shares a link evenly between the connections on it
+    (``dpro.sim.links``), so a host's pushes and its server's answers going the same way slow each other. Between
+    processes of one host: nothing beyond the server's work. (Re-pricing the same emulated 1 Gbit/s recordings
+    with ``bench/mxnet_ps.py --from``, the what-ifs' median error was 12-13% with links that take their transfers
+    in turn, pushes first, and 8-10% with shared links.)"""
 
     fixed_us: float
     us_per_byte: float
@@ -319,14 +320,14 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
                 push[rank] = (us, link_queues(mine, at))
                 pull[rank] = (us, link_queues(at, mine))
             work = server.server_us(nbytes, world) * slowdown[k]
-            priced.append(ExchangePart(server_queue(k, hosts, workers, cpus), work, push, pull))
+            priced.append(ExchangePart(server_queue(k, hosts, workers, cpus), work, push, pull, server=f"server{k}"))
         out.exchanges[name] = priced
     return out
 
 
 def link_queues(source: str, destination: str) -> tuple[str, str]:
-    """The queues a transfer from one host to another takes: the source's outgoing link and the destination's
-    incoming one (full duplex: transfers in opposite directions run side by side, the same way take turns)."""
+    """The links a transfer from one host to another crosses: the source's outgoing link and the destination's
+    incoming one (full duplex: transfers in opposite directions run side by side, the same way share them)."""
     return f"link-out@{source}", f"link-in@{destination}"
 
 

@@ -99,8 +99,17 @@ class Schedule:
 
 
 def replay(g: Graph, plan: LevelPlan | None = None) -> Schedule:
-    """Earliest-start schedule of ``g`` (see module docstring)."""
+    """Earliest-start schedule of ``g`` (see module docstring); a graph whose transfers share links
+    (``g.flows``) event by event (``dpro.sim.links.replay_shared``)."""
     plan = plan or plan_levels(g)
+    if g.flows is not None and g.flows.size:
+        from dpro.sim.links import replay_shared
+
+        return Schedule(*replay_shared(g))
+    return _earliest(g, plan, g.duration)
+
+
+def _earliest(g: Graph, plan: LevelPlan, duration: np.ndarray) -> Schedule:
     start = np.zeros(g.size)
     end = np.zeros(g.size)
     for nodes, flat, seg, mask in zip(plan.nodes, plan.flat_preds, plan.seg_start, plan.has_preds, strict=True):
@@ -109,7 +118,7 @@ def replay(g: Graph, plan: LevelPlan | None = None) -> Schedule:
             ready[mask] = np.maximum.reduceat(end[flat], seg)
         s = ready + g.gap[nodes]
         start[nodes] = s
-        end[nodes] = s + g.duration[nodes]
+        end[nodes] = s + duration[nodes]
     return Schedule(start, end)
 
 

@@ -154,3 +154,30 @@ def test_servers_on_other_hosts_are_priced_by_the_links_between_hosts(tmp_path):
 def test_a_transfer_takes_its_hosts_outgoing_and_incoming_links():
     assert link_queues("A", "B") == ("link-out@A", "link-in@B")
     assert not set(link_queues("A", "B")) & set(link_queues("B", "A"))  # full duplex: opposite ways side by side
+
+
+def test_a_hosts_pushes_and_its_servers_answers_share_the_link_they_both_take(tmp_path):
+    """Two hosts, a worker and a server on each, every key split over both servers: worker B's pushes to the
+    server on A and server B's answers to worker A both leave host B. They are messages on two connections sharing
+    link-out@hostB, so they run at once, not one after the other."""
+    apart = tmp_path / "two-hosts"
+    shutil.copytree(RECORDED, apart)
+    meta = json.loads((apart / "run.json").read_text())
+    meta["mxnet"].update(server_hosts=["hostB", "hostA"], worker_hosts=["hostB", "hostA"])
+    (apart / "run.json").write_text(json.dumps(meta))
+    ctx = context(load_run(apart))
+    from dpro.dag.graph import graph_from_steps
+    from dpro.engines.mxnet_ps import ps_model, server_model
+    from dpro.sim.replay import replay
+
+    g = graph_from_steps(ps_model(ctx, {BIGARRAY_BOUND: 1000}, server_model(ctx)), iterations=2)
+    assert g.flows is not None and g.flows.size > 0
+    sched = replay(g)
+    out_of_b = [(float(sched.start[n]), float(sched.end[n]), g.names[n]) for n, links in
+                zip(g.flows.nodes, g.flows.links, strict=True)
+                if g.iteration[n] == 1 and g.flows.link_names[links[0]] == "link-out@hostB"]
+    pushes = [(s, e) for s, e, name in out_of_b if name.endswith(".push") and e > s]
+    answers = [(s, e) for s, e, name in out_of_b if name.endswith(".pull") and e > s]
+    assert pushes and answers
+    assert any(s1 < e2 and s2 < e1 for s1, e1 in pushes for s2, e2 in answers)  # at once on one link
+

@@ -1,0 +1,118 @@
+"""Replay of a graph whose transfers share network links (``Graph.flows``: a parameter server's pushes and answers).
+
+Pushes and answers are messages on connections (one per worker/server pair and direction). A connection sends its
+messages one after another, in the order they became ready; connections crossing one link share it evenly, and a
+connection crossing several links (a host's outgoing link, then the other host's incoming one) moves at its share of
+the busiest. A link that instead took its transfers strictly in turn lets a worker's pushes run ahead of the answers
+its host's server sends the same way, which TCP does not do: on the emulated 1 Gbit/s network such a model put
+two servers' steps 15-20% short of what they took (``bench/mxnet_ps.py``).
+
+How long a shared transfer takes depends on what else is on its links while it runs, so these graphs are replayed
+event by event (``replay_shared``) rather than level by level: every other node ends its duration after it starts,
+as in ``dpro.sim.replay``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+
+import numpy as np
+
+from dpro.dag.graph import Graph
+from dpro.errors import GraphError
+
+__all__ = ["replay_shared"]
+
+_DONE, _ARRIVE = 0, 1  # event kinds: a node ends; a shared transfer is ready to be sent
+
+
+def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of every node of ``g`` (µs): ``start = max(end of predecessors) + gap``; a node that is no
+    shared transfer ends ``duration`` later, a shared transfer when its connection has sent it (see the module
+    docstring; its ``duration`` is its time with the links to itself).
+
+    Raises:
+        GraphError: the graph has a cycle (names one node on it).
+    """
+    n = g.size
+    flows = g.flows
+    flow_of = {int(node): i for i, node in enumerate(flows.nodes)} if flows is not None else {}
+    counts = np.diff(g.pred_ptr)
+    waiting_preds = counts.astype(np.int64).copy()
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for node in range(n):
+        for p in g.preds(node):
+            succ[int(p)].append(node)
+    start = np.zeros(n)
+    end = np.zeros(n)
+    ready = np.zeros(n)  # latest end of the predecessors so far
+    events: list[tuple[float, int, int]] = []  # (time, kind, node)
+
+    def release(node: int) -> None:
+        start[node] = ready[node] + g.gap[node]
+        if node in flow_of:
+            heapq.heappush(events, (start[node], _ARRIVE, node))
+        else:
+            heapq.heappush(events, (start[node] + g.duration[node], _DONE, node))
+
+    for node in np.flatnonzero(counts == 0):
+        release(int(node))
+    queued: dict[int, deque[int]] = defaultdict(deque)  # connection -> messages waiting, in order
+    sending: dict[int, int] = {}                         # connection -> the message it sends now
+    left: dict[int, float] = {}                          # message -> µs left at its links' full rate
+    rate: dict[int, float] = {}
+    now, finished = 0.0, 0
+
+    def share() -> None:
+        load: dict[int, int] = defaultdict(int)
+        for node in sending.values():
+            for link in flows.links[flow_of[node]]:
+                load[link] += 1
+        rate.clear()
+        for node in sending.values():
+            rate[node] = 1.0 / max((load[link] for link in flows.links[flow_of[node]]), default=1)
+
+    def done(node: int, t: float) -> None:
+        nonlocal finished
+        end[node] = t
+        finished += 1
+        for s in succ[node]:
+            ready[s] = max(ready[s], t)
+            waiting_preds[s] -= 1
+            if waiting_preds[s] == 0:
+                release(s)
+
+    while events or sending:
+        next_event = events[0][0] if events else np.inf
+        next_sent = min((now + left[m] / rate[m] for m in sending.values()), default=np.inf)
+        t = min(next_event, next_sent)
+        for m in sending.values():
+            left[m] -= rate[m] * (t - now)
+        now = t
+        changed = False
+        for c, m in list(sending.items()):
+            if left[m] <= 1e-9 * max(1.0, float(g.duration[m])):
+                del sending[c]
+                changed = True
+                done(m, now)
+                if queued[c]:
+                    sending[c] = queued[c].popleft()
+        while events and events[0][0] <= now:
+            _, kind, node = heapq.heappop(events)
+            if kind == _DONE:
+                done(node, now)
+                continue
+            c = int(flows.connection[flow_of[node]])
+            left[node] = float(g.duration[node])
+            if c in sending:
+                queued[c].append(node)
+            else:
+                sending[c] = node
+                changed = True
+        if changed:
+            share()
+    if finished != n:
+        stuck = int(np.flatnonzero(waiting_preds > 0)[0])
+        raise GraphError(f"the graph has a cycle through node {stuck} ({g.names[stuck]})")
+    return start, end

@@ -1,0 +1,98 @@
+"""Transfers over shared links (``dpro.sim.links``): hand-built graphs with answers worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpro.dag.graph import GraphBuilder
+from dpro.errors import GraphError
+from dpro.sim.replay import replay
+
+AB = ("link-out@A", "link-in@B")
+BA = ("link-out@B", "link-in@A")
+
+
+def _transfer(b: GraphBuilder, name: str, us: float, connection: str, links: tuple[str, ...],
+              preds: list[int] | None = None, gap: float = 0.0) -> int:
+    node = b.add(name, "XFER", 0, 0, None, us, gap, preds)
+    b.share_links(node, connection, links)
+    return node
+
+
+def test_two_connections_on_one_link_share_it_evenly():
+    b = GraphBuilder()
+    push = _transfer(b, "push", 100, "w0->s1", AB)
+    answer = _transfer(b, "answer", 100, "s0->w1", AB)
+    s = replay(b.build())
+    assert s.end[push] == pytest.approx(200) and s.end[answer] == pytest.approx(200)
+
+
+def test_one_connection_sends_its_messages_in_turn():
+    b = GraphBuilder()
+    first = _transfer(b, "first", 100, "w0->s1", AB)
+    second = _transfer(b, "second", 50, "w0->s1", AB)
+    s = replay(b.build())
+    assert s.end[first] == pytest.approx(100)
+    assert s.end[second] == pytest.approx(150)
+
+
+def test_opposite_ways_run_side_by_side():
+    b = GraphBuilder()
+    there = _transfer(b, "there", 100, "w0->s1", AB)
+    back = _transfer(b, "back", 100, "w1->s0", BA)
+    s = replay(b.build())
+    assert s.end[there] == pytest.approx(100) and s.end[back] == pytest.approx(100)
+
+
+def test_a_later_transfer_shares_only_from_when_it_starts():
+    b = GraphBuilder()
+    early = _transfer(b, "early", 100, "w0->s1", AB)
+    before = b.add("compute", "FW", 0, 0, "r0/compute", 50)
+    late = _transfer(b, "late", 100, "s0->w1", AB, preds=[before])
+    s = replay(b.build())
+    # 0-50 alone (half done), then both at half speed: early ends at 150, late has 50 left and ends at 200
+    assert s.start[late] == pytest.approx(50)
+    assert s.end[early] == pytest.approx(150)
+    assert s.end[late] == pytest.approx(200)
+
+
+def test_a_transfer_moves_at_its_share_of_its_busiest_link():
+    b = GraphBuilder()
+    to_b = _transfer(b, "to B", 100, "w0->s1", ("link-out@A", "link-in@B"))
+    also_to_b = _transfer(b, "C to B", 100, "w2->s1", ("link-out@C", "link-in@B"))
+    a_to_d = _transfer(b, "A to D", 100, "w0->s3", ("link-out@A", "link-in@D"))
+    s = replay(b.build())
+    # link-out@A and link-in@B carry two connections each: every transfer moves at half speed
+    assert [s.end[n] for n in (to_b, also_to_b, a_to_d)] == pytest.approx([200, 200, 200])
+
+
+def test_what_waits_for_a_shared_transfer_starts_after_it_and_its_gap():
+    b = GraphBuilder()
+    push = _transfer(b, "push", 100, "w0->s1", AB)
+    other = _transfer(b, "other", 100, "s0->w1", AB)
+    server = b.add("server", "XFER", -1, 0, "server@B", 10, 0.0, [push])
+    answer = _transfer(b, "answer", 30, "s1->w0", BA, preds=[server], gap=5)
+    after = b.add("FW", "FW", 0, 1, "r0/compute", 1, 0.0, [answer, other])
+    s = replay(b.build())
+    assert s.start[server] == pytest.approx(200)
+    assert s.start[answer] == pytest.approx(215) and s.end[answer] == pytest.approx(245)
+    assert s.start[after] == pytest.approx(245)
+
+
+def test_without_shared_links_a_graph_replays_as_before():
+    b = GraphBuilder()
+    x = b.add("x", "XFER", 0, 0, None, 100)
+    y = b.add("y", "XFER", 0, 0, None, 100)
+    g = b.build()
+    assert g.flows is None
+    s = replay(g)
+    assert s.end[x] == 100 and s.end[y] == 100
+
+
+def test_a_cycle_through_shared_transfers_is_refused():
+    b = GraphBuilder()
+    first = _transfer(b, "first", 10, "w0->s1", AB)
+    second = _transfer(b, "second", 10, "s1->w0", BA, preds=[first])
+    b.preds[first].append(second)
+    with pytest.raises(GraphError, match="cycle"):
+        replay(b.build())
