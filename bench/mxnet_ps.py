@@ -16,6 +16,7 @@ recorded setting (so one recording's level, which varies from job to job, cancel
 optimize`` on the first recording of the defaults, then jobs with its env knobs alternate with jobs at the defaults.
 
     python bench/mxnet_ps.py [--networks loopback,1gbit] [--models mlp,cnn] [--rounds 2] [--optimize]
+                             [--script a_gluon_script.py]
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ WHATIFS = [("2 servers", "1 server", {"num_servers": 1}),
 
 
 def record_loopback(model: str, servers: int, bound: int, run_dir: Path, steps: int, window: str,
-                    extra_env: dict[str, str] | None = None) -> None:
+                    extra_env: dict[str, str] | None = None, script: Path = SCRIPT) -> None:
     cmd = [str(Path(sys.executable).with_name("dpro-launch")), "--engine", "mxnet", "-np", "2", "-H",
            "localhost:2", "--num-servers", str(servers), "--profile", window, "--run-dir", str(run_dir),
-           str(MXNET_PYTHON), str(SCRIPT), "--model", model, "--steps", str(steps)]
+           str(MXNET_PYTHON), str(script), "--model", model, "--steps", str(steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MXNET_KVSTORE_BIGARRAY_BOUND=str(bound), **(extra_env or {}))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -66,7 +67,7 @@ def server_rank_order(addresses: list[str]) -> list[str]:
 
 
 def record_emulated(cluster: testbed.Cluster, model: str, servers: int, bound: int, run_dir: Path, steps: int,
-                    window: str, extra_env: dict[str, str] | None = None) -> None:
+                    window: str, extra_env: dict[str, str] | None = None, script: Path = SCRIPT) -> None:
     """The ps-lite roles started in the hosts' namespaces: scheduler and server 0 and worker 0 on host 0, server 1
     and worker 1 on host 1 (started in that order: ps-lite numbers the workers and servers as they connect)."""
     root = cluster.hosts[0].address
@@ -82,7 +83,7 @@ def record_emulated(cluster: testbed.Cluster, model: str, servers: int, bound: i
                 DPRO_MXNET_SERVER_HOSTS=",".join(server_rank_order([cluster.hosts[k].address for k in range(servers)])),
                 **(extra_env or {}))
     roles = [("scheduler", 0)] + [("server", k) for k in range(servers)] + [("worker", 0), ("worker", 1)]
-    argv = [str(MXNET_PYTHON), str(SCRIPT), "--model", model, "--steps", str(steps)]
+    argv = [str(MXNET_PYTHON), str(script), "--model", model, "--steps", str(steps)]
     procs, logs = [], []
     try:
         for i, (role, host) in enumerate(roles):
@@ -113,9 +114,9 @@ def record_emulated(cluster: testbed.Cluster, model: str, servers: int, bound: i
 def record(cluster: testbed.Cluster | None, model: str, servers: int, bound: int, run_dir: Path,
            args: argparse.Namespace) -> None:
     if cluster is None:
-        record_loopback(model, servers, bound, run_dir, args.steps, args.window)
+        record_loopback(model, servers, bound, run_dir, args.steps, args.window, script=Path(args.script))
     else:
-        record_emulated(cluster, model, servers, bound, run_dir, args.steps, args.window)
+        record_emulated(cluster, model, servers, bound, run_dir, args.steps, args.window, script=Path(args.script))
 
 
 def whatif_ms(run_dir: Path, knobs: dict[str, object]) -> tuple[float, float]:
@@ -150,6 +151,9 @@ def main() -> int:
     parser.add_argument("--networks", default="loopback,1gbit")
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--rounds", type=int, default=2, help="recordings of each setting (alternating)")
+    parser.add_argument("--script", default=str(SCRIPT),
+                        help="the Gluon script every role runs (it takes --model NAME and --steps N); default: "
+                             "bench/scripts/gluon_train.py")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--window", default="10:30")
     parser.add_argument("--optimize", action="store_true", help="also dpro optimize vs the defaults")
