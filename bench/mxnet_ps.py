@@ -13,7 +13,8 @@ Each recording gives a row: measured step, ``dpro analyze``'s replay and its err
 setting from the recordings of another (``dpro whatif RUN --set num_servers=1``) and compares it with the median
 measured step of that setting's own recordings; "ratio" compares predicted and measured change relative to the
 recorded setting (so one recording's level, which varies from job to job, cancels). ``--optimize``: ``dpro
-optimize`` on the first recording of the defaults, then jobs with its env knobs alternate with jobs at the defaults.
+optimize`` on the first recording of ``--optimize-from`` (default: MXNet's defaults), then jobs with its env knobs
+alternate with jobs at that setting.
 
     python bench/mxnet_ps.py [--networks loopback,1gbit] [--models mlp,cnn] [--rounds 2] [--optimize]
                              [--script a_gluon_script.py]
@@ -69,7 +70,8 @@ def server_rank_order(addresses: list[str]) -> list[str]:
 def record_emulated(cluster: testbed.Cluster, model: str, servers: int, bound: int, run_dir: Path, steps: int,
                     window: str, extra_env: dict[str, str] | None = None, script: Path = SCRIPT) -> None:
     """The ps-lite roles started in the hosts' namespaces: scheduler and server 0 and worker 0 on host 0, server 1
-    and worker 1 on host 1 (started in that order: ps-lite numbers the workers and servers as they connect)."""
+    and worker 1 on host 1, further servers taking the hosts in turn (started in that order: ps-lite numbers the
+    workers and servers as they connect)."""
     root = cluster.hosts[0].address
     with socket.socket() as s:
         s.bind(("", 0))
@@ -80,9 +82,11 @@ def record_emulated(cluster: testbed.Cluster, model: str, servers: int, bound: i
                 DMLC_PS_ROOT_URI=root, DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER=str(servers),
                 DMLC_NUM_WORKER="2", MXNET_KVSTORE_BIGARRAY_BOUND=str(bound), DPRO_AUTO_RECORD="1",
                 DPRO_PROFILE=window, DPRO_RUN_DIR=str(run_dir),
-                DPRO_MXNET_SERVER_HOSTS=",".join(server_rank_order([cluster.hosts[k].address for k in range(servers)])),
+                DPRO_MXNET_SERVER_HOSTS=",".join(server_rank_order([cluster.hosts[k % len(cluster.hosts)].address
+                                                                    for k in range(servers)])),
                 **(extra_env or {}))
-    roles = [("scheduler", 0)] + [("server", k) for k in range(servers)] + [("worker", 0), ("worker", 1)]
+    roles = [("scheduler", 0)] + [("server", k % len(cluster.hosts)) for k in range(servers)] + [("worker", 0),
+                                                                                            ("worker", 1)]
     argv = [str(MXNET_PYTHON), str(script), "--model", model, "--steps", str(steps)]
     procs, logs = [], []
     try:
@@ -156,7 +160,10 @@ def main() -> int:
                              "bench/scripts/gluon_train.py")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--window", default="10:30")
-    parser.add_argument("--optimize", action="store_true", help="also dpro optimize vs the defaults")
+    parser.add_argument("--optimize", action="store_true",
+                        help="also dpro optimize on a recording of --optimize-from, its setting against that one")
+    parser.add_argument("--optimize-from", default="2 servers", choices=list(SETTINGS),
+                        help="the setting dpro optimize starts from (default: MXNet's, 2 servers)")
     parser.add_argument("--keep", default=None, help="keep the runs in this new directory")
     parser.add_argument("--from", dest="from_dir", default=None,
                         help="record nothing: price the runs a --keep directory holds again (after a model change)")
@@ -208,28 +215,29 @@ def main() -> int:
                         ratio = 100 * ((predicted / replayed) / (target_ms / source_ms) - 1)
                         what_rows.append((network, model, f"{source} -> {target}", recorded_ms, predicted, target_ms,
                                           err, ratio))
-                if args.optimize and runs["2 servers"]:
+                source = args.optimize_from
+                if args.optimize and runs[source]:
                     ran = work / f"{network}-{model}-opt-dpro-0" / "run.json"
-                    env = optimize_env(runs["2 servers"][0]) if not replaying or not ran.exists() else {
+                    env = optimize_env(runs[source][0]) if not replaying or not ran.exists() else {
                         "DMLC_NUM_SERVER": str(json.loads(ran.read_text())["knobs"]["num_servers"]),
                         "MXNET_KVSTORE_BIGARRAY_BOUND": str(
                             json.loads(ran.read_text())["knobs"]["mxnet.kvstore.bigarray_bound"])}
-                    chosen = {"DMLC_NUM_SERVER": env.get("DMLC_NUM_SERVER", "2"),
-                              "MXNET_KVSTORE_BIGARRAY_BOUND": env.get("MXNET_KVSTORE_BIGARRAY_BOUND",
-                                                                      str(DEFAULT_BOUND))}
-                    defaults, tuned = [], []
+                    servers0, bound0 = SETTINGS[source]
+                    chosen = {"DMLC_NUM_SERVER": env.get("DMLC_NUM_SERVER", str(servers0)),
+                              "MXNET_KVSTORE_BIGARRAY_BOUND": env.get("MXNET_KVSTORE_BIGARRAY_BOUND", str(bound0))}
+                    recorded, tuned = [], []
                     for k in range(args.rounds):
-                        for which, bucket in (("defaults", defaults), ("dpro", tuned)):
+                        for which, bucket in (("recorded", recorded), ("dpro", tuned)):
                             run_dir = work / f"{network}-{model}-opt-{which}-{k}"
-                            servers, bound = (2, DEFAULT_BOUND) if which == "defaults" else (
+                            servers, bound = (servers0, bound0) if which == "recorded" else (
                                 int(chosen["DMLC_NUM_SERVER"]), int(chosen["MXNET_KVSTORE_BIGARRAY_BOUND"]))
                             if not replaying:
                                 record(cluster, model, servers, bound, run_dir, args)
                             elif not run_dir.is_dir():
                                 continue
                             bucket.append(analyze_path(run_dir).measured_step_ms)
-                    if defaults and tuned:
-                        opt_rows.append((network, model, chosen, defaults, tuned))
+                    if recorded and tuned:
+                        opt_rows.append((network, model, source, chosen, recorded, tuned))
         finally:
             if cluster_cm is not None:
                 cluster_cm.__exit__(None, None, None)
@@ -253,12 +261,12 @@ def main() -> int:
               f"{max(abs(r[6]) for r in what_rows):.2f}%; ratio: median "
               f"{statistics.median(abs(r[7]) for r in what_rows):.2f}%, worst {max(abs(r[7]) for r in what_rows):.2f}%")
     if opt_rows:
-        print("\ndpro optimize vs MXNet's defaults (2 servers, bound 1e6), jobs alternating")
-        print("| network | model | dpro's env | defaults ms (jobs) | dpro ms (jobs) | change |")
-        print("|---|---|---|---|---|---|")
-        for network, model, chosen, d, t in opt_rows:
+        print("\ndpro optimize from a recording of one setting: its env against that setting, jobs alternating")
+        print("| network | model | from | dpro's env | that setting ms (jobs) | dpro ms (jobs) | change |")
+        print("|---|---|---|---|---|---|---|")
+        for network, model, source, chosen, d, t in opt_rows:
             change = 100 * (statistics.median(t) / statistics.median(d) - 1)
-            print(f"| {network} | {model} | {chosen} | {statistics.median(d):.2f} ({spread(d)}) | "
+            print(f"| {network} | {model} | {source} | {chosen} | {statistics.median(d):.2f} ({spread(d)}) | "
                   f"{statistics.median(t):.2f} ({spread(t)}) | {change:+.1f}% |")
     if not args.keep and not replaying:
         shutil.rmtree(work, ignore_errors=True)
