@@ -71,8 +71,8 @@ class ServerModel:
     worker/server connection's messages in turn and shares a link evenly between the connections on it
     (``dpro.sim.links``), so a host's pushes and its server's answers going the same way slow each other. Between
     processes of one host: nothing beyond the server's work. (Re-pricing the same emulated 1 Gbit/s recordings
-    with ``bench/mxnet_ps.py --from``, the what-ifs' median error was 12-13% with links that take their transfers
-    in turn, pushes first, and 8-10% with shared links.)"""
+    with ``bench/mxnet_ps.py --from``, the what-ifs' median error was 12-14% with links that take their transfers
+    in turn, pushes first, and 8-11% with shared links.)"""
 
     fixed_us: float
     us_per_byte: float

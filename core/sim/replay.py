@@ -106,10 +106,6 @@ def replay(g: Graph, plan: LevelPlan | None = None) -> Schedule:
         from dpro.sim.links import replay_shared
 
         return Schedule(*replay_shared(g))
-    return _earliest(g, plan, g.duration)
-
-
-def _earliest(g: Graph, plan: LevelPlan, duration: np.ndarray) -> Schedule:
     start = np.zeros(g.size)
     end = np.zeros(g.size)
     for nodes, flat, seg, mask in zip(plan.nodes, plan.flat_preds, plan.seg_start, plan.has_preds, strict=True):
@@ -118,7 +114,7 @@ def _earliest(g: Graph, plan: LevelPlan, duration: np.ndarray) -> Schedule:
             ready[mask] = np.maximum.reduceat(end[flat], seg)
         s = ready + g.gap[nodes]
         start[nodes] = s
-        end[nodes] = s + duration[nodes]
+        end[nodes] = s + g.duration[nodes]
     return Schedule(start, end)
 
 
