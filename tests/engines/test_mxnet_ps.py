@@ -127,15 +127,20 @@ def test_the_engine_says_how_its_config_is_applied():
     assert "DMLC_NUM_SERVER" in engine.apply and "MXNET_KVSTORE_BIGARRAY_BOUND" in engine.apply
 
 
-def test_servers_on_other_hosts_are_priced_by_the_links_between_hosts(tmp_path):
-    """Each worker and server on a host of its own (as in bench/mxnet_ps.py's emulated network): a key's pushes
-    and answers cross the connection between two hosts, and one server's host carries every remote push."""
+def _on_two_hosts(tmp_path: Path):
+    """The recorded run's context with worker 0 and server 0 on hostB, worker 1 and server 1 on hostA."""
     apart = tmp_path / "two-hosts"
     shutil.copytree(RECORDED, apart)
     meta = json.loads((apart / "run.json").read_text())
     meta["mxnet"].update(server_hosts=["hostB", "hostA"], worker_hosts=["hostB", "hostA"])
     (apart / "run.json").write_text(json.dumps(meta))
-    ctx = context(load_run(apart))
+    return context(load_run(apart))
+
+
+def test_servers_on_other_hosts_are_priced_by_the_links_between_hosts(tmp_path):
+    """Each worker and server on a host of its own (as in bench/mxnet_ps.py's emulated network): a key's pushes
+    and answers cross the connection between two hosts, and one server's host carries every remote push."""
+    ctx = _on_two_hosts(tmp_path)
     from dpro.engines.mxnet_ps import ps_model, server_model
 
     model = server_model(ctx)
@@ -160,12 +165,7 @@ def test_a_hosts_pushes_and_its_servers_answers_share_the_link_they_both_take(tm
     """Two hosts, a worker and a server on each, every key split over both servers: worker B's pushes to the
     server on A and server B's answers to worker A both leave host B. They are messages on two connections sharing
     link-out@hostB, so they run at once, not one after the other."""
-    apart = tmp_path / "two-hosts"
-    shutil.copytree(RECORDED, apart)
-    meta = json.loads((apart / "run.json").read_text())
-    meta["mxnet"].update(server_hosts=["hostB", "hostA"], worker_hosts=["hostB", "hostA"])
-    (apart / "run.json").write_text(json.dumps(meta))
-    ctx = context(load_run(apart))
+    ctx = _on_two_hosts(tmp_path)
     from dpro.dag.graph import graph_from_steps
     from dpro.engines.mxnet_ps import ps_model, server_model
     from dpro.sim.replay import replay
