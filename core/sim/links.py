@@ -5,7 +5,7 @@ messages one after another, in the order they became ready; connections crossing
 connection crossing several links (a host's outgoing link, then the other host's incoming one) moves at its share of
 the busiest. A link that instead took its transfers strictly in turn, a step's pushes before its answers, let a
 worker's pushes run ahead of the answers its host's server sends the same way, which TCP connections do not do.
-Re-pricing the same emulated 1 Gbit/s recordings (``bench/mxnet_ps.py --from``), the num_servers and partition
+Re-pricing the same emulated 1 Gbit/s recordings (``bench/mxnet_ps.py --from``), the server-count and partition
 what-ifs' median error went from 12-14% with links taken in turn to 8-11% with shared links, and on a net not
 tuned on from 8-11% to 1.5-4.7%.
 
