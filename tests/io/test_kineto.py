@@ -307,12 +307,14 @@ def test_gloo_collectives_of_a_cpu_ddp_trace_are_communication(tmp_path):
     pytest.importorskip("torch")
     from jobrunner import torchrun
 
-    torchrun("profiled_gloo_ddp.py", "--out", str(tmp_path))
+    # 12 profiled steps: each is predicted from the others, and with 5 a neighbour's slowdown of one step (these
+    # 11 ms steps vary by 30%) once moved the prediction by 33%
+    torchrun("profiled_gloo_ddp.py", "--out", str(tmp_path), "--active", "12")
     paths = [tmp_path / f"rank{r}.pt.trace.json" for r in (0, 1)]
     traces = [load_kineto(p) for p in paths]
     assert all(t.cpu_comms and all(e["name"] == "gloo:all_reduce" for e in t.cpu_comms) for t in traces)
     a = analyze_kineto(paths)
-    assert abs(a.error_pct) < 30.0  # each step predicted from the other steps (the steps here vary by 30%)
+    assert abs(a.error_pct) < 30.0  # each step predicted from the other steps
     for row in a.per_rank:
         assert row["replayed_step_ms"] == pytest.approx(row["measured_step_ms"], rel=0.01)  # the wiring
         assert row["communication_ms"] > 0.5
