@@ -52,7 +52,7 @@ class Flows:
     nodes: np.ndarray                   # int64 node ids (their duration: the time with the links to themselves)
     connection: np.ndarray              # int64, per node: messages of one connection go one after another
     links: tuple[tuple[int, ...], ...]  # per node: the links it crosses (ids into link_names)
-    link_names: tuple[str, ...] = ()    # "link-out@host", ...
+    link_names: tuple[str, ...]         # "link-out@host", ...
 
     @property
     def size(self) -> int:
@@ -201,7 +201,7 @@ class ExchangePart:
     server_us: float
     push: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs with the links to itself, links)
     pull: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs with the links to itself, links)
-    server: str = ""                                 # the server process (one connection per worker); default queue
+    server: str                                      # the server process (one connection per worker and way)
 
 
 @dataclass
@@ -744,7 +744,7 @@ def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict
             us, links = part.push.get(rank, (0.0, ()))
             node = b.add(f"{name}.push", "XFER", rank, it, None, us, 0.0, [arrival])
             if links:
-                b.share_links(node, f"r{rank}->{part.server or part.server_queue}", links)
+                b.share_links(node, f"r{rank}->{part.server}", links)
             nodes.append(node)
         pushed.append(nodes)
     served = []
@@ -757,5 +757,5 @@ def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict
             us, links = part.pull.get(rank, (0.0, ()))
             node = b.add(f"{name}.pull", "XFER", rank, it, None, us, 0.0, [server])
             if links:
-                b.share_links(node, f"{part.server or part.server_queue}->r{rank}", links)
+                b.share_links(node, f"{part.server}->r{rank}", links)
             b.preds[done].append(node)

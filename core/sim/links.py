@@ -30,16 +30,16 @@ _DONE, _ARRIVE = 0, 1  # event kinds: a node ends; a shared transfer is ready to
 
 
 def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
-    """(start, end) of every node of ``g`` (µs): ``start = max(end of predecessors) + gap``; a node that is no
-    shared transfer ends ``duration`` later, a shared transfer when its connection has sent it (see the module
-    docstring; its ``duration`` is its time with the links to itself).
+    """(start, end) of every node of ``g``, a graph with ``flows`` (µs): ``start = max(end of predecessors) +
+    gap``; a node that is no shared transfer ends ``duration`` later, a shared transfer when its connection has sent
+    it (see the module docstring; its ``duration`` is its time with the links to itself).
 
     Raises:
         GraphError: the graph has a cycle (names one node on it).
     """
     n = g.size
     flows = g.flows
-    flow_of = {int(node): i for i, node in enumerate(flows.nodes)} if flows is not None else {}
+    flow_of = {int(node): i for i, node in enumerate(flows.nodes)}
     counts = np.diff(g.pred_ptr)
     waiting_preds = counts.astype(np.int64).copy()
     succ: list[list[int]] = [[] for _ in range(n)]

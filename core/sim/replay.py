@@ -101,11 +101,11 @@ class Schedule:
 def replay(g: Graph, plan: LevelPlan | None = None) -> Schedule:
     """Earliest-start schedule of ``g`` (see module docstring); a graph whose transfers share links
     (``g.flows``) event by event (``dpro.sim.links.replay_shared``)."""
-    plan = plan or plan_levels(g)
     if g.flows is not None and g.flows.size:
         from dpro.sim.links import replay_shared
 
         return Schedule(*replay_shared(g))
+    plan = plan or plan_levels(g)
     start = np.zeros(g.size)
     end = np.zeros(g.size)
     for nodes, flat, seg, mask in zip(plan.nodes, plan.flat_preds, plan.seg_start, plan.has_preds, strict=True):
