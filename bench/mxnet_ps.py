@@ -214,7 +214,7 @@ def main() -> int:
                         err = 100 * (predicted / target_ms - 1)
                         ratio = 100 * ((predicted / replayed) / (target_ms / source_ms) - 1)
                         what_rows.append((network, model, f"{source} -> {target}", recorded_ms, predicted, target_ms,
-                                          err, ratio))
+                                          err, ratio, measured[target]))
                 source = args.optimize_from
                 if args.optimize and runs[source]:
                     ran = work / f"{network}-{model}-opt-dpro-0" / "run.json"
@@ -251,15 +251,20 @@ def main() -> int:
     if errors:
         print(f"\nmedian |error| {statistics.median(errors):.2f}%, worst {max(errors):.2f}% over {len(errors)}")
     print("\nwhat-if against real runs (predicted from each recording of the source setting)")
-    print("| network | model | what-if | recorded ms | predicted ms | measured ms (target's median) | error | "
-          "ratio error |")
-    print("|---|---|---|---|---|---|---|---|")
-    for network, model, what, rec, pred, meas, err, ratio in what_rows:
-        print(f"| {network} | {model} | {what} | {rec:.2f} | {pred:.2f} | {meas:.2f} | {err:+.2f}% | {ratio:+.2f}% |")
+    print("| network | model | what-if | recorded ms | predicted ms | measured ms (target's median) | target's jobs "
+          "ms | error | ratio error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for network, model, what, rec, pred, meas, err, ratio, jobs in what_rows:
+        print(f"| {network} | {model} | {what} | {rec:.2f} | {pred:.2f} | {meas:.2f} | {spread(jobs)} | {err:+.2f}% | "
+              f"{ratio:+.2f}% |")
     if what_rows:
         print(f"\nmedian |error| {statistics.median(abs(r[6]) for r in what_rows):.2f}%, worst "
               f"{max(abs(r[6]) for r in what_rows):.2f}%; ratio: median "
               f"{statistics.median(abs(r[7]) for r in what_rows):.2f}%, worst {max(abs(r[7]) for r in what_rows):.2f}%")
+        # how far a setting's own jobs lie from their median: no prediction can be judged closer than this
+        own = [abs(100 * (m / statistics.median(ms) - 1)) for ms in {tuple(r[8]) for r in what_rows} for m in ms]
+        print(f"noise floor: the target settings' own jobs lie {statistics.median(own):.2f}% (median), at most "
+              f"{max(own):.2f}% from their median")
     if opt_rows:
         print("\ndpro optimize from a recording of one setting: its env against that setting, jobs alternating")
         print("| network | model | from | dpro's env | that setting ms (jobs) | dpro ms (jobs) | change |")
