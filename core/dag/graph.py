@@ -52,7 +52,13 @@ class Flows:
     nodes: np.ndarray                   # int64 node ids (their duration: the time with the links to themselves)
     connection: np.ndarray              # int64, per node: messages of one connection go one after another
     links: tuple[tuple[int, ...], ...]  # per node: the links it crosses (ids into link_names)
-    link_names: tuple[str, ...]         # "link-out@host", ...
+    link_names: tuple[str, ...]         # "link-out@host", "cpu@host", ...
+    # per link: how many connections it carries at full rate (a network link 1, a host's CPUs their count)
+    capacity: tuple[float, ...] = ()
+    weight: tuple[float, ...] = ()  # per link: how much of it one message takes (a server's work: CPUs)
+    # nodes that are no message but take a share of a link while they run, at their own pace (a worker's compute
+    # on its host's CPUs): node id -> link id
+    occupants: dict[int, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -101,6 +107,9 @@ class GraphBuilder:
     _queue_last: dict[int, int] = field(default_factory=dict)
     step_end: dict[tuple[int, int], int] = field(default_factory=dict)
     _flows: list[tuple[int, str, tuple[str, ...]]] = field(default_factory=list)  # node, connection, links
+    _occupants: dict[int, str] = field(default_factory=dict)  # node -> the link it takes a share of
+    link_capacity: dict[str, float] = field(default_factory=dict)  # link -> connections at full rate (default 1)
+    link_weight: dict[str, float] = field(default_factory=dict)
 
     def queue_id(self, name: str) -> int:
         if name not in self._queue_id:
@@ -143,6 +152,11 @@ class GraphBuilder:
         ``connection`` over ``links``, shared with the other connections crossing them (``Flows``)."""
         self._flows.append((node, connection, tuple(links)))
 
+    def take_share(self, node: int, link: str) -> None:
+        """Make ``node`` (already added; not a message) take a share of ``link`` while it runs, at its own pace:
+        the messages on the link move slower meanwhile (a worker's compute on the CPUs its host's servers use)."""
+        self._occupants[node] = link
+
     def occupy(self, queue: str, node: int) -> None:
         """Make ``node`` the op the next op on ``queue`` waits for (a collective's transfer)."""
         self._queue_last[self.queue_id(queue)] = node
@@ -166,10 +180,13 @@ class GraphBuilder:
         connections: dict[str, int] = {}
         links: dict[str, int] = {}
         per_node = tuple(tuple(links.setdefault(x, len(links)) for x in ls) for _, _, ls in self._flows)
+        occupants = {node: links[link] for node, link in self._occupants.items() if link in links}
         return Flows(nodes=np.array([n for n, _, _ in self._flows], dtype=np.int64),
                      connection=np.array([connections.setdefault(c, len(connections)) for _, c, _ in self._flows],
                                          dtype=np.int64),
-                     links=per_node, link_names=tuple(links))
+                     links=per_node, link_names=tuple(links),
+                     capacity=tuple(float(self.link_capacity.get(name, 1.0)) for name in links), occupants=occupants,
+                     weight=tuple(float(self.link_weight.get(name, 1.0)) for name in links))
 
 
 # ---- dpro run directories -----------------------------------------------------------------------
@@ -202,6 +219,9 @@ class ExchangePart:
     push: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs with the links to itself, links)
     pull: dict[int, tuple[float, tuple[str, ...]]]   # rank -> (µs with the links to itself, links)
     server: str                                      # the server process (one connection per worker and way)
+    # the links the server's work takes a share of (its host's CPUs: ``StepModel.link_capacity``), its requests
+    # one after another in the order they became ready; none: the server's work takes ``server_queue``
+    server_links: tuple[str, ...] = ()
 
 
 @dataclass
@@ -235,6 +255,10 @@ class StepModel:
     # collective -> its parts as point-to-point exchanges with servers (a what-if of a parameter server); such a
     # collective has no shared transfer: each rank's copy ends when its answers are back
     exchanges: dict[str, list[ExchangePart]] = field(default_factory=dict)
+    # rank -> the link its compute takes a share of while it runs (its host's CPUs, shared with the servers there)
+    compute_links: dict[int, str] = field(default_factory=dict)
+    link_capacity: dict[str, float] = field(default_factory=dict)  # link -> connections it carries at full rate
+    link_weight: dict[str, float] = field(default_factory=dict)
     # collective -> rank -> how long after the collective's end that rank saw it end (a model of one recorded step)
     done_after: dict[str, dict[int, float]] = field(default_factory=dict)
     # step -> its duration (µs, median over ranks): steps far outside the others, in neither the model nor the
@@ -728,7 +752,16 @@ def graph_from_step_sequence(models: list[StepModel]) -> Graph:
             b.step_end[(rank, it)] = step_end
             prev_end[rank] = step_end
         _wire_exchanges(b, model, exchanged, it)
+    if model.exchanges:
+        b.link_capacity.update(model.link_capacity)
+        b.link_weight.update(model.link_weight)
+        for node, (rank, category) in enumerate(zip(b.rank, b.category, strict=True)):
+            if category in COMPUTE_CATEGORIES and rank in model.compute_links:
+                b.take_share(node, model.compute_links[rank])
     return b.build()
+
+
+COMPUTE_CATEGORIES = ("FW", "BW", "UPDATE", "IO")  # what a worker computes on its host's CPUs
 
 
 def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict[int, tuple[int, int]]],
@@ -750,7 +783,10 @@ def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict
     served = []
     for (name, _, part), pushes in zip(parts, pushed, strict=True):
         node = b.add(f"{name}.server", "XFER", -1, it, None, part.server_us, 0.0, pushes)
-        b.wait_on_queue(part.server_queue, node)
+        if part.server_links:
+            b.share_links(node, part.server, part.server_links)
+        else:
+            b.wait_on_queue(part.server_queue, node)
         served.append(node)
     for (name, members, part), server in zip(parts, served, strict=True):
         for rank, (_, done) in sorted(members.items()):

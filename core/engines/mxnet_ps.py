@@ -16,7 +16,6 @@ import dataclasses
 import math
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +26,9 @@ from dpro.errors import UsageError
 from dpro.sim.cost import robust_line
 
 __all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "NAME", "NUM_SERVERS", "ServerModel",
-           "bigarray_bound", "fit_server_model", "free_cpus", "host_cpus", "key_servers", "link_queues", "ps_model",
-           "search", "server_host", "server_hosts", "server_model", "server_queue", "server_slowdown", "worker_hosts"]
+           "bigarray_bound", "cpu_link", "fit_server_model", "host_cpus", "key_servers",
+           "link_queues", "ps_model", "search", "server_cpus", "server_host", "server_hosts", "server_model",
+           "server_queue", "worker_hosts"]
 
 NAME = "mxnet-ps"
 BIGARRAY_BOUND = "mxnet.kvstore.bigarray_bound"
@@ -65,7 +65,11 @@ class ServerModel:
     recorded layout, priced by it, replays to the step the measured requests give.
 
     A server's work on one part of ``b`` bytes (every worker's push summed, the optimizer run): ``fixed_us +
-    us_per_byte * b`` on its host's queue (servers of one host share its CPUs). A push or an answer that crosses
+    us_per_byte * b``, its requests one after another. Where its host's CPUs are known, the host's busy servers and
+    computing workers share them (``cpu_link``, replayed by ``dpro.sim.links``): a working server takes
+    ``server_cpus`` of them (its own threads, the workers' sending and receiving, the kernel's copies: the
+    recorder's probe; 1 without one), a computing worker one, and when they ask for more than the host has, the
+    servers' work slows in proportion (the workers' compute is left as recorded). A push or an answer that crosses
     from one host to another: ``link_us_per_byte * b`` with the sending host's outgoing link and the receiving host's
     incoming link to itself (``link_queues``). Links are full duplex and shared: the replay sends each
     worker/server connection's messages in turn and shares a link evenly between the connections on it
@@ -79,7 +83,7 @@ class ServerModel:
     link_us_per_byte: float
     world_size: int
     source: str = ""
-    free_cpus: dict[str, float] = dataclasses.field(default_factory=dict)  # host -> CPUs the workers leave
+    server_cpus: dict[str, float] = dataclasses.field(default_factory=dict)  # host -> CPUs a working server takes
 
     def server_us(self, nbytes: float, world_size: int | None = None) -> float:
         workers = (world_size or self.world_size) / max(self.world_size, 1)  # pushes per key grow with the workers
@@ -206,18 +210,14 @@ def fit_server_model(ctx: Any) -> ServerModel:
     cumulative time against the cumulative bytes along each queue (a robust line; queues weighted by their bytes); the
     fixed cost is the median of what each request took beyond its bytes. When the bytes say nothing (sizes too
     alike), the mean cost per byte. A run whose pushes crossed hosts spends that per byte on the links: its
-    servers' work is left at the fixed cost. Times are divided by how much the recorded servers slowed each other
-    (``server_slowdown``), so the model prices a server working alone."""
-    free = free_cpus(ctx)
-    recorded = _recorded_slowdown(ctx, free)
+    servers' work is left at the fixed cost. (``server_model`` scales it to the recorded step.)"""
     chains: dict[str, list[tuple[float, float]]] = {}
     for name, args in _key_ops(ctx).items():  # in program order
         queue = ctx.base.transfer_queues.get(name, ("",))[0]
-        slowdown = recorded.get(_recorded_parts(args)[0][0], 1.0)
-        chains.setdefault(queue, []).append((float(args.get("bytes", 0)), ctx.base.transfer[name] / slowdown))
+        chains.setdefault(queue, []).append((float(args.get("bytes", 0)), ctx.base.transfer[name]))
     samples = [s for chain in chains.values() for s in chain]
     if not samples:
-        return ServerModel(0.0, 0.0, 0.0, ctx.run.world_size, "no push_pull recorded", free)
+        return ServerModel(0.0, 0.0, 0.0, ctx.run.world_size, "no push_pull recorded")
     slopes = []  # (slope, the chain's bytes)
     for chain in chains.values():
         cumulative, x, y = [], 0.0, 0.0
@@ -237,54 +237,50 @@ def fit_server_model(ctx: Any) -> ServerModel:
     fixed = max(0.0, statistics.median(t - per_byte * b for b, t in samples))
     if _crosses_hosts(ctx):
         return ServerModel(min(fixed, min(t for _, t in samples)), 0.0, per_byte, ctx.run.world_size,
-                           how + "; on the links between hosts", free)
-    return ServerModel(fixed, per_byte, 0.0, ctx.run.world_size, how, free)
+                           how + "; on the links between hosts")
+    return ServerModel(fixed, per_byte, 0.0, ctx.run.world_size, how)
 
 
-def _recorded_slowdown(ctx: Any, free: Mapping[str, float]) -> dict[int, float]:
-    load: dict[int, float] = defaultdict(float)
-    for args in _key_ops(ctx).values():
-        for k, share in _recorded_parts(args):
-            if isinstance(k, int) and not isinstance(k, bool):
-                load[k] += share * float(args.get("bytes", 0))
-    return server_slowdown(load, server_hosts(ctx.run), worker_hosts(ctx.run), host_cpus(ctx.run), free)
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def free_cpus(ctx: Any) -> dict[str, float]:
-    """Per host of known CPUs: the CPUs its workers leave to its servers, on average over the step (CPUs less the
-    share of the step each worker there computes), at least 1."""
-    cpus, workers = host_cpus(ctx.run), worker_hosts(ctx.run)
-    busy: dict[str, float] = defaultdict(float)
-    for rank, ops in ctx.base.ops.items():
-        step = ctx.base.step_us_by_rank.get(rank) or 0.0
-        if rank < len(workers) and step > 0:
-            busy[workers[rank]] += min(1.0, sum(op.duration for op in ops if op.category != "COMM") / step)
-    return {host: min(float(n), max(1.0, n - busy[host])) for host, n in cpus.items()}
+def cpu_link(host: str) -> str:
+    """The link standing for a host's CPUs, shared by its working servers and computing workers."""
+    return f"cpu@{host}"
 
 
-def server_slowdown(load: Mapping[int, float], hosts: list[str], workers: list[str], cpus: Mapping[str, int],
-                    free: Mapping[str, float]) -> dict[int, float]:
-    """How much slower than alone each server of a layout works (``load``: server -> the bytes it serves). A host's
-    servers run side by side on the CPUs its workers leave (``free``): while server k works, another server of its
-    host works beside it for as much of that time as its bytes allow (``min(1, theirs / k's)``), so k shares the
-    CPUs with ``1 + that sum`` servers (at most the CPUs): slowed by that over the free CPUs, at least 1; 1 where
-    the host's CPUs are not known. (Two servers on a 2-CPU machine each holding half of the bytes answered 10-20%
-    sooner than one holding all; one holding nearly all of them, as slowly as one alone: ``bench/mxnet_ps.py``.)"""
-    where = {k: server_host(k, hosts, workers) for k in load}
-    out = {}
-    for k, host in where.items():
-        if host is None or host not in cpus or host not in free or load[k] <= 0:
-            out[k] = 1.0
-            continue
-        beside = sum(min(1.0, load[j] / load[k]) for j, other in where.items() if other == host and j != k)
-        out[k] = max(1.0, min(1.0 + beside, cpus[host]) / free[host])
-    return out
+PROBE_MIN_US = 80_000  # a probe shorter than this spans too few of /proc/stat's 10 ms ticks per CPU
+
+
+def server_cpus(run: Any) -> dict[str, float]:
+    """Per host of known CPUs: how many of them a server's work takes while it runs, from the recorder's probe
+    (run.json's ``mxnet.server_probe``: one server working alone, the workers waiting; the busy CPUs of the probed
+    server's machine, as its workers read them), between 1 and the host's CPUs; empty when not probed. Every
+    server runs the same software, so the one probed speaks for all."""
+    probe = _section(run).get("server_probe")
+    if not isinstance(probe, dict):
+        return {}
+    workers, hosts, cpus = worker_hosts(run), server_hosts(run), host_cpus(run)
+    server, busy, rounds, took = (probe.get(k) for k in ("server", "busy_cpus", "rounds", "us_per_round"))
+    if not isinstance(server, int) or isinstance(server, bool) or not isinstance(busy, list) or server < 0:
+        return {}
+    took = [t for t in took if _finite(t) and t > 0] if isinstance(took, list) else []
+    if not _finite(rounds) or not took or rounds * statistics.median(took) < PROBE_MIN_US:
+        return {}  # too short for /proc/stat's clock ticks to tell
+    at = server_host(server, hosts, workers)
+    seen = [b for w, b in zip(workers, busy, strict=False) if w == at and _finite(b) and 0 < b <= MAX_HOST_CPUS]
+    if not seen:
+        return {}
+    taken = statistics.median(seen)
+    return {host: min(float(n), max(1.0, taken)) for host, n in cpus.items()}
 
 
 def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
     """The mean step with every key re-placed on the servers (``key_servers`` under the knobs' server count and
     bound) as exchanges (``dpro.dag.graph.ExchangePart``): each part pushed by every worker over the links
-    between their hosts, the server's work on its host's queue, the answers back, priced by ``server``."""
+    between their hosts, the server's work (on its host's CPUs where they are known, else on its host's queue),
+    the answers back, priced by ``server``."""
     from dpro.dag.graph import ExchangePart
 
     servers = int(knobs.get(NUM_SERVERS) or ctx.knobs.get(NUM_SERVERS) or 1)
@@ -301,12 +297,10 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
         count = elements.get(tensor) or max(1, int(args.get("bytes", 0)) // 4)
         layout.append((name, [(k, share * float(args.get("bytes", 0)) * scale, server_host(k, hosts, workers))
                               for k, share in key_servers(int(args["key"]), count, servers, bound)]))
-    load: dict[int, float] = defaultdict(float)
-    for _, parts in layout:
-        for k, nbytes, _ in parts:
-            load[k] += nbytes
-    slowdown = server_slowdown(load, hosts, workers, cpus, server.free_cpus)
     out = copy.deepcopy(ctx.base)
+    out.link_capacity = {cpu_link(h): float(n) for h, n in cpus.items()}
+    out.link_weight = {cpu_link(h): server.server_cpus.get(h, 1.0) for h in cpus}
+    out.compute_links = {r: cpu_link(workers[r]) for r in ranks if r < len(workers) and workers[r] in cpus}
     for name, parts in layout:
         priced = []
         for k, nbytes, at in parts:
@@ -319,8 +313,8 @@ def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
                 us = server.link_us(nbytes, world, bandwidth)
                 push[rank] = (us, link_queues(mine, at))
                 pull[rank] = (us, link_queues(at, mine))
-            work = server.server_us(nbytes, world) * slowdown[k]
-            priced.append(ExchangePart(server_queue(k, hosts, workers, cpus), work, push, pull, server=f"server{k}"))
+            priced.append(ExchangePart(server_queue(k, hosts, workers, cpus), server.server_us(nbytes, world), push,
+                                       pull, server=f"server{k}", server_links=(cpu_link(at),) if at in cpus else ()))
         out.exchanges[name] = priced
     return out
 
@@ -339,7 +333,7 @@ def server_model(ctx: Any) -> ServerModel:
         return cached
     from dpro.sim.whatif import predict, replay_model
 
-    fitted = fit_server_model(ctx)
+    fitted = dataclasses.replace(fit_server_model(ctx), server_cpus=server_cpus(ctx.run))
     target = predict(ctx, {}).predicted_step_ms
     links = fitted.link_us_per_byte > 0
 
@@ -460,10 +454,11 @@ def _describe(ctx: Any) -> str:
     def rate(per_byte: float) -> str:
         return f"{1 / per_byte:,.0f} MB/s" if per_byte > 0 else "free"
 
-    cpus = ", ".join(f"{host} {n:.1f}" for host, n in sorted(model.free_cpus.items()))
-    side = f"; a host's servers side by side on the CPUs its workers leave ({cpus})" if cpus else ""
-    return (f"parameter-server model: a server's work {model.fixed_us:.0f} us + {rate(model.us_per_byte)} (its "
-            f"host's queue{side}), links between hosts {rate(model.link_us_per_byte)} ({model.source})")
+    cpus = ", ".join(f"{host} {n:.1f}" for host, n in sorted(model.server_cpus.items()))
+    side = f"; while it works it takes CPUs of its host: {cpus} (probed)" if cpus else \
+        "; while it works it takes 1 CPU of its host (no probe recorded)" if host_cpus(ctx.run) else ""
+    return (f"parameter-server model: a server's work {model.fixed_us:.0f} us + {rate(model.us_per_byte)}{side}, "
+            f"links between hosts {rate(model.link_us_per_byte)} ({model.source})")
 
 
 def _notes(run: Any) -> list[str]:

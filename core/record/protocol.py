@@ -54,6 +54,7 @@ __all__ = [
     "recording_overhead",
     "step_ended",
     "usable_cpus",
+    "host_cpu_busy_us",
     "wall_minus_clock_ns",
 ]
 
@@ -90,6 +91,23 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no affinity on this platform
         return max(1, os.cpu_count() or 1)
+
+
+PROC_STAT = Path("/proc/stat")
+BUSY_FIELDS = (0, 1, 2, 5, 6)  # user, nice, system, irq, softirq: not idle, iowait, steal (others' time), guest
+
+
+def host_cpu_busy_us(stat: Path = PROC_STAT) -> float | None:
+    """CPU time the whole machine has spent busy since it started (µs summed over its CPUs, Linux ``/proc/stat``);
+    None where it cannot be read. Its growth over a step, against the step's length, is how many CPUs the host's
+    processes (this rank's, its servers', others') kept busy."""
+    try:
+        with stat.open() as f:
+            fields = f.readline().split()
+        ticks = sum(int(fields[1 + i]) for i in BUSY_FIELDS)
+        return ticks * 1e6 / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def check_window_fits(steps: tuple[int, ...], total_steps: int | None, who: str) -> None:

@@ -26,7 +26,8 @@ from dpro.errors import GraphError
 
 __all__ = ["replay_shared"]
 
-_DONE, _ARRIVE = 0, 1  # event kinds: a node ends; a shared transfer is ready to be sent
+_DONE, _OCCUPY, _ARRIVE = 0, 1, 2  # event kinds: a node ends; a node starts taking a share of a link; a shared
+# transfer is ready to be sent
 
 
 def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
@@ -40,6 +41,10 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     n = g.size
     flows = g.flows
     flow_of = {int(node): i for i, node in enumerate(flows.nodes)}
+    occupants = flows.occupants
+    capacity = flows.capacity or (1.0,) * len(flows.link_names)
+    occupied: dict[int, int] = defaultdict(int)  # link -> nodes taking a share of it now
+    weight = flows.weight or (1.0,) * len(flows.link_names)
     counts = np.diff(g.pred_ptr)
     waiting_preds = counts.astype(np.int64).copy()
     succ: list[list[int]] = [[] for _ in range(n)]
@@ -55,8 +60,10 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
         start[node] = ready[node] + g.gap[node]
         if node in flow_of:
             heapq.heappush(events, (start[node], _ARRIVE, node))
-        else:
-            heapq.heappush(events, (start[node] + g.duration[node], _DONE, node))
+            return
+        heapq.heappush(events, (start[node] + g.duration[node], _DONE, node))
+        if node in occupants and g.duration[node] > 0:
+            heapq.heappush(events, (start[node], _OCCUPY, node))
 
     for node in np.flatnonzero(counts == 0):
         release(int(node))
@@ -67,13 +74,14 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     now, finished = 0.0, 0
 
     def share() -> None:
-        load: dict[int, int] = defaultdict(int)
+        load: dict[int, float] = defaultdict(float, occupied)
         for node in sending.values():
             for link in flows.links[flow_of[node]]:
-                load[link] += 1
+                load[link] += weight[link]
         rate.clear()
         for node in sending.values():
-            rate[node] = 1.0 / max((load[link] for link in flows.links[flow_of[node]]), default=1)
+            rate[node] = min((min(1.0, capacity[link] / load[link]) for link in flows.links[flow_of[node]]),
+                             default=1.0)
 
     def done(node: int, t: float) -> None:
         nonlocal finished
@@ -102,7 +110,14 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
                     sending[c] = queued[c].popleft()
         while events and events[0][0] <= now:
             _, kind, node = heapq.heappop(events)
+            if kind == _OCCUPY:
+                occupied[occupants[node]] += 1
+                changed = True
+                continue
             if kind == _DONE:
+                if node in occupants and g.duration[node] > 0:
+                    occupied[occupants[node]] -= 1
+                    changed = True
                 done(node, now)
                 continue
             c = int(flows.connection[flow_of[node]])

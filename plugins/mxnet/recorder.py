@@ -57,6 +57,7 @@ from dpro.record.protocol import (
     check_window_fits,
     claim_run_dir,
     clock_samples,
+    host_cpu_busy_us,
     parse_steps,
     usable_cpus,
 )
@@ -75,6 +76,11 @@ def active_recorders() -> list[GluonRecorder]:
     return list(_ACTIVE)
 WAIT_THREADS = 16  # threads waiting for arrays to be written (gradients, pulled weights)
 SEGMENT_US = 50.0  # gradients ready within this of the previous block's came out of one bulked engine segment
+
+
+PROBE_KEY = 2**30 + 104729  # far above a trainer's keys and the side channel's key
+PROBE_ROUNDS = 8
+PROBE_ELEMENTS = 1 << 20  # 4 MB: long enough for /proc/stat's 10 ms ticks over a few rounds
 
 
 def block_paths(net: Any) -> list[tuple[Any, str, str | None]]:
@@ -252,6 +258,7 @@ class GluonRecorder:
         self.requested_dir = run_dir
         self.transport = transport
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
+        self.server_probe: dict[str, Any] | None = None
         self.iteration = 0
         self.run_dir: Path | None = None
         self._writer: RankTraceWriter | None = None
@@ -329,6 +336,7 @@ class GluonRecorder:
         cpus = self.transport.gather_texts(str(usable_cpus()))
         self.host_cpus = dict(zip(self.worker_hosts, (int(n) for n in cpus), strict=False))
         pingpong = clock_samples(self.transport, self.clock)
+        self.server_probe = self._probe_server(kv)
         self._params = [p for p in self.trainer._params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._units = recorded_units(self.net, [p for p in self._params if p.grad_req != "null"])
@@ -622,6 +630,40 @@ class GluonRecorder:
             knobs["optimizer"] = type(optimizer).__name__
         return knobs
 
+    def _probe_server(self, kv: Any) -> dict[str, Any] | None:
+        """Time push_pulls of one key of our own, held by one server, while nothing else runs, and read how many CPUs
+        each worker's machine kept busy meanwhile: what a parameter server's work takes of its machine's CPUs when
+        it works alone (its own threads, the workers' sending and receiving, the kernel's copies), which a
+        recorded step cannot tell once two servers share the CPUs. Only on ``dist_sync``; with
+        ``update_on_kvstore`` the servers run the optimizer on this key too, so it is pushed at most as often as
+        the trainer's keys were (the optimizer's update count, which a learning-rate schedule reads, stays
+        theirs)."""
+        rounds = min(PROBE_ROUNDS, self.iteration - 1)  # the first push_pull warms up
+        if kv is None or str(kv.type) != "dist_sync" or rounds < 2:  # the same answer on every worker: it is collective
+            return None
+        bound = bigarray_bound(dict(os.environ))
+        elements = max(1, min(PROBE_ELEMENTS, bound - 1))  # below the bound: one server holds it
+        value = mx.nd.zeros((elements,), dtype="float32")
+        out = mx.nd.zeros((elements,), dtype="float32")
+        kv.init(PROBE_KEY, value)
+        kv.pushpull(PROBE_KEY, value, out=out)
+        out.wait_to_read()
+        self.transport.barrier()
+        began, busy = self.clock.now(), host_cpu_busy_us()
+        for _ in range(rounds):
+            kv.pushpull(PROBE_KEY, value, out=out)
+            out.wait_to_read()
+        wall, after = self.clock.now() - began, host_cpu_busy_us()
+        cpus = self.transport.gather_texts(f"{(after - busy) / wall:.4f}" if wall > 0 and busy is not None
+                                           and after is not None else "")
+        walls = self.transport.gather_texts(f"{wall / rounds:.1f}")
+        server = key_servers(PROBE_KEY, elements, self._servers(), bound)[0][0]
+        return {"key": PROBE_KEY, "server": server, "bytes": 4 * elements, "rounds": rounds,
+                "us_per_round": [float(w) for w in walls if w],
+                "busy_cpus": [float(c) if c else None for c in cpus],
+                "note": "push_pulls of one key of dpro's on one server, nothing else running; busy_cpus: per worker, "
+                        "its machine's busy CPUs meanwhile (/proc/stat)"}
+
     def _write_run_json(self, pingpong: dict[int, list[list[float]]]) -> None:
         versions = {"python": platform.python_version(), "mxnet": mx.__version__}
         engine = ENGINE_PS if self._distributed() else "mxnet"
@@ -633,6 +675,7 @@ class GluonRecorder:
                                                              if h] or None,
                                             "worker_hosts": self.worker_hosts,
                                             "host_cpus": self.host_cpus,
+                                            "server_probe": self.server_probe,
                                             "default_bigarray_bound": DEFAULT_BIGARRAY_BOUND,
                                             "note": "times from MXNet's wait_to_read on the rank's clock: FW per "
                                                     "block with parameters, BW from gradient readiness, one "

@@ -1,12 +1,13 @@
 """How the workers of an MXNet job talk while recording: dpro's TCP side channel (``dpro.record.socket_transport``).
 
-ps-lite has only push and pull, and a recorder must not push keys of its own (with ``update_on_kvstore`` the
-servers would run the optimizer on them), so worker 0 listens on a port of its own: ``$DPRO_MXNET_PORT``, or the
-scheduler's port (``DMLC_PS_ROOT_PORT``) plus ``PORT_OFFSET``. The others learn worker 0's address from
-``$DPRO_MXNET_HOST``, else from worker 0 itself through the kvstore: one small key (``ADDRESS_KEY``), initialised by
-worker 0 and pulled by the others (``kv.broadcast``: an init and a pull, never a push). ps-lite numbers the workers
-(``kv.rank``) by their addresses, so worker 0 can be on any host. Worker 0's address is the one it reaches the
-scheduler from (``DMLC_NODE_HOST`` when set).
+ps-lite has only push and pull, and every push of a key runs the optimizer on it on the servers (with
+``update_on_kvstore``; the recorder's server probe pushes one key of its own only a few times, at most as often as the
+trainer's keys were pushed), so the side channel pushes nothing: worker 0 listens on a port of its own:
+``$DPRO_MXNET_PORT``, or the scheduler's port (``DMLC_PS_ROOT_PORT``) plus ``PORT_OFFSET``. The others learn worker
+0's address from ``$DPRO_MXNET_HOST``, else from worker 0 itself through the kvstore: one small key (``ADDRESS_KEY``),
+initialised by worker 0 and pulled by the others (``kv.broadcast``: an init and a pull, never a push). ps-lite numbers
+the workers (``kv.rank``) by their addresses, so worker 0 can be on any host. Worker 0's address is the one it reaches
+the scheduler from (``DMLC_NODE_HOST`` when set).
 """
 
 from __future__ import annotations

@@ -16,12 +16,11 @@ from dpro.engines.mxnet_ps import (
     BIGARRAY_BOUND,
     NUM_SERVERS,
     bigarray_bound,
-    free_cpus,
     host_cpus,
     key_servers,
     link_queues,
+    server_cpus,
     server_queue,
-    server_slowdown,
 )
 from dpro.errors import UsageError
 from dpro.io.load import load_run
@@ -56,28 +55,49 @@ def test_servers_on_one_host_take_turns_on_its_cpus():
     assert server_queue(1, ["a", "a"], cpus={"a": 1}) == "server@a"
 
 
-def test_servers_side_by_side_slow_each_other_by_the_bytes_they_serve_together():
-    free = {"a": 1.5}
-    even = server_slowdown({0: 100.0, 1: 100.0}, ["a", "a"], [], {"a": 2}, free)
-    assert even == {0: pytest.approx(2 / 1.5), 1: pytest.approx(2 / 1.5)}
-    lopsided = server_slowdown({0: 100.0, 1: 10.0}, ["a", "a"], [], {"a": 2}, free)
-    assert lopsided[0] == 1.0  # the small server is done early: the big one works alone most of the time
-    assert lopsided[1] == pytest.approx(2 / 1.5)
-    assert server_slowdown({0: 100.0}, ["a"], [], {"a": 2}, free) == {0: 1.0}
-    assert server_slowdown({0: 100.0, 1: 100.0}, ["a", "a"], [], {}, {}) == {0: 1.0, 1: 1.0}  # CPUs not known
-
-
-def test_a_recording_that_knows_its_cpus_prices_a_second_server_on_them(tmp_path):
-    known = tmp_path / "known"
+def _with_cpus(tmp_path: Path, probe: dict | None = None, name: str = "known"):
+    """The recorded run with its host's CPUs known (2) and, if given, a server probe in run.json."""
+    known = tmp_path / name
     shutil.copytree(RECORDED, known)
     meta = json.loads((known / "run.json").read_text())
     host = meta["mxnet"]["server_hosts"][0]
     meta["mxnet"]["host_cpus"] = {host: 2, "other": "x", "huge": 10**30}
+    meta["mxnet"]["server_probe"] = probe
     (known / "run.json").write_text(json.dumps(meta))
-    run = load_run(known)
+    return load_run(known), host
+
+
+def test_the_probe_says_how_many_cpus_a_working_server_takes(tmp_path):
+    probe = {"server": 1, "busy_cpus": [1.6, 1.7], "bytes": 4 << 20, "rounds": 8, "us_per_round": [20e3, 21e3]}
+    run, host = _with_cpus(tmp_path, probe)
+    assert server_cpus(run) == {host: pytest.approx(1.65)}  # both workers read the probed server's machine
+    run, host = _with_cpus(tmp_path, {**probe, "busy_cpus": [3.5, 9.0]}, "capped")
+    assert server_cpus(run) == {host: 2.0}  # at most the machine's CPUs
+    run, host = _with_cpus(tmp_path, {**probe, "busy_cpus": [0.4, None]}, "idle")
+    assert server_cpus(run) == {host: 1.0}  # at least one
+    for i, bad in enumerate(({**probe, "server": "1"}, {**probe, "busy_cpus": "1.6"}, {**probe, "busy_cpus": [-1]},
+                             {**probe, "server": True}, {**probe, "us_per_round": [2e3, 2e3]}, 7)):
+        run, _ = _with_cpus(tmp_path, bad, f"bad{i}")
+        assert server_cpus(run) == {}, bad
+
+
+def test_servers_that_take_more_cpus_slow_each_other_and_leave_one_server_faster(tmp_path):
+    """The recorded 2-server layout replays to the recorded step either way; with each working server taking
+    more of the machine's 2 CPUs, the two are priced as slowing each other, so one server alone is faster than
+    the same model without the probe says."""
+    plain = context(_with_cpus(tmp_path, None, "plain")[0])
+    probed = context(_with_cpus(tmp_path, {"server": 0, "busy_cpus": [1.8, 1.8], "rounds": 8,
+                                           "us_per_round": [30e3, 30e3]}, "probed")[0])
+    for ctx in (plain, probed):
+        assert predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms == pytest.approx(predict(ctx, {}).predicted_step_ms,
+                                                                                  rel=0.02)
+    assert predict(probed, {NUM_SERVERS: 1}).predicted_step_ms < predict(plain, {NUM_SERVERS: 1}).predicted_step_ms
+
+
+def test_a_recording_that_knows_its_cpus_prices_a_second_server_on_them(tmp_path):
+    run, host = _with_cpus(tmp_path)
     assert host_cpus(run) == {host: 2}  # what is not a believable count is left out
     ctx = context(run)
-    assert 1.0 <= free_cpus(ctx)[host] <= 2.0
     assert len(set(ctx.base.transfer_queues.values())) == 2
     two = predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms
     assert two == pytest.approx(predict(ctx, {}).predicted_step_ms, rel=0.02)

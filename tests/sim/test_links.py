@@ -96,3 +96,44 @@ def test_a_cycle_through_shared_transfers_is_refused():
     b.preds[first].append(second)
     with pytest.raises(GraphError, match="cycle"):
         replay(b.build())
+
+
+def test_a_link_of_two_lanes_carries_two_connections_at_full_rate_and_shares_beyond():
+    b = GraphBuilder()
+    b.link_capacity["cpu@A"] = 2
+    two = [_transfer(b, f"m{i}", 100, f"server{i}", ("cpu@A",)) for i in range(2)]
+    s = replay(b.build())
+    assert [s.end[n] for n in two] == [pytest.approx(100)] * 2
+    b = GraphBuilder()
+    b.link_capacity["cpu@A"] = 2
+    three = [_transfer(b, f"m{i}", 100, f"server{i}", ("cpu@A",)) for i in range(3)]
+    s = replay(b.build())
+    assert [s.end[n] for n in three] == [pytest.approx(150)] * 3  # 2 lanes over 3: each at 2/3
+
+
+def test_messages_that_take_more_of_a_link_share_it_sooner():
+    b = GraphBuilder()
+    b.link_capacity["cpu@A"] = 2
+    b.link_weight["cpu@A"] = 1.5  # a working server takes 1.5 CPUs of its machine's 2
+    alone = _transfer(b, "alone", 100, "server0", ("cpu@A",))
+    s = replay(b.build())
+    assert s.end[alone] == pytest.approx(100)
+    b = GraphBuilder()
+    b.link_capacity["cpu@A"] = 2
+    b.link_weight["cpu@A"] = 1.5
+    pair = [_transfer(b, f"m{i}", 100, f"server{i}", ("cpu@A",)) for i in range(2)]
+    s = replay(b.build())
+    assert [s.end[n] for n in pair] == [pytest.approx(150)] * 2  # 3 CPUs asked of 2: each at 2/3
+
+
+def test_a_node_taking_a_share_of_a_link_slows_its_messages_while_it_runs():
+    b = GraphBuilder()
+    compute = b.add("BW", "BW", 0, 0, "r0/compute", 50)
+    b.take_share(compute, "cpu@A")
+    message = _transfer(b, "server work", 100, "server0", ("cpu@A",))
+    after = b.add("FW", "FW", 0, 0, "r0/compute", 10, 0.0, [compute])
+    g = b.build()
+    s = replay(g)
+    # 0-50 at half speed beside the compute (25 done), then alone: 75 more
+    assert s.end[compute] == pytest.approx(50) and s.end[after] == pytest.approx(60)
+    assert s.end[message] == pytest.approx(125)

@@ -81,6 +81,13 @@ def test_an_unmodified_script_is_recorded_and_priced_for_one_server(tmp_path):
     loaded = load_run(run)
     assert loaded.meta["engine"] == "mxnet-ps" and loaded.meta["mxnet"]["server_hosts"]
     assert set(loaded.meta["mxnet"]["host_cpus"]) == set(loaded.meta["mxnet"]["worker_hosts"])  # servers share them
+    # the window began at step 3: push_pulls of dpro's own key, twice after one to warm up (no more than the
+    # trainer's keys were pushed), on one server; each worker read its machine's busy CPUs meanwhile
+    probe = loaded.meta["mxnet"]["server_probe"]
+    assert probe["rounds"] == 2 and probe["server"] in (0, 1)
+    assert probe["bytes"] == 4 * 999_999  # float32, one element under MXNet's default bound: on one server
+    assert len(probe["us_per_round"]) == 2 and all(t > 0 for t in probe["us_per_round"])
+    assert len(probe["busy_cpus"]) == 2 and all(0 <= c <= 64 for c in probe["busy_cpus"])
     for rank in (0, 1):
         names = {e["name"] for e in events(run, rank)}
         assert {"FW.0", "FW.1", "BW.0", "BW.1"} <= names
