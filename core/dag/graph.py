@@ -109,7 +109,7 @@ class GraphBuilder:
     _flows: list[tuple[int, str, tuple[str, ...]]] = field(default_factory=list)  # node, connection, links
     _occupants: dict[int, str] = field(default_factory=dict)  # node -> the link it takes a share of
     link_capacity: dict[str, float] = field(default_factory=dict)  # link -> connections at full rate (default 1)
-    link_weight: dict[str, float] = field(default_factory=dict)
+    link_weight: dict[str, float] = field(default_factory=dict)  # link -> how much of it one message takes
 
     def queue_id(self, name: str) -> int:
         if name not in self._queue_id:
@@ -258,7 +258,7 @@ class StepModel:
     # rank -> the link its compute takes a share of while it runs (its host's CPUs, shared with the servers there)
     compute_links: dict[int, str] = field(default_factory=dict)
     link_capacity: dict[str, float] = field(default_factory=dict)  # link -> connections it carries at full rate
-    link_weight: dict[str, float] = field(default_factory=dict)
+    link_weight: dict[str, float] = field(default_factory=dict)  # link -> how much of it one message takes
     # collective -> rank -> how long after the collective's end that rank saw it end (a model of one recorded step)
     done_after: dict[str, dict[int, float]] = field(default_factory=dict)
     # step -> its duration (µs, median over ranks): steps far outside the others, in neither the model nor the

@@ -34,10 +34,10 @@ from typing import Any, Protocol
 from dpro.errors import RecordingRefused, UsageError
 
 __all__ = [
+    "BASELINE_STEPS",
     "Clock",
     "DEFAULT_RUN_ROOT",
     "LocalTransport",
-    "BASELINE_STEPS",
     "PINGPONG_ROUNDS",
     "PROBE_BYTES",
     "PROBE_REPEAT",
@@ -49,12 +49,12 @@ __all__ = [
     "check_window_fits",
     "claim_run_dir",
     "clock_samples",
+    "host_cpu_busy_us",
     "parse_skew",
     "parse_steps",
     "recording_overhead",
     "step_ended",
     "usable_cpus",
-    "host_cpu_busy_us",
     "wall_minus_clock_ns",
 ]
 

@@ -9,6 +9,12 @@ Re-pricing the same emulated 1 Gbit/s recordings (``bench/mxnet_ps.py --from``),
 what-ifs' median error went from 12-14% with links taken in turn to 8-11% with shared links, and on a net not
 tuned on from 8-11% to 1.5-4.7%.
 
+A host's CPUs are a link of this kind with several lanes (``Flows.capacity``: a message alone moves at full rate
+while what is on the link asks for no more than its lanes): a parameter server's work is a message on it taking
+``Flows.weight`` lanes (the CPUs its threads, its workers' sending and receiving and the kernel keep busy), and a
+worker's compute takes one lane while it runs (``Flows.occupants``) at its own recorded pace. When they ask for more
+lanes than there are, every message on the link moves at lanes / asked.
+
 How long a shared transfer takes depends on what else is on its links while it runs, so these graphs are replayed
 event by event (``replay_shared``) rather than level by level: every other node ends its duration after it starts,
 as in ``dpro.sim.replay``.
