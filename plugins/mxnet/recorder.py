@@ -81,6 +81,7 @@ SEGMENT_US = 50.0  # gradients ready within this of the previous block's came ou
 PROBE_KEY = 2**30 + 104729  # far above a trainer's keys and the side channel's key
 PROBE_ROUNDS = 8
 PROBE_ELEMENTS = 1 << 20  # 4 MB: long enough for /proc/stat's 10 ms ticks over a few rounds
+PROBE_ATTRIBUTE = "_dpro_server_probe"  # on the kvstore: what its probe measured
 
 
 def block_paths(net: Any) -> list[tuple[Any, str, str | None]]:
@@ -641,6 +642,8 @@ class GluonRecorder:
         rounds = min(PROBE_ROUNDS, self.iteration - 1)  # the first push_pull warms up
         if kv is None or str(kv.type) != "dist_sync" or rounds < 2:  # the same answer on every worker: it is collective
             return None
+        if hasattr(kv, PROBE_ATTRIBUTE):  # probed in an earlier window: its key is not initialised twice
+            return getattr(kv, PROBE_ATTRIBUTE)
         bound = bigarray_bound(dict(os.environ))
         elements = max(1, min(PROBE_ELEMENTS, bound - 1))  # below the bound: one server holds it
         value = mx.nd.zeros((elements,), dtype="float32")
@@ -658,11 +661,13 @@ class GluonRecorder:
                                            and after is not None else "")
         walls = self.transport.gather_texts(f"{wall / rounds:.1f}")
         server = key_servers(PROBE_KEY, elements, self._servers(), bound)[0][0]
-        return {"key": PROBE_KEY, "server": server, "bytes": 4 * elements, "rounds": rounds,
-                "us_per_round": [float(w) for w in walls if w],
-                "busy_cpus": [float(c) if c else None for c in cpus],
-                "note": "push_pulls of one key of dpro's on one server, nothing else running; busy_cpus: per worker, "
-                        "its machine's busy CPUs meanwhile (/proc/stat)"}
+        probe = {"key": PROBE_KEY, "server": server, "bytes": 4 * elements, "rounds": rounds,
+                 "us_per_round": [float(w) for w in walls if w],
+                 "busy_cpus": [float(c) if c else None for c in cpus],
+                 "note": "push_pulls of one key of dpro's on one server, nothing else running; busy_cpus: per worker, "
+                         "its machine's busy CPUs meanwhile (/proc/stat)"}
+        setattr(kv, PROBE_ATTRIBUTE, probe)
+        return probe
 
     def _write_run_json(self, pingpong: dict[int, list[list[float]]]) -> None:
         versions = {"python": platform.python_version(), "mxnet": mx.__version__}

@@ -26,6 +26,7 @@ HOST_VARIABLE = "DPRO_MXNET_HOST"
 PORT_VARIABLE = "DPRO_MXNET_PORT"
 ADDRESS_KEY = 2**30 + 7919  # far above a trainer's keys (0 .. parameters - 1)
 ADDRESS_CHARS = 64
+ADDRESS_ATTRIBUTE = "_dpro_worker0_address"  # on the kvstore: the address, once broadcast
 
 
 def _own_address(env: dict[str, str]) -> str:
@@ -42,15 +43,22 @@ def _own_address(env: dict[str, str]) -> str:
 
 
 def worker0_address(kvstore: Any, env: dict[str, str]) -> str:
-    """Worker 0's address, sent by worker 0 to every worker through one kvstore key (init + pull)."""
+    """Worker 0's address, sent by worker 0 to every worker through one kvstore key (init + pull), once per kvstore:
+    a key is initialised only once (a second init is a push the other workers never match), so a later recording
+    window of the same job reuses it."""
     import mxnet as mx
 
+    known = getattr(kvstore, ADDRESS_ATTRIBUTE, None)
+    if isinstance(known, str):
+        return known
     text = _own_address(env) if int(kvstore.rank) == 0 else ""
     codes = [ord(c) for c in text[:ADDRESS_CHARS]] + [0] * (ADDRESS_CHARS - len(text[:ADDRESS_CHARS]))
     value = mx.nd.array(codes, dtype="float32")  # the servers store floating-point arrays only
     out = mx.nd.zeros((ADDRESS_CHARS,), dtype="float32")
     kvstore.broadcast(ADDRESS_KEY, value, out=out)
-    return "".join(chr(int(c)) for c in out.asnumpy() if c)
+    address = "".join(chr(int(c)) for c in out.asnumpy() if c)
+    setattr(kvstore, ADDRESS_ATTRIBUTE, address)
+    return address
 
 
 def default_transport(kvstore: Any, environ: dict[str, str] | None = None) -> Transport:

@@ -115,3 +115,14 @@ def test_a_worker_dying_in_the_window_leaves_the_steps_it_finished(tmp_path):
     assert sorted(loaded.ranks) == [0, 1]
     assert all({4, 5} <= set(trace.steps) for trace in loaded.ranks.values())
     assert analyzed(run)["measured_step_ms"] > 0
+
+
+def test_a_second_window_in_one_job_records_again(tmp_path):
+    """Two Profiler windows, one after the other, on one kvstore: the second one's server probe must not set up its
+    key again (a second init would be a push the other workers never match)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_job(launch("--no-profile", str(MXNET_PYTHON), str(JOBS / "mxnet_profiled.py"), str(first), "--again",
+                   str(second)), cwd=tmp_path, timeout=150)
+    one, two = load_run(first), load_run(second)
+    assert sorted(one.ranks) == sorted(two.ranks) == [0, 1]
+    assert one.meta["mxnet"]["server_probe"] and two.meta["mxnet"]["server_probe"]
