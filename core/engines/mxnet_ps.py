@@ -465,7 +465,21 @@ def _notes(run: Any) -> list[str]:
     knobs = (run.meta or {}).get("knobs", {})
     return [f"parameter server: {knobs.get(NUM_SERVERS, '?')} servers, keys of "
             f"{knobs.get(BIGARRAY_BOUND, DEFAULT_BIGARRAY_BOUND):,} elements or more split over all of them; each "
-            "key's push_pull is one request answered once every worker's push arrived (server queues: server<k>)"]
+            "key's push_pull is one request answered once every worker's push arrived (server queues: server<k>)"
+            ] + _probe_notes(run)
+
+
+def _probe_notes(run: Any) -> list[str]:
+    cpus, machines = server_cpus(run), host_cpus(run)
+    if cpus:
+        taken = ", ".join(f"{n:.1f} of {host}'s {machines[host]}" for host, n in sorted(cpus.items()))
+        return [f"server probe: a working server takes {taken} CPUs (what-ifs share a machine's CPUs between its "
+                "working servers and computing workers)"]
+    if machines:
+        return ["no server probe recorded (a window starting before step 3, or an older recorder): what-ifs take a "
+                "working server to use 1 CPU of its machine, which on a machine it shares with other servers can "
+                "price fewer servers too slow"]
+    return []
 
 
 ENGINE = Engine(

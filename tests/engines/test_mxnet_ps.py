@@ -71,6 +71,7 @@ def test_the_probe_says_how_many_cpus_a_working_server_takes(tmp_path):
     probe = {"server": 1, "busy_cpus": [1.6, 1.7], "bytes": 4 << 20, "rounds": 8, "us_per_round": [20e3, 21e3]}
     run, host = _with_cpus(tmp_path, probe)
     assert server_cpus(run) == {host: pytest.approx(1.65)}  # both workers read the probed server's machine
+    assert f"takes 1.6 of {host}'s 2 CPUs" in " ".join(get_engine("mxnet-ps").notes(run))  # dpro analyze says so
     run, host = _with_cpus(tmp_path, {**probe, "busy_cpus": [3.5, 9.0]}, "capped")
     assert server_cpus(run) == {host: 2.0}  # at most the machine's CPUs
     run, host = _with_cpus(tmp_path, {**probe, "busy_cpus": [0.4, None]}, "idle")
@@ -79,6 +80,7 @@ def test_the_probe_says_how_many_cpus_a_working_server_takes(tmp_path):
                              {**probe, "server": True}, {**probe, "us_per_round": [2e3, 2e3]}, 7)):
         run, _ = _with_cpus(tmp_path, bad, f"bad{i}")
         assert server_cpus(run) == {}, bad
+        assert "no server probe" in " ".join(get_engine("mxnet-ps").notes(run))
 
 
 def test_servers_that_take_more_cpus_slow_each_other_and_leave_one_server_faster(tmp_path):
