@@ -752,16 +752,23 @@ def graph_from_step_sequence(models: list[StepModel]) -> Graph:
             b.step_end[(rank, it)] = step_end
             prev_end[rank] = step_end
         _wire_exchanges(b, model, exchanged, it)
-    if model.exchanges:
-        b.link_capacity.update(model.link_capacity)
-        b.link_weight.update(model.link_weight)
-        for node, (rank, category) in enumerate(zip(b.rank, b.category, strict=True)):
-            if category in COMPUTE_CATEGORIES and rank in model.compute_links:
-                b.take_share(node, model.compute_links[rank])
+    _share_cpus(b, models[-1])
     return b.build()
 
 
 COMPUTE_CATEGORIES = ("FW", "BW", "UPDATE", "IO")  # what a worker computes on its host's CPUs
+
+
+def _share_cpus(b: GraphBuilder, model: StepModel) -> None:
+    """The hosts' CPUs of an exchange model (a what-if repeats one model): their lanes, what one server's work takes
+    of them, and every compute node taking a share of its rank's host while it runs."""
+    if not model.exchanges:
+        return
+    b.link_capacity.update(model.link_capacity)
+    b.link_weight.update(model.link_weight)
+    for node, (rank, category) in enumerate(zip(b.rank, b.category, strict=True)):
+        if category in COMPUTE_CATEGORIES and rank in model.compute_links:
+            b.take_share(node, model.compute_links[rank])
 
 
 def _wire_exchanges(b: GraphBuilder, model: StepModel, exchanged: dict[str, dict[int, tuple[int, int]]],

@@ -23,6 +23,7 @@ from typing import Any
 from dpro.config import Knob, _count
 from dpro.engines.base import Engine
 from dpro.errors import UsageError
+from dpro.io.load import is_finite_number
 from dpro.sim.cost import robust_line
 
 __all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "NAME", "NUM_SERVERS", "ServerModel",
@@ -241,10 +242,6 @@ def fit_server_model(ctx: Any) -> ServerModel:
     return ServerModel(fixed, per_byte, 0.0, ctx.run.world_size, how)
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def cpu_link(host: str) -> str:
     """The link standing for a host's CPUs, shared by its working servers and computing workers."""
     return f"cpu@{host}"
@@ -265,11 +262,12 @@ def server_cpus(run: Any) -> dict[str, float]:
     server, busy, rounds, took = (probe.get(k) for k in ("server", "busy_cpus", "rounds", "us_per_round"))
     if not isinstance(server, int) or isinstance(server, bool) or not isinstance(busy, list) or server < 0:
         return {}
-    took = [t for t in took if _finite(t) and t > 0] if isinstance(took, list) else []
-    if not _finite(rounds) or not took or rounds * statistics.median(took) < PROBE_MIN_US:
+    took = [t for t in took if is_finite_number(t) and t > 0] if isinstance(took, list) else []
+    if not is_finite_number(rounds) or not took or rounds * statistics.median(took) < PROBE_MIN_US:
         return {}  # too short for /proc/stat's clock ticks to tell
     at = server_host(server, hosts, workers)
-    seen = [b for w, b in zip(workers, busy, strict=False) if w == at and _finite(b) and 0 < b <= MAX_HOST_CPUS]
+    seen = [b for w, b in zip(workers, busy, strict=False)
+            if w == at and is_finite_number(b) and 0 < b <= MAX_HOST_CPUS]
     if not seen:
         return {}
     taken = statistics.median(seen)

@@ -55,6 +55,7 @@ __all__ = [
     "RankTrace",
     "Run",
     "format_steps",
+    "is_finite_number",
     "interrupted_calls",
     "load_journal",
     "load_model_json",
@@ -280,7 +281,7 @@ def _check_x_event(path: Path, ev: dict[str, Any], rank: int, at: str) -> None:
     if ev["cat"] not in CATEGORIES:
         raise TraceError(path, f"unknown category {ev['cat']!r}; dpro traces use {', '.join(CATEGORIES)}", at)
     for key in ("ts", "dur"):
-        if not _is_number(ev[key]):
+        if not is_finite_number(ev[key]):
             raise TraceError(path, f"'{key}' must be a number of microseconds, found {ev[key]!r}", at)
     if ev["dur"] < 0:
         raise TraceError(path, f"negative duration {ev['dur']!r}", at)
@@ -293,7 +294,7 @@ def _check_x_event(path: Path, ev: dict[str, Any], rank: int, at: str) -> None:
     if not isinstance(args, dict) or not _is_int(args.get("step")):
         found = args.get("step") if isinstance(args, dict) else args
         raise TraceError(path, f"args.step must be the integer step index, found {found!r}", at)
-    if ev["cat"] == "COMM" and "bytes" in args and not (_is_number(args["bytes"]) and args["bytes"] >= 0):
+    if ev["cat"] == "COMM" and "bytes" in args and not (is_finite_number(args["bytes"]) and args["bytes"] >= 0):
         raise TraceError(path, f"COMM args.bytes must be a non-negative number, found {args['bytes']!r}", at)
     _check_list_args(path, args, at)
 
@@ -302,9 +303,9 @@ def _check_x_event(path: Path, ev: dict[str, Any], rank: int, at: str) -> None:
 _LIST_ARGS: dict[str, tuple[str, Any]] = {
     "tensors": ("gradient names", lambda v: isinstance(v, str)),
     "grads": ("gradient names", lambda v: isinstance(v, str)),
-    "grads_ready_us": ("times in µs", lambda v: _is_number(v)),
+    "grads_ready_us": ("times in µs", lambda v: is_finite_number(v)),
     "servers": ("server numbers", lambda v: _is_int(v) and v >= 0),
-    "part_bytes": ("byte counts", lambda v: _is_number(v) and v >= 0),
+    "part_bytes": ("byte counts", lambda v: is_finite_number(v) and v >= 0),
 }
 
 
@@ -318,7 +319,8 @@ def _check_list_args(path: Path, args: dict[str, Any], at: str) -> None:
         raise TraceError(path, f"args.key must be an integer kvstore key, found {args['key']!r:.40}", at)
 
 
-def _is_number(value: Any) -> bool:
+def is_finite_number(value: Any) -> bool:
+    """A JSON number that is a real, finite number (not a bool, NaN or infinity)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -561,7 +563,7 @@ def _journal_events(path: Path, record: dict[str, Any], rank: int, n: int) -> An
     for i, row in enumerate(rows):
         if not (isinstance(row, list) and len(row) == 6 and isinstance(row[5], dict)):
             raise TraceError(path, "a row must be [name, cat, tid, ts_ns, dur_ns, args]", f"line {n}, row {i}")
-        if not (_is_number(row[3]) and _is_number(row[4])):
+        if not (is_finite_number(row[3]) and is_finite_number(row[4])):
             raise TraceError(path, f"ts_ns and dur_ns must be numbers of nanoseconds, found {row[3]!r:.20}, "
                                    f"{row[4]!r:.20}", f"line {n}, row {i}")
         events.append(row_event(row, rank))
@@ -639,7 +641,7 @@ def _check_comm_probe(path: Path, probe: Any) -> None:
     if not isinstance(samples, list):
         raise TraceError(path, f"must be a list of [bytes, µs] pairs, found {kind_of(samples)}", "comm_probe.samples")
     for i, sample in enumerate(samples):
-        if not (isinstance(sample, list) and len(sample) == 2 and all(_is_number(v) and v >= 0 for v in sample)):
+        if not (isinstance(sample, list) and len(sample) == 2 and all(is_finite_number(v) and v >= 0 for v in sample)):
             raise TraceError(path, "a sample must be [bytes, µs], two finite numbers >= 0", f"comm_probe.samples[{i}]")
 
 
@@ -658,7 +660,7 @@ def _check_clocks(path: Path, clocks: Any) -> None:
         if not isinstance(rounds, list):
             raise TraceError(path, f"must be a list of [t0, t1, t2, t3] exchanges, found {kind_of(rounds)}", where)
         for i, exchange in enumerate(rounds):
-            if not (isinstance(exchange, list) and len(exchange) == 4 and all(_is_number(t) for t in exchange)):
+            if not (isinstance(exchange, list) and len(exchange) == 4 and all(is_finite_number(t) for t in exchange)):
                 raise TraceError(path, "an exchange must be [t0, t1, t2, t3], four finite numbers (µs)",
                                  f"{where}[{i}]")
 
