@@ -27,8 +27,8 @@ from dpro.io.load import is_finite_number
 from dpro.sim.cost import robust_line
 
 __all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "NAME", "NUM_SERVERS", "ServerModel",
-           "bigarray_bound", "cpu_link", "fit_server_model", "host_cpus", "key_servers",
-           "link_queues", "ps_model", "search", "server_cpus", "server_host", "server_hosts", "server_model",
+           "bigarray_bound", "cpu_link", "fit_server_model", "host_cpus", "key_servers", "link_queues",
+           "link_rate", "ps_model", "search", "server_cpus", "server_host", "server_hosts", "server_model",
            "server_queue", "worker_hosts"]
 
 NAME = "mxnet-ps"
@@ -85,6 +85,7 @@ class ServerModel:
     world_size: int
     source: str = ""
     server_cpus: dict[str, float] = dataclasses.field(default_factory=dict)  # host -> CPUs a working server takes
+    link_latency_us: float = 0.0  # what each push or answer between hosts waits beyond its bytes (busy links)
 
     def server_us(self, nbytes: float, world_size: int | None = None) -> float:
         workers = (world_size or self.world_size) / max(self.world_size, 1)  # pushes per key grow with the workers
@@ -93,7 +94,7 @@ class ServerModel:
     def link_us(self, nbytes: float, world_size: int | None = None, bandwidth_scale: float = 1.0) -> float:
         # the server's links carry every worker's push and answer: with more workers each transfer gets less
         workers = (world_size or self.world_size) / max(self.world_size, 1)
-        return self.link_us_per_byte * nbytes * workers / bandwidth_scale
+        return self.link_latency_us + self.link_us_per_byte * nbytes * workers / bandwidth_scale
 
 
 SERVER_HOSTS_ENV = "DPRO_MXNET_SERVER_HOSTS"  # the host of each server, by server rank (comma-separated)
@@ -274,6 +275,19 @@ def server_cpus(run: Any) -> dict[str, float]:
     return {host: min(float(n), max(1.0, taken)) for host, n in cpus.items()}
 
 
+def link_rate(run: Any) -> float | None:
+    """What a link between two of the job's machines carries, bytes/µs: the median of the recorder's link probe
+    (run.json's ``mxnet.link_probe``: one TCP stream per machine to worker 0's, nothing else running); None when
+    not probed (one machine, an older recorder)."""
+    probe = _section(run).get("link_probe")
+    streams = probe.get("streams") if isinstance(probe, dict) else None
+    if not isinstance(streams, list):
+        return None
+    rates = [s["bytes_per_s"] for s in streams if isinstance(s, dict) and is_finite_number(s.get("bytes_per_s"))
+             and s["bytes_per_s"] > 0]
+    return statistics.median(rates) / 1e6 if rates else None
+
+
 def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
     """The mean step with every key re-placed on the servers (``key_servers`` under the knobs' server count and
     bound) as exchanges (``dpro.dag.graph.ExchangePart``): each part pushed by every worker over the links
@@ -324,8 +338,13 @@ def link_queues(source: str, destination: str) -> tuple[str, str]:
 
 
 def server_model(ctx: Any) -> ServerModel:
-    """``fit_server_model``, scaled so the recorded layout replays to the measured requests' replay (cached): the
-    links' cost when the recorded pushes crossed hosts, else the servers' work."""
+    """``fit_server_model``, fitted so the recorded layout replays to the measured requests' replay (cached).
+
+    When the recorded pushes crossed hosts, the links take the difference. Where the recorder probed the links'
+    rate (``link_rate``), the links carry bytes at that rate and each message waits the same time beyond its bytes
+    (``link_latency_us``: on a busy link a message queues behind what the other connections sent before it; the
+    even sharing of ``dpro.sim.links`` leaves that out), that wait fitted; else the links' cost per byte is scaled.
+    Without crossings, the servers' work is scaled."""
     cached = ctx.cache.get(NAME)
     if cached is not None:
         return cached
@@ -333,6 +352,39 @@ def server_model(ctx: Any) -> ServerModel:
 
     fitted = dataclasses.replace(fit_server_model(ctx), server_cpus=server_cpus(ctx.run))
     target = predict(ctx, {}).predicted_step_ms
+
+    def step_of(model: ServerModel) -> float:
+        return replay_model(ctx, ps_model(ctx, {}, model), {}).predicted_step_ms
+
+    rate = link_rate(ctx.run)
+    if fitted.link_us_per_byte > 0 and rate is not None:
+        probed = dataclasses.replace(fitted, link_us_per_byte=1.0 / rate)
+        if step_of(probed) < target:
+            model = _fit_latency(probed, step_of, target)
+            ctx.cache[NAME] = model
+            return model
+        fitted = probed  # the links at the probed rate replay slower than the run was: their rate is scaled
+
+    model = _fit_scale(fitted, step_of, target)
+    ctx.cache[NAME] = model
+    return model
+
+
+def _fit_latency(model: ServerModel, step_of: Any, target_ms: float) -> ServerModel:
+    """``model`` with the ``link_latency_us`` under which it replays to ``target_ms`` (the step grows with it; a
+    bisection between nothing and a whole step)."""
+    lo, hi = 0.0, target_ms * 1000.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step_of(dataclasses.replace(model, link_latency_us=mid)) < target_ms else (lo, mid)
+    wait = (lo + hi) / 2
+    return dataclasses.replace(model, link_latency_us=wait, source=f"{model.source}; the links' rate probed, each "
+                               "message's wait fitted to replay the recorded run")
+
+
+def _fit_scale(fitted: ServerModel, step_of: Any, target_ms: float) -> ServerModel:
+    """``fitted`` with its links' cost per byte (when the recorded pushes crossed hosts) or its servers' work scaled
+    so that it replays to ``target_ms``."""
     links = fitted.link_us_per_byte > 0
 
     def scaled(k: float) -> ServerModel:
@@ -340,24 +392,19 @@ def server_model(ctx: Any) -> ServerModel:
             return dataclasses.replace(fitted, link_us_per_byte=fitted.link_us_per_byte * k)
         return dataclasses.replace(fitted, fixed_us=fitted.fixed_us * k, us_per_byte=fitted.us_per_byte * k)
 
-    def step_at(k: float) -> float:
-        return replay_model(ctx, ps_model(ctx, {}, scaled(k)), {}).predicted_step_ms
-
     lo, hi = 1e-4, 1e3
     if fitted.fixed_us <= 0 and fitted.us_per_byte <= 0 and not links:
         k = 1.0  # nothing to scale (no request took time)
-    elif step_at(lo) >= target:
+    elif step_of(scaled(lo)) >= target_ms:
         k = lo
-    elif step_at(hi) <= target:
+    elif step_of(scaled(hi)) <= target_ms:
         k = hi
     else:
         for _ in range(24):  # bisection on a log scale: the step grows with the cost
             mid = (lo * hi) ** 0.5
-            lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
+            lo, hi = (mid, hi) if step_of(scaled(mid)) < target_ms else (lo, mid)
         k = (lo * hi) ** 0.5
-    model = dataclasses.replace(scaled(k), source=f"{fitted.source}, scaled x{k:.2f} to replay the recorded run")
-    ctx.cache[NAME] = model
-    return model
+    return dataclasses.replace(scaled(k), source=f"{fitted.source}, scaled x{k:.2f} to replay the recorded run")
 
 
 def knobs_from_env(env: Mapping[str, Any]) -> dict[str, int]:
@@ -455,8 +502,9 @@ def _describe(ctx: Any) -> str:
     cpus = ", ".join(f"{host} {n:.1f}" for host, n in sorted(model.server_cpus.items()))
     side = f"; while it works it takes CPUs of its host: {cpus} (probed)" if cpus else \
         "; while it works it takes 1 CPU of its host (no probe recorded)" if host_cpus(ctx.run) else ""
+    wait = f", each message waiting {model.link_latency_us / 1000:.2f} ms" if model.link_latency_us > 0 else ""
     return (f"parameter-server model: a server's work {model.fixed_us:.0f} us + {rate(model.us_per_byte)}{side}, "
-            f"links between hosts {rate(model.link_us_per_byte)} ({model.source})")
+            f"links between hosts {rate(model.link_us_per_byte)}{wait} ({model.source})")
 
 
 def _notes(run: Any) -> list[str]:

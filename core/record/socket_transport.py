@@ -5,7 +5,8 @@ Messages are length-prefixed UTF-8 JSON; nothing read is evaluated. Each plugin 
 the launcher's environment) and calls ``SocketTransport.connect``.
 
 ``timed_allreduce`` measures nothing: a TCP exchange is not the framework's collective, so the communication model
-of such a run comes from the collectives of its profiled steps.
+of such a run comes from the collectives of its profiled steps. ``stream_rate`` measures what one TCP stream gets
+from one worker's machine to worker 0's: the link between them, where they are on different machines.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Any
 from dpro.errors import UsageError
 from dpro.record.protocol import Clock
 
-__all__ = ["CONNECT_TIMEOUT_S", "PORT_OFFSET", "SocketTransport", "side_port_of"]
+__all__ = ["CONNECT_TIMEOUT_S", "PORT_OFFSET", "SocketTransport", "side_port_of", "steady_rate"]
 
 PORT_OFFSET = 7919          # from a framework port the workers know to the side channel's, when not given
 CONNECT_TIMEOUT_S = 120.0   # workers start seconds apart; the recording window starts on every worker
 MAX_MESSAGE = 64 * 1024**2
+STREAM_CHUNK = 256 * 1024   # bytes per frame of ``stream_rate``: many frames per measurement on a slow link
 _HEADER = struct.Struct("!Q")
 
 
@@ -55,6 +57,18 @@ def _recv(sock: socket.socket) -> Any:
     if size > MAX_MESSAGE:
         raise ConnectionError(f"side-channel message of {size} bytes: larger than {MAX_MESSAGE}")
     return json.loads(_recv_exact(sock, size))
+
+
+def steady_rate(marks: list[tuple[float, int]]) -> float | None:
+    """Bytes per second over the second half (by time) of a stream's arrivals ``(seconds, bytes so far)``: the
+    first half holds the connection's slow start and what the link's queues let through at once; None when too few
+    arrivals to tell."""
+    if len(marks) < 4 or marks[-1][0] <= marks[0][0]:
+        return None
+    middle = marks[0][0] + (marks[-1][0] - marks[0][0]) / 2
+    t0, b0 = next((t, b) for t, b in marks if t >= middle)
+    t1, b1 = marks[-1]
+    return (b1 - b0) / (t1 - t0) if t1 > t0 else None
 
 
 @dataclass
@@ -157,6 +171,40 @@ class SocketTransport:
             t1 = clock.now()
             _send(self.hub, [t1, clock.now()])
         return None
+
+    def stream_rate(self, sender: int, seconds: float) -> float | None:
+        """Collective (every worker calls it): worker ``sender`` streams bytes to worker 0 for ``seconds``; worker 0
+        returns the rate the stream's second half arrived at (bytes/s, ``steady_rate``), the others None."""
+        if self.world_size == 1 or sender == 0 or self.rank not in (0, sender):
+            return None
+        if self.rank == sender:
+            if self.hub is None:
+                raise ConnectionError(f"{self.label}: worker {self.rank} is not connected to worker 0")
+            frame = _HEADER.pack(STREAM_CHUNK) + bytes(STREAM_CHUNK)
+            until = time.monotonic() + seconds
+            while time.monotonic() < until:
+                self.hub.sendall(frame)
+            self.hub.sendall(_HEADER.pack(0))
+            _recv(self.hub)  # worker 0 has read it all: the next stream starts on an empty link
+            return None
+        sock, buffer = self.peers[sender], bytearray(STREAM_CHUNK)
+        marks, got = [], 0
+        while True:
+            (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+            if size == 0:
+                break
+            if size > STREAM_CHUNK:
+                raise ConnectionError(f"stream frame of {size} bytes: larger than {STREAM_CHUNK}")
+            view, left = memoryview(buffer)[:size], size
+            while left:
+                n = sock.recv_into(view[size - left:], left)
+                if not n:
+                    raise ConnectionError("the other worker closed the side channel")
+                left -= n
+            got += size
+            marks.append((time.monotonic(), got))
+        _send(sock, "read")
+        return steady_rate(marks)
 
     def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
         """Not measured here (see the module docstring): the recorder leaves the probe out."""

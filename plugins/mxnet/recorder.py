@@ -81,6 +81,8 @@ SEGMENT_US = 50.0  # gradients ready within this of the previous block's came ou
 PROBE_KEY = 2**30 + 104729  # far above a trainer's keys and the side channel's key
 PROBE_ROUNDS = 8
 PROBE_ELEMENTS = 1 << 20  # 4 MB: long enough for /proc/stat's 10 ms ticks over a few rounds
+LINK_PROBE_SECONDS = 0.3  # one TCP stream per probed machine: long enough to leave its slow start behind
+LINK_PROBE_MACHINES = 4   # machines probed at most (their links are taken alike): the probe stays under 1.5 s
 PROBE_ATTRIBUTE = "_dpro_server_probe"  # on the kvstore: what its probe measured
 
 
@@ -260,6 +262,7 @@ class GluonRecorder:
         self.transport = transport
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
         self.server_probe: dict[str, Any] | None = None
+        self.link_probe: dict[str, Any] | None = None
         self.iteration = 0
         self.run_dir: Path | None = None
         self._writer: RankTraceWriter | None = None
@@ -338,6 +341,7 @@ class GluonRecorder:
         self.host_cpus = dict(zip(self.worker_hosts, (int(n) for n in cpus), strict=False))
         pingpong = clock_samples(self.transport, self.clock)
         self.server_probe = self._probe_server(kv)
+        self.link_probe = self._probe_links()
         self._params = [p for p in self.trainer._params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._units = recorded_units(self.net, [p for p in self._params if p.grad_req != "null"])
@@ -669,6 +673,29 @@ class GluonRecorder:
         setattr(kv, PROBE_ATTRIBUTE, probe)
         return probe
 
+    def _probe_links(self) -> dict[str, Any] | None:
+        """The rate one TCP stream gets from another machine of the job to worker 0's (dpro's side channel, nothing
+        else running), for up to ``LINK_PROBE_MACHINES`` machines: what a link between machines carries, which the
+        recorded pushes and answers cannot tell apart from the time each message waits on a busy link. None when
+        every worker is on worker 0's machine or the transport cannot stream."""
+        stream = getattr(self.transport, "stream_rate", None)
+        if stream is None:
+            return None
+        first = {}  # machine -> its first worker
+        for rank, host in enumerate(self.worker_hosts):
+            if host != self.worker_hosts[0]:
+                first.setdefault(host, rank)
+        if not first:
+            return None
+        rates = []
+        for host, rank in list(first.items())[:LINK_PROBE_MACHINES]:
+            rate = stream(rank, LINK_PROBE_SECONDS)
+            if self.rank == 0:
+                rates.append({"from": host, "to": self.worker_hosts[0], "bytes_per_s": rate})
+        return {"streams": rates, "seconds": LINK_PROBE_SECONDS,
+                "note": "one TCP stream from a worker to worker 0, nothing else running; bytes_per_s over its second "
+                        "half"}
+
     def _write_run_json(self, pingpong: dict[int, list[list[float]]]) -> None:
         versions = {"python": platform.python_version(), "mxnet": mx.__version__}
         engine = ENGINE_PS if self._distributed() else "mxnet"
@@ -681,6 +708,7 @@ class GluonRecorder:
                                             "worker_hosts": self.worker_hosts,
                                             "host_cpus": self.host_cpus,
                                             "server_probe": self.server_probe,
+                                            "link_probe": self.link_probe,
                                             "default_bigarray_bound": DEFAULT_BIGARRAY_BOUND,
                                             "note": "times from MXNet's wait_to_read on the rank's clock: FW per "
                                                     "block with parameters, BW from gradient readiness, one "

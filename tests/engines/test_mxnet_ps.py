@@ -19,6 +19,7 @@ from dpro.engines.mxnet_ps import (
     host_cpus,
     key_servers,
     link_queues,
+    link_rate,
     server_cpus,
     server_queue,
 )
@@ -149,14 +150,46 @@ def test_the_engine_says_how_its_config_is_applied():
     assert "DMLC_NUM_SERVER" in engine.apply and "MXNET_KVSTORE_BIGARRAY_BOUND" in engine.apply
 
 
-def _on_two_hosts(tmp_path: Path):
-    """The recorded run's context with worker 0 and server 0 on hostB, worker 1 and server 1 on hostA."""
-    apart = tmp_path / "two-hosts"
+def _on_two_hosts(tmp_path: Path, link_probe: object = None, name: str = "two-hosts"):
+    """The recorded run's context with worker 0 and server 0 on hostB, worker 1 and server 1 on hostA (and, if
+    given, a link probe in run.json)."""
+    apart = tmp_path / name
     shutil.copytree(RECORDED, apart)
     meta = json.loads((apart / "run.json").read_text())
-    meta["mxnet"].update(server_hosts=["hostB", "hostA"], worker_hosts=["hostB", "hostA"])
+    meta["mxnet"].update(server_hosts=["hostB", "hostA"], worker_hosts=["hostB", "hostA"], link_probe=link_probe)
     (apart / "run.json").write_text(json.dumps(meta))
     return context(load_run(apart))
+
+
+def _streams(*rates: object) -> dict:
+    return {"streams": [{"from": "hostA", "to": "hostB", "bytes_per_s": r} for r in rates], "seconds": 0.3}
+
+
+def test_the_link_probe_gives_the_median_rate_of_its_streams(tmp_path):
+    assert link_rate(_on_two_hosts(tmp_path, _streams(100e6, 120e6, 900e6)).run) == pytest.approx(120.0)  # B/us
+    assert link_rate(_on_two_hosts(tmp_path, _streams(120e6, "fast", None, -5, float("nan")), "bad").run) == 120.0
+    for i, bad in enumerate((None, 7, {"streams": "x"}, _streams(None), _streams(0))):
+        assert link_rate(_on_two_hosts(tmp_path, bad, f"none{i}").run) is None, bad
+
+
+def test_links_at_the_probed_rate_leave_each_message_a_wait_fitted_to_the_recorded_step(tmp_path):
+    """Links probed faster than the recorded requests went: the bytes go at the probed rate and each message
+    between hosts waits a fitted time beyond them, so that the recorded layout replays to the recorded step. A
+    probe slower than the recorded requests went cannot be: the links' cost per byte is scaled instead."""
+    from dpro.engines.mxnet_ps import server_model
+
+    plain = server_model(_on_two_hosts(tmp_path, None, "plain"))
+    assert plain.link_latency_us == 0 and plain.link_us_per_byte > 0
+    for name, rate, waits in (("fast", 50 / plain.link_us_per_byte, True), ("slow", 0.02 / plain.link_us_per_byte,
+                                                                             False)):
+        ctx = _on_two_hosts(tmp_path, _streams(rate * 1e6), name)
+        model = server_model(ctx)
+        assert (model.link_latency_us > 0) is waits, name
+        if waits:
+            assert model.link_us_per_byte == pytest.approx(1 / rate)
+            assert "each message waiting" in get_engine("mxnet-ps").describe_model(ctx)
+        assert predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms == pytest.approx(predict(ctx, {}).predicted_step_ms,
+                                                                                  rel=0.02)
 
 
 def test_servers_on_other_hosts_are_priced_by_the_links_between_hosts(tmp_path):

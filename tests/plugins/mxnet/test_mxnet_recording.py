@@ -1,16 +1,22 @@
 """MXNet recording on real ps-lite jobs (2 workers, 1 or 2 servers, loopback), run by the MXNet venv's
 interpreter (``make mxnet``): the Profiler in a Gluon loop, an unmodified script under ``dpro-launch --engine
-mxnet``, a hybridized block, a worker that dies inside the window."""
+mxnet``, a hybridized block, a worker that dies inside the window; on an emulated network of two machines, the
+link probe."""
 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from jobrunner import JOBS, run_job
+from jobrunner import JOBS, job_env, run_job
 
+from dpro import testbed
+from dpro.engines.mxnet_ps import link_rate
 from dpro.io.load import load_run
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -88,6 +94,7 @@ def test_an_unmodified_script_is_recorded_and_priced_for_one_server(tmp_path):
     assert probe["bytes"] == 4 * 999_999  # float32, one element under MXNet's default bound: on one server
     assert len(probe["us_per_round"]) == 2 and all(t > 0 for t in probe["us_per_round"])
     assert len(probe["busy_cpus"]) == 2 and all(0 <= c <= 64 for c in probe["busy_cpus"])
+    assert loaded.meta["mxnet"]["link_probe"] is None  # both workers on one machine: no link between them
     for rank in (0, 1):
         names = {e["name"] for e in events(run, rank)}
         assert {"FW.0", "FW.1", "BW.0", "BW.1"} <= names
@@ -126,3 +133,46 @@ def test_a_second_window_in_one_job_records_again(tmp_path):
     one, two = load_run(first), load_run(second)
     assert sorted(one.ranks) == sorted(two.ranks) == [0, 1]
     assert one.meta["mxnet"]["server_probe"] and two.meta["mxnet"]["server_probe"]
+
+
+_netns_ok, _netns_why = testbed.testbed_available()
+
+
+@pytest.mark.skipif(not _netns_ok, reason=_netns_why)
+def test_workers_on_two_machines_probe_the_link_between_them(tmp_path):
+    """Worker 0 with the scheduler and the server on one emulated machine, worker 1 on another, 1 Gbit/s between
+    them (dpro.testbed): the recorder streams from worker 1's machine to worker 0's and finds the link's rate, not
+    loopback's, and the what-ifs price the links at that rate."""
+    run = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    argv = [str(MXNET_PYTHON), str(JOBS / "mxnet_profiled.py"), str(run), "--steps", "10", "--window", "4:8"]
+    with testbed.emulated_cluster(2, testbed.NetworkSpec(rate="1gbit")) as cluster:
+        hosts = [h.address for h in cluster.hosts]
+        base = job_env(DMLC_PS_ROOT_URI=hosts[0], DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
+                       DMLC_NUM_WORKER="2", DPRO_MXNET_SERVER_HOSTS=hosts[0])
+        procs = []
+        try:
+            for role, host in (("scheduler", 0), ("server", 0), ("worker", 0), ("worker", 1)):
+                env = dict(base, DMLC_ROLE=role, DMLC_NODE_HOST=hosts[host])
+                procs.append((role, cluster.popen(host, argv, env=env, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT)))
+                time.sleep(0.5)
+            for role, proc in procs:
+                out, _ = proc.communicate(timeout=150)
+                assert proc.returncode == 0, f"{role} exited {proc.returncode}:\n{out.decode()[-3000:]}"
+        finally:
+            for _, proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    loaded = load_run(run)
+    assert sorted(loaded.meta["mxnet"]["worker_hosts"]) == sorted(hosts)
+    streams = loaded.meta["mxnet"]["link_probe"]["streams"]
+    assert len(streams) == 1 and {streams[0]["from"], streams[0]["to"]} == set(hosts)
+    # 1 Gbit/s is 125 MB/s less TCP's and IP's headers; loopback carries gigabytes a second
+    assert 60e6 < streams[0]["bytes_per_s"] < 125e6
+    assert link_rate(loaded) == pytest.approx(streams[0]["bytes_per_s"] / 1e6)
+    proc = run_job([sys.executable, "-m", "dpro", "whatif", str(run), "--set", "num_servers=2"], timeout=120)
+    assert "links between hosts" in proc.stdout
