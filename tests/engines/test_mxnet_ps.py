@@ -107,6 +107,25 @@ def test_a_recording_that_knows_its_cpus_prices_a_second_server_on_them(tmp_path
     assert predict(ctx, {NUM_SERVERS: 1}).predicted_step_ms > two
 
 
+def _recommends_only_what_both_fits_gain(ctx, model, plain) -> None:
+    """The recorded step cannot tell a wait per message from a slower link: the search weighs a setting by the less
+    hopeful of the two fits."""
+    from dpro.engines.mxnet_ps import ps_model, rate_scaled_model
+    from dpro.sim.whatif import replay_model
+
+    other = rate_scaled_model(ctx)
+    assert other.link_latency_us == 0 and other.link_us_per_byte == pytest.approx(plain.link_us_per_byte, rel=0.01)
+    result = optimize(ctx)
+    assert "two fits of the links" in " ".join(item["why"] for item in result.explain)
+    env = result.knobs.get("env")
+    if env:
+        knobs = {NUM_SERVERS: int(env["DMLC_NUM_SERVER"]), BIGARRAY_BOUND: int(env["MXNET_KVSTORE_BIGARRAY_BOUND"])}
+        for fit in (model, other):
+            def step(k, fit=fit):
+                return replay_model(ctx, ps_model(ctx, k, fit), k).predicted_step_ms
+            assert step(knobs) < 0.97 * step({NUM_SERVERS: 2, BIGARRAY_BOUND: 1_000_000})
+
+
 def test_the_knobs_are_the_engines_and_tensor_groups_are_refused():
     table = knob_table()
     assert table[NUM_SERVERS].engine == table[BIGARRAY_BOUND].engine == "mxnet-ps"
@@ -188,6 +207,7 @@ def test_links_at_the_probed_rate_leave_each_message_a_wait_fitted_to_the_record
         if waits:
             assert model.link_us_per_byte == pytest.approx(1 / rate)
             assert "each message waiting" in get_engine("mxnet-ps").describe_model(ctx)
+            _recommends_only_what_both_fits_gain(ctx, model, plain)
         assert predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms == pytest.approx(predict(ctx, {}).predicted_step_ms,
                                                                                   rel=0.02)
 
