@@ -339,6 +339,9 @@ class GluonRecorder:
         # the CPUs of each worker's machine this job may use: servers there run side by side on them
         cpus = self.transport.gather_texts(str(usable_cpus()))
         self.host_cpus = dict(zip(self.worker_hosts, (int(n) for n in cpus), strict=False))
+        # the previous step's push_pulls may still be on the wire: the clock exchange and the probes want it quiet
+        mx.nd.waitall()
+        self.transport.barrier()
         pingpong = clock_samples(self.transport, self.clock)
         self.server_probe = self._probe_server(kv)
         self.link_probe = self._probe_links()
