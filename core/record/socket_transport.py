@@ -86,25 +86,44 @@ class SocketTransport:
 
     @classmethod
     def connect(cls, rank: int, world_size: int, host: str, port: int, *, label: str = "dpro's side channel",
-                port_variable: str = "the side channel's port") -> SocketTransport:
-        """Worker 0 listens on ``port``; the others connect to ``host:port`` (retrying while worker 0 starts)."""
+                port_variable: str = "the side channel's port", listener: socket.socket | None = None
+                ) -> SocketTransport:
+        """Worker 0 listens on ``port`` (or accepts on ``listener``, from ``listen``); the others connect to
+        ``host:port`` (retrying while worker 0 starts)."""
         if not 0 < port < 65536:
             raise UsageError(f"{port_variable}={port} is not a TCP port (1..65535)")
         transport = cls(rank=rank, world_size=world_size, label=label, port_variable=port_variable)
         if world_size > 1:
-            transport._connect(host.strip("[]"), port)
+            transport._connect(host.strip("[]"), port, listener)
+        elif listener is not None:
+            listener.close()
         return transport
 
-    def _connect(self, host: str, port: int) -> None:
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        if self.rank == 0:
-            server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    @staticmethod
+    def listen(host: str, port: int, *, any_port: bool = False, label: str = "dpro's side channel",
+               port_variable: str = "the side channel's port") -> socket.socket:
+        """Worker 0's listening socket on ``port``, or, with ``any_port``, on a free port the kernel picks when
+        ``port`` is taken (a framework's own connections may hold it): for a plugin that tells the other workers the
+        port it got (``listener.getsockname()[1]``)."""
+        server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
             try:
                 server.bind(("", port))
-            except OSError as err:
-                raise UsageError(f"{self.label} cannot listen on port {port}: {err.strerror}; set "
-                                 f"{self.port_variable} to a free port (the same on every worker)") from err
+            except OSError:
+                if not any_port:
+                    raise
+                server.bind(("", 0))
+        except OSError as err:
+            server.close()
+            raise UsageError(f"{label} cannot listen on port {port}: {err.strerror}; set {port_variable} to a free "
+                             "port (the same on every worker)") from err
+        return server
+
+    def _connect(self, host: str, port: int, listener: socket.socket | None = None) -> None:
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        if self.rank == 0:
+            server = listener or self.listen(host, port, label=self.label, port_variable=self.port_variable)
             server.listen(self.world_size)
             server.settimeout(CONNECT_TIMEOUT_S)
             try:

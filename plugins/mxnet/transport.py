@@ -3,9 +3,11 @@
 ps-lite has only push and pull, and every push of a key runs the optimizer on it on the servers (with
 ``update_on_kvstore``; the recorder's server probe pushes one key of its own only a few times, at most as often as the
 trainer's keys were pushed), so the side channel pushes nothing: worker 0 listens on a port of its own:
-``$DPRO_MXNET_PORT``, or the scheduler's port (``DMLC_PS_ROOT_PORT``) plus ``PORT_OFFSET``. The others learn worker
-0's address from ``$DPRO_MXNET_HOST``, else from worker 0 itself through the kvstore: one small key (``ADDRESS_KEY``),
-initialised by worker 0 and pulled by the others (``kv.broadcast``: an init and a pull, never a push). ps-lite numbers
+``$DPRO_MXNET_PORT``, or the scheduler's port (``DMLC_PS_ROOT_PORT``) plus ``PORT_OFFSET``, or, when ps-lite's own
+connections hold that one, a port the kernel picks. The others learn worker 0's address and port from
+``$DPRO_MXNET_HOST`` and the port above, else from worker 0 itself through the kvstore: one small key
+(``ADDRESS_KEY``), initialised by worker 0 and pulled by the others (``kv.broadcast``: an init and a pull, never a
+push). ps-lite numbers
 the workers (``kv.rank``) by their addresses, so worker 0 can be on any host. Worker 0's address is the one it reaches
 the scheduler from (``DMLC_NODE_HOST`` when set).
 """
@@ -42,16 +44,16 @@ def _own_address(env: dict[str, str]) -> str:
             return "127.0.0.1"
 
 
-def worker0_address(kvstore: Any, env: dict[str, str]) -> str:
-    """Worker 0's address, sent by worker 0 to every worker through one kvstore key (init + pull), once per kvstore:
-    a key is initialised only once (a second init is a push the other workers never match), so a later recording
-    window of the same job reuses it."""
+def worker0_address(kvstore: Any, env: dict[str, str], port: int | None = None) -> str:
+    """Worker 0's address (``host`` or, given worker 0's ``port``, ``host|port``), sent by worker 0 to every worker
+    through one kvstore key (init + pull), once per kvstore: a key is initialised only once (a second init is a push
+    the other workers never match), so a later recording window of the same job reuses it."""
     import mxnet as mx
 
     known = getattr(kvstore, ADDRESS_ATTRIBUTE, None)
     if isinstance(known, str):
         return known
-    text = _own_address(env) if int(kvstore.rank) == 0 else ""
+    text = (_own_address(env) + (f"|{port}" if port else "")) if int(kvstore.rank) == 0 else ""
     codes = [ord(c) for c in text[:ADDRESS_CHARS]] + [0] * (ADDRESS_CHARS - len(text[:ADDRESS_CHARS]))
     value = mx.nd.array(codes, dtype="float32")  # the servers store floating-point arrays only
     out = mx.nd.zeros((ADDRESS_CHARS,), dtype="float32")
@@ -66,10 +68,21 @@ def default_transport(kvstore: Any, environ: dict[str, str] | None = None) -> Tr
     env = dict(os.environ) if environ is None else environ
     if kvstore is None or "dist" not in str(kvstore.type) or int(kvstore.num_workers) <= 1:
         return LocalTransport()
-    host = env.get(HOST_VARIABLE) or worker0_address(kvstore, env)
     try:
         port = int(env.get(PORT_VARIABLE) or side_port_of(int(env.get("DMLC_PS_ROOT_PORT", ""))))
     except ValueError as err:
         raise UsageError(f"{PORT_VARIABLE} / DMLC_PS_ROOT_PORT is not a port number: {err}") from err
-    return SocketTransport.connect(int(kvstore.rank), int(kvstore.num_workers), host, port,
-                                   label="dpro's MXNet side channel", port_variable=PORT_VARIABLE)
+    label, rank = "dpro's MXNet side channel", int(kvstore.rank)
+    if env.get(HOST_VARIABLE):  # told where worker 0 listens: that port and no other
+        return SocketTransport.connect(rank, int(kvstore.num_workers), env[HOST_VARIABLE], port, label=label,
+                                       port_variable=PORT_VARIABLE)
+    # worker 0 listens before it sends its address, with the port it got: a port of its own when ps-lite's
+    # connections hold the one derived from the scheduler's (unless $DPRO_MXNET_PORT names one)
+    listener = None
+    if rank == 0 and getattr(kvstore, ADDRESS_ATTRIBUTE, None) is None:
+        listener = SocketTransport.listen(_own_address(env), port, any_port=not env.get(PORT_VARIABLE), label=label,
+                                          port_variable=PORT_VARIABLE)
+    address = worker0_address(kvstore, env, listener.getsockname()[1] if listener is not None else None)
+    host, _, got = address.partition("|")
+    return SocketTransport.connect(rank, int(kvstore.num_workers), host, int(got or port), label=label,
+                                   port_variable=PORT_VARIABLE, listener=listener)

@@ -142,26 +142,35 @@ _netns_ok, _netns_why = testbed.testbed_available()
 def test_workers_on_two_machines_probe_the_link_between_them(tmp_path):
     """Worker 0 with the scheduler and the server on one emulated machine, worker 1 on another, 1 Gbit/s between
     them (dpro.testbed): the recorder streams from worker 1's machine to worker 0's and finds the link's rate, not
-    loopback's, and the what-ifs price the links at that rate."""
+    loopback's, and the what-ifs price the links at that rate. The side channel's usual port is taken on both
+    machines (as ps-lite's own connections may take it): worker 0 listens on another and tells the others."""
+    from dpro.record.socket_transport import side_port_of
+
     run = tmp_path / "run"
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
     argv = [str(MXNET_PYTHON), str(JOBS / "mxnet_profiled.py"), str(run), "--steps", "10", "--window", "4:8"]
+    held = side_port_of(port)
+    hold = (f"import socket, time; s = socket.socket(); s.bind(('', {held})); s.listen(1); print('held', flush=True); "
+            "time.sleep(300)")
     with testbed.emulated_cluster(2, testbed.NetworkSpec(rate="1gbit")) as cluster:
         hosts = [h.address for h in cluster.hosts]
         base = job_env(DMLC_PS_ROOT_URI=hosts[0], DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
                        DMLC_NUM_WORKER="2", DPRO_MXNET_SERVER_HOSTS=hosts[0])
-        procs = []
+        procs = [("holder", cluster.popen(h, [sys.executable, "-c", hold], stdout=subprocess.PIPE)) for h in (0, 1)]
         try:
+            for _, holder in procs:
+                assert holder.stdout.readline().strip() == b"held"
             for role, host in (("scheduler", 0), ("server", 0), ("worker", 0), ("worker", 1)):
                 env = dict(base, DMLC_ROLE=role, DMLC_NODE_HOST=hosts[host])
                 procs.append((role, cluster.popen(host, argv, env=env, stdout=subprocess.PIPE,
                                                   stderr=subprocess.STDOUT)))
                 time.sleep(0.5)
-            for role, proc in procs:
+            for role, proc in procs[2:]:
                 out, _ = proc.communicate(timeout=150)
                 assert proc.returncode == 0, f"{role} exited {proc.returncode}:\n{out.decode()[-3000:]}"
+                assert b"recording stopped" not in out, out.decode()[-3000:]
         finally:
             for _, proc in procs:
                 if proc.poll() is None:
