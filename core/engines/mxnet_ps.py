@@ -539,7 +539,16 @@ def _notes(run: Any) -> list[str]:
     return [f"parameter server: {knobs.get(NUM_SERVERS, '?')} servers, keys of "
             f"{knobs.get(BIGARRAY_BOUND, DEFAULT_BIGARRAY_BOUND):,} elements or more split over all of them; each "
             "key's push_pull is one request answered once every worker's push arrived (server queues: server<k>)"
-            ] + _probe_notes(run)
+            ] + _probe_notes(run) + _link_notes(run)
+
+
+def _link_notes(run: Any) -> list[str]:
+    rate = link_rate(run)
+    if rate is None:
+        return []
+    return [f"link probe: one TCP stream between machines carried {rate:,.0f} MB/s (what-ifs carry the bytes between "
+            "hosts at that rate and fit a wait per message to the recorded step, unless the step was faster than that "
+            "rate allows; dpro whatif prints the model)"]
 
 
 def _probe_notes(run: Any) -> list[str]:

@@ -185,7 +185,9 @@ def _streams(*rates: object) -> dict:
 
 
 def test_the_link_probe_gives_the_median_rate_of_its_streams(tmp_path):
-    assert link_rate(_on_two_hosts(tmp_path, _streams(100e6, 120e6, 900e6)).run) == pytest.approx(120.0)  # B/us
+    run = _on_two_hosts(tmp_path, _streams(100e6, 120e6, 900e6)).run
+    assert link_rate(run) == pytest.approx(120.0)  # bytes/us
+    assert "carried 120 MB/s" in " ".join(get_engine("mxnet-ps").notes(run))  # dpro analyze says so
     assert link_rate(_on_two_hosts(tmp_path, _streams(120e6, "fast", None, -5, float("nan")), "bad").run) == 120.0
     for i, bad in enumerate((None, 7, {"streams": "x"}, _streams(None), _streams(0))):
         assert link_rate(_on_two_hosts(tmp_path, bad, f"none{i}").run) is None, bad
