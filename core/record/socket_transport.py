@@ -206,20 +206,14 @@ class SocketTransport:
             self.hub.sendall(_HEADER.pack(0))
             _recv(self.hub)  # worker 0 has read it all: the next stream starts on an empty link
             return None
-        sock, buffer = self.peers[sender], bytearray(STREAM_CHUNK)
-        marks, got = [], 0
+        sock, marks, got = self.peers[sender], [], 0
         while True:
             (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
             if size == 0:
                 break
             if size > STREAM_CHUNK:
                 raise ConnectionError(f"stream frame of {size} bytes: larger than {STREAM_CHUNK}")
-            view, left = memoryview(buffer)[:size], size
-            while left:
-                n = sock.recv_into(view[size - left:], left)
-                if not n:
-                    raise ConnectionError("the other worker closed the side channel")
-                left -= n
+            _recv_exact(sock, size)
             got += size
             marks.append((time.monotonic(), got))
         _send(sock, "read")

@@ -642,9 +642,10 @@ class GluonRecorder:
         return knobs
 
     def _probe_server(self, kv: Any) -> dict[str, Any] | None:
-        """Time push_pulls of one key of our own, held by one server, while nothing else runs, and read how many CPUs
-        each worker's machine kept busy meanwhile: what a parameter server's work takes of its machine's CPUs when
-        it works alone (its own threads, the workers' sending and receiving, the kernel's copies), which a
+        """Time push_pulls of one key of our own, held by one server, as the window starts (the workers compute
+        nothing; the previous step's push_pulls may still be finishing, as when it was checked against real jobs),
+        and read how many CPUs each worker's machine kept busy meanwhile: what a parameter server's work takes of
+        its machine's CPUs (its own threads, the workers' sending and receiving, the kernel's copies), which a
         recorded step cannot tell once two servers share the CPUs. Only on ``dist_sync``; with
         ``update_on_kvstore`` the servers run the optimizer on this key too, so it is pushed at most as often as
         the trainer's keys were (the optimizer's update count, which a learning-rate schedule reads, stays
@@ -674,7 +675,7 @@ class GluonRecorder:
         probe = {"key": PROBE_KEY, "server": server, "bytes": 4 * elements, "rounds": rounds,
                  "us_per_round": [float(w) for w in walls if w],
                  "busy_cpus": [float(c) if c else None for c in cpus],
-                 "note": "push_pulls of one key of dpro's on one server, nothing else running; busy_cpus: per worker, "
+                 "note": "push_pulls of one key of dpro's on one server as the window starts; busy_cpus: per worker, "
                          "its machine's busy CPUs meanwhile (/proc/stat)"}
         setattr(kv, PROBE_ATTRIBUTE, probe)
         return probe

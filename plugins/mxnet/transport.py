@@ -7,9 +7,8 @@ trainer's keys were pushed), so the side channel pushes nothing: worker 0 listen
 connections hold that one, a port the kernel picks. The others learn worker 0's address and port from
 ``$DPRO_MXNET_HOST`` and the port above, else from worker 0 itself through the kvstore: one small key
 (``ADDRESS_KEY``), initialised by worker 0 and pulled by the others (``kv.broadcast``: an init and a pull, never a
-push). ps-lite numbers
-the workers (``kv.rank``) by their addresses, so worker 0 can be on any host. Worker 0's address is the one it reaches
-the scheduler from (``DMLC_NODE_HOST`` when set).
+push). ps-lite numbers the workers (``kv.rank``) by their addresses, so worker 0 can be on any host. Worker 0's
+address is the one it reaches the scheduler from (``DMLC_NODE_HOST`` when set).
 """
 
 from __future__ import annotations
