@@ -740,8 +740,11 @@ def graph_from_step_sequence(models: list[StepModel]) -> Graph:
                 last[op.category] = node
                 if op.category == "BW":
                     bw_nodes.append(node)
-                    for g in op.args.get("grads", []):
-                        grad_node.setdefault(g, node)  # a split op registered its ready part above
+                    if not _ready_splits(op):  # a split op registered its ready parts above
+                        for g in op.args.get("grads", []):
+                            # the latest pass so far: under gradient accumulation a collective after the last
+                            # backward waits for that pass's gradients, not the first micro-batch's
+                            grad_node[g] = node
             ends = [last[c] for c in ("UPDATE", "BW") if c in last] + comm_done
             if rank not in model.tail_us:
                 # like any op's gap: the mean step's end after the mean end of what it waits for (a mean of each

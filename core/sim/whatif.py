@@ -30,7 +30,7 @@ from typing import Any
 
 from dpro.config import knob_table
 from dpro.dag.align import align
-from dpro.dag.graph import OpStats, StepModel, graph_from_steps, step_model
+from dpro.dag.graph import OpStats, StepModel, graph_from_steps, occurrence_name, step_model
 from dpro.engines import get_engine
 from dpro.errors import ConfigError, UsageError
 from dpro.io.limits import parse_bounded_json
@@ -200,13 +200,23 @@ def calibrate(ctx: Context) -> Context:
     return ctx
 
 
-def _producer_index(ops: list[OpStats]) -> dict[str, int]:
-    out = {}
+def _pass_of(name: str) -> int:
+    """Which run of an op in the step a node is (``occurrence_name``: ``BW.fc1`` 1, ``BW.fc1#2`` 2)."""
+    _, sep, count = name.rpartition("#")
+    return int(count) if sep and count.isdigit() else 1
+
+
+def _producers_by_pass(ops: list[OpStats]) -> list[tuple[dict[str, int], int]]:
+    """Per backward pass of the step, in order (gradient accumulation runs one per micro-batch): the index of the
+    BW op that computes each gradient, and of the pass's last BW op."""
+    passes: dict[int, tuple[dict[str, int], list[int]]] = {}
     for i, op in enumerate(ops):
         if op.category == "BW":
+            producer, last = passes.setdefault(_pass_of(op.name), ({}, [i]))
+            last[0] = i
             for g in op.args.get("grads", []):
-                out[g] = i
-    return out
+                producer[g] = i
+    return [(producer, last[0]) for _, (producer, last) in sorted(passes.items())]
 
 
 def regroup(ctx: Context, model: StepModel, groups: list[list[str]], bytes_scale: float = 1.0,
@@ -236,19 +246,23 @@ def regroup(ctx: Context, model: StepModel, groups: list[list[str]], bytes_scale
         comm_gaps = [op.gap for op in ops if op.category == "COMM" and op.gap is not None and op.name not in others]
         launch_gap = statistics.median(comm_gaps) if comm_gaps else 0.0
         kept = [op for op in ops if op.category != "COMM" or op.name in others]
-        producer = _producer_index(kept)
-        last_bw = max((i for i, op in enumerate(kept) if op.category == "BW"), default=len(kept) - 1)
+        # a pass's gradients are communicated after it when the engine synchronised that pass: under gradient
+        # accumulation usually only the last, every pass when the engine was not told to skip the others
+        passes = _producers_by_pass(kept) or [({}, len(kept) - 1)]
+        synced = max((_pass_of(op.name) for op in ops if op.category == "COMM" and op.name not in others), default=1)
         inserts: list[tuple[int, OpStats]] = []
-        position = -1
-        for k, group in enumerate(groups):
-            position = last_bw if model.comm_after_backward else \
-                max([position] + [producer.get(g, last_bw) for g in group])
-            anchor = kept[position]
-            nbytes = sum(sizes[g] for g in group)
-            name = f"COMM.group{k}.allreduce"
-            inserts.append((position, OpStats(name, "COMM", "comm", rank, anchor.order + anchor.duration + 1e-3 * k,
-                                              0.0, launch_gap, {"tensors": group, "bytes": nbytes})))
-            out.transfer[name] = ctx.comm.allreduce_us(nbytes * bytes_scale, world_size, bandwidth_scale)
+        for run, (producer, last_bw) in enumerate(passes[-synced:]):
+            position = -1
+            for k, group in enumerate(groups):
+                position = last_bw if model.comm_after_backward else \
+                    max([position] + [producer.get(g, last_bw) for g in group])
+                anchor = kept[position]
+                nbytes = sum(sizes[g] for g in group)
+                name = occurrence_name(f"COMM.group{k}.allreduce", run)
+                inserts.append((position, OpStats(name, "COMM", "comm", rank,
+                                                  anchor.order + anchor.duration + 1e-3 * k, 0.0, launch_gap,
+                                                  {"tensors": group, "bytes": nbytes})))
+                out.transfer[name] = ctx.comm.allreduce_us(nbytes * bytes_scale, world_size, bandwidth_scale)
         merged: list[OpStats] = []
         by_pos: dict[int, list[OpStats]] = {}
         for pos, op in inserts:

@@ -144,8 +144,16 @@ class _StepLog:
 
     @property
     def activation_bytes(self) -> dict[str, int]:
-        """Output bytes of each module's last forward in the step."""
-        return {name: nbytes for name, _, _, nbytes, _ in self.forwards}
+        """Output bytes each module keeps for the backward: summed over its forwards in one pass (a module called
+        twice keeps both outputs), in the pass that keeps most (each micro-batch frees its own before the next)."""
+        kept: dict[str, int] = {}
+        for _, span in self.pass_ranges():
+            in_pass: Counter[str] = Counter()
+            for name, _, _, nbytes, _ in self.forwards[span]:
+                in_pass[name] += nbytes
+            for name, nbytes in in_pass.items():
+                kept[name] = max(kept.get(name, 0), nbytes)
+        return kept
 
     def new_pass(self) -> None:
         """A forward after a finished backward: the next micro-batch of the same optimizer step."""
@@ -669,10 +677,7 @@ class TorchRecorder:
             self._free_events.extend(_events_of(log))
         self._last_log = log
         self._last_ready = ready
-        self._last_buckets = [
-            {"index": row[5]["bucket"], "bytes": row[5]["bytes"], "tensors": row[5]["tensors"]}
-            for row in rows if row[1] == "COMM" and "bucket" in row[5]
-        ]
+        self._last_buckets = _buckets_of(rows)
         if self.rank == 0 and len(self._writer.steps_done) == 1:
             self._write_model_json()
 
@@ -858,6 +863,18 @@ class TorchRecorder:
         doc = model_document(fingerprint=self.fingerprint(), gradients=gradients, buckets=self._last_buckets,
                              modules=modules)
         write_model_json(self.run_dir, doc)
+
+
+def _buckets_of(rows: list[list[Any]]) -> list[dict[str, Any]]:
+    """The DDP buckets a step's COMM rows name, each once: a step that runs several backward passes (gradient
+    accumulation whose forwards ran outside ``no_sync``) allreduces the same bucket once per pass."""
+    buckets: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        args = row[5]
+        if row[1] == "COMM" and "bucket" in args:
+            buckets.setdefault(args["bucket"], {"index": args["bucket"], "bytes": args["bytes"],
+                                                "tensors": args["tensors"]})
+    return [buckets[i] for i in sorted(buckets)]
 
 
 def _averaged(size: int) -> Callable[[torch.futures.Future[list[torch.Tensor]]], torch.Tensor]:

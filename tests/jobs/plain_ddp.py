@@ -1,11 +1,13 @@
 """An unmodified DDP training script: it never imports dpro. `dpro-launch -np 2 python plain_ddp.py` records it.
 
-Options: --steps N; --width W (hidden size); --crash-rank R --crash-step S (that rank dies with status 3 at
+Options: --steps N; --width W (hidden size); --accumulate K (K micro-batches per step, the forwards and
+backwards of all but the last inside DDP's no_sync); --crash-rank R --crash-step S (that rank dies with status 3 at
 that step, like a killed process); --print-env (each rank prints its torch.distributed environment);
 --tag T (ignored: lets a test find its own processes).
 """
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -18,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--width", type=int, default=256)
+parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--crash-rank", type=int, default=-1)
 parser.add_argument("--crash-step", type=int, default=-1)
 parser.add_argument("--print-env", action="store_true")
@@ -41,9 +44,11 @@ def train() -> None:
     for step in range(args.steps):
         if rank == args.crash_rank and step == args.crash_step:
             os._exit(3)
-        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        for k in range(args.accumulate):
+            x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+            with contextlib.nullcontext() if k == args.accumulate - 1 else model.no_sync():
+                (nn.functional.cross_entropy(model(x), y) / args.accumulate).backward()
         opt.step()
 
 
