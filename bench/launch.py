@@ -131,7 +131,8 @@ def _step_clock_result(path: Path, warmup: int) -> dict:
     tail = intervals[max(0, warmup - 1):] or intervals
     if not tail:
         raise RuntimeError(f"the script ran {len(ends)} step(s): too few to time")
-    return {"step_ms": statistics.median(tail) * 1000, "steps": len(ends), "step_ends": ends}
+    return {"step_ms": statistics.median(tail) * 1000, "steps": len(ends), "step_ends": ends,
+            "cpu_ends": json.loads(path.read_text()).get("cpu_ends", [])}
 
 
 def run_job(cluster: tb.Cluster | None, job_args: list[str], env: dict[str, str], timeout: float,

@@ -101,7 +101,10 @@ dpro options:
                                    With --engine horovod, dpro logs in to each remote host this way before
                                    horovodrun starts, since horovodrun's own ssh does not check keys.
     --ssh-no-host-key-check        do not check host keys (what horovodrun does); a trusted network only
-    --profile START:STOP           iterations to record (default 10:20, i.e. 10..19; START >= 1)
+    --profile START:STOP[:BLOCK]   iterations to record (default 10:20, i.e. 10..19; START >= 1); with BLOCK,
+                                   blocks of BLOCK recorded iterations alternate with BLOCK unrecorded ones, and
+                                   `dpro info` measures the recording's cost against those gaps (default for
+                                   Horovod: 10:40:5)
     --no-profile                   record nothing (e.g. to run with --apply only)
     --run-dir DIR                  the run directory (default a new ./dpro-runs/<timestamp>, or under
                                    $DPRO_RUN_DIR); a directory that holds a run is refused
@@ -156,6 +159,7 @@ from dpro.launch.settings import (
     LOG_LEVELS,
     HorovodSettings,
     LaunchConfig,
+    default_window,
     detect_engine,
     parse_hostfile,
     parse_hosts,
@@ -246,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "script imports horovod, else torch")
     dpro.add_argument("--num-servers", type=int, metavar="N",
                       help="--engine mxnet: parameter servers (default: as many as workers)")
-    dpro.add_argument("--profile", default="10:20", metavar="START:STOP",
-                      help="iterations to record (default 10:20; START >= 1)")
+    dpro.add_argument("--profile", default=None, metavar="START:STOP[:BLOCK]",
+                      help="iterations to record (default 10:20; for Horovod 10:40:5, blocks of 5 recorded "
+                           "iterations with gaps of 5; START >= 1)")
     dpro.add_argument("--no-profile", action="store_true", help="record nothing")
     dpro.add_argument("--run-dir", metavar="DIR", help="the run directory (default ./dpro-runs/<timestamp>)")
     dpro.add_argument("--optimize", action="store_true", help="after the run: write RUN/analysis/config.json")
@@ -302,7 +307,8 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
         ssh_host_key_check=args.ssh_host_key_check, controller=args.controller or controller, horovod=horovod,
         start_timeout=args.start_timeout, network_interfaces=args.network_interfaces,
         output_filename=args.output_filename, verbose=args.verbose, disable_cache=args.disable_cache,
-        horovod_config_file=args.config_file, profile=None if args.no_profile else parse_window(args.profile),
+        horovod_config_file=args.config_file, profile=None if args.no_profile else (
+            parse_window(args.profile) if args.profile else default_window(engine)),
         run_dir=Path(args.run_dir) if args.run_dir else None, optimize=args.optimize, apply=apply, auto=args.auto,
         memory_budget_bytes=budget, allow_compression=args.allow_compression, force=args.force,
         backward_marks=args.backward_marks, num_servers=args.num_servers, cwd=cwd,

@@ -173,7 +173,7 @@ def job_env(config: LaunchConfig, *, base: Mapping[str, str] | None = None) -> d
         env["OMP_NUM_THREADS"] = "1"
     if config.profile is not None:
         env[DPRO_AUTO_RECORD] = "1"
-        env[DPRO_PROFILE] = f"{config.profile[0]}:{config.profile[1]}"
+        env[DPRO_PROFILE] = str(config.profile)
         if config.engine == "horovod" and "HOROVOD_TIMELINE" not in env and "HOROVOD_TIMELINE" not in base:
             env["HOROVOD_TIMELINE"] = "DYNAMIC"  # dpro's Horovod recorder starts it for the window only
     else:

@@ -28,7 +28,7 @@ from dpro.launch.env import applied_env, horovod_env
 from dpro.launch.settings import LaunchConfig
 from dpro.logs import get_logger
 from dpro.progress import Progress
-from dpro.record.protocol import claim_run_dir
+from dpro.record.protocol import Window, claim_run_dir
 from dpro.record.trace import RUN_FILE, analysis_file, write_json_atomic
 
 __all__ = ["collect_remote", "find_recorded_run", "measured_step_ms", "optimize_run", "run", "run_job"]
@@ -187,7 +187,7 @@ def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
     if config.run_dir is not None:
         _say(f"{config.engine} engine, {config.np} processes on "
              f"{', '.join(f'{h.name}:{n}' for h, n in config.placement())}; recording steps "
-             f"{config.profile[0]}..{config.profile[1] - 1} into {config.run_dir}")
+             f"{_window_text(config.profile)} into {config.run_dir}")
     status = engine.launch(config)
     if config.run_dir is None:
         return status, config, None
@@ -199,18 +199,27 @@ def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
     recorded = find_recorded_run(config.run_dir)
     if recorded is None:
         what = _NOTHING_RECORDED.get(config.engine, _NOTHING_RECORDED["torch"])
-        _say(f"nothing was recorded in {config.run_dir}: {what}, or ended before iteration {config.profile[0]} "
-             f"(--profile {config.profile[0]}:{config.profile[1]})")
+        _say(f"nothing was recorded in {config.run_dir}: {what}, or ended before iteration {config.profile.start} "
+             f"(--profile {config.profile})")
     elif recorded != config.run_dir:
         _say(f"the script recorded itself into {recorded}")
     return status, config, recorded
+
+
+def _window_text(window: Window) -> str:
+    """``10..19``, or ``10..14, 20..24, 30..34 (...)`` for a window in blocks."""
+    if not window.block:
+        return f"{window.start}..{window.stop - 1}"
+    starts = range(window.start, window.stop, 2 * window.block)
+    blocks = ", ".join(f"{s}..{min(s + window.block, window.stop) - 1}" for s in starts)
+    return f"{blocks} (the gaps between them: the recording overhead's baseline)"
 
 
 def _write_launch_file(config: LaunchConfig, status: int) -> None:
     doc = {
         "command": config.command, "engine": config.engine, "np": config.np,
         "hosts": [{"name": h.name, "processes": n} for h, n in config.placement()],
-        "profile": list(config.profile) if config.profile else None,
+        "profile": str(config.profile) if config.profile else None,
         "apply": str(config.apply) if config.apply is not None else None,
         "horovod": config.horovod.given(), "exit_status": status, "cwd": str(config.cwd),
     }

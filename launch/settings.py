@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import UsageError
+from dpro.record.protocol import Window
+from dpro.record.protocol import parse_window as parse_protocol_window
 
 __all__ = [
     "BACKWARD_MARKS",
@@ -27,13 +29,15 @@ __all__ = [
     "is_local_host",
     "parse_hostfile",
     "parse_hosts",
+    "default_window",
     "parse_window",
     "read_horovod_config_file",
 ]
 
 ENGINE_NAMES = ("torch", "horovod", "tf", "mxnet")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # horovod's config_parser.LOG_LEVELS
-DEFAULT_WINDOW = (10, 20)
+DEFAULT_WINDOW = Window(10, 20)
+HOROVOD_WINDOW = Window(10, 40, 5)  # 10..14, 20..24, 30..34 recorded; the gaps between them measure the overhead
 BACKWARD_MARKS = ("gradients", "tensors")  # --backward-marks: the torch recorder's (a launcher imports no plugin)
 DEFAULT_START_TIMEOUT_S = 30.0  # horovodrun's default; HOROVOD_START_TIMEOUT overrides it, --start-timeout wins
 
@@ -154,25 +158,25 @@ def _check_unique(hosts: list[Host], where: str) -> None:
         seen.add(host.name)
 
 
-def parse_window(text: str) -> tuple[int, int]:
-    """``"10:20"`` -> (10, 20): profile iterations 10..19. Iteration 0 cannot be recorded by dpro-launch.
+def parse_window(text: str) -> Window:
+    """``"10:20"`` -> iterations 10..19; ``"10:40:5"`` -> blocks of 5 recorded iterations with gaps of 5
+    (``dpro.record.protocol.Window``). Iteration 0 cannot be recorded by dpro-launch.
 
     Raises:
-        UsageError: not two integers, or not 1 <= START < STOP.
+        UsageError: not START:STOP[:BLOCK], START below 1, STOP not after START, or BLOCK below 2.
     """
-    start, sep, stop = text.partition(":")
     try:
-        first, last = int(start), int(stop)
-    except ValueError:
-        first = last = -1
-    if not sep or first < 0:
-        raise UsageError(f"--profile {text!r}: expected START:STOP iterations, e.g. 10:20")
-    if first < 1:
-        raise UsageError(f"--profile {text!r}: dpro-launch attaches at the end of iteration 0, so the window "
-                         f"starts at 1 or later, e.g. 1:{max(last, 2)}")
-    if last <= first:
-        raise UsageError(f"--profile {text!r}: STOP must be greater than START, e.g. {first}:{first + 10}")
-    return first, last
+        return parse_protocol_window(text, first=1)
+    except UsageError as err:
+        raise UsageError(f"--profile {err}" + ("; dpro-launch attaches at the end of iteration 0"
+                                                if "starts at" in str(err) else "")) from None
+
+
+def default_window(engine: str) -> Window:
+    """The window ``--profile`` defaults to: for Horovod, recorded blocks alternating with unrecorded ones, so
+    that ``dpro info`` measures what recording costs against steps of the same job (Horovod's timeline and
+    polling can slow a step in ways warm-up steps hide); for the other engines, ten steps from the tenth."""
+    return HOROVOD_WINDOW if engine == "horovod" else DEFAULT_WINDOW
 
 
 # ---- which engine --------------------------------------------------------------------------------
@@ -351,7 +355,8 @@ class LaunchConfig:
             with the DMLC_* environment; local hosts only).
         num_servers: parameter servers of the mxnet engine (default: as many as workers, like MXNet's
             tools/launch.py).
-        profile: the iterations to record, (START, STOP); None records nothing (``--no-profile``).
+        profile: the iterations to record (``Window``: START:STOP, optionally in blocks); None records nothing
+            (``--no-profile``).
         run_dir: the run directory; None makes ``./dpro-runs/<timestamp>`` (under ``$DPRO_RUN_DIR`` if set).
         optimize: analyze the recorded run and write ``RUN/analysis/config.json`` afterwards.
         apply: a dpro config.json to apply, or "auto" (the newest config made for this job under the run root).
@@ -381,7 +386,7 @@ class LaunchConfig:
     verbose: bool = False
     disable_cache: bool = False
     horovod_config_file: str | None = None
-    profile: tuple[int, int] | None = DEFAULT_WINDOW
+    profile: Window | None = DEFAULT_WINDOW
     run_dir: Path | None = None
     optimize: bool = False
     apply: Path | str | None = None
@@ -455,10 +460,8 @@ class LaunchConfig:
                 raise UsageError(f"HOROVOD_START_TIMEOUT={env!r}: expected seconds, e.g. 30") from None
         if self.start_timeout <= 0:
             raise UsageError(f"--start-timeout {self.start_timeout:g}: expected a positive number of seconds")
-        if self.profile is not None:
-            first, last = self.profile
-            if not 1 <= first < last:
-                raise UsageError(f"profile window {first}:{last}: expected 1 <= START < STOP, e.g. 10:20")
+        if self.profile is not None and not 1 <= self.profile.start < self.profile.stop:
+            raise UsageError(f"profile window {self.profile}: expected 1 <= START < STOP, e.g. 10:20")
         self.cwd = Path(self.cwd).resolve()
         if self.run_dir is not None:
             self.run_dir = Path(self.run_dir)

@@ -44,6 +44,7 @@ __all__ = [
     "RUN_DIR_ENV",
     "SKEW_ENV",
     "Transport",
+    "Window",
     "agree_run_dir",
     "allreduce_probe",
     "check_window_fits",
@@ -52,10 +53,12 @@ __all__ = [
     "host_cpu_busy_us",
     "parse_skew",
     "parse_steps",
+    "parse_window",
     "recording_overhead",
     "step_ended",
     "usable_cpus",
     "wall_minus_clock_ns",
+    "window_from_text",
 ]
 
 
@@ -108,6 +111,62 @@ def host_cpu_busy_us(stat: Path = PROC_STAT) -> float | None:
         return ticks * 1e6 / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+@dataclass(frozen=True)
+class Window:
+    """The iterations a recorder records, as ``START:STOP`` (START..STOP-1) or ``START:STOP:BLOCK``: from START,
+    BLOCK recorded iterations, then BLOCK unrecorded ones, and so on until STOP. The gaps of such a window run
+    with the recorder's hooks out, in the same job and on the same machine state, so the recording's cost on the
+    step is measured against them (``recording_overhead``) rather than against warm-up steps."""
+
+    start: int
+    stop: int
+    block: int = 0  # 0: no gaps
+
+    @property
+    def steps(self) -> list[int]:
+        span = range(self.start, self.stop)
+        return list(span) if not self.block else [i for i in span if (i - self.start) // self.block % 2 == 0]
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.stop}" + (f":{self.block}" if self.block else "")
+
+
+def parse_window(text: str, *, first: int = 0) -> Window:
+    """``"10:20"`` -> iterations 10..19; ``"10:40:5"`` -> 10..14, 20..24, 30..34 (blocks of 5, gaps of 5).
+
+    Raises:
+        UsageError: not two or three integers, START below ``first``, STOP not after START, or a BLOCK below 2
+            (a gap of one step runs the next block's hook installation, so it measures nothing unrecorded).
+    """
+    parts = text.split(":")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (2, 3):
+        raise UsageError(f"{text!r}: expected START:STOP iterations (e.g. 10:20), or START:STOP:BLOCK for recorded "
+                         f"blocks alternating with unrecorded ones (e.g. 10:40:5)")
+    start, stop, block = numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else 0
+    if start < first:
+        raise UsageError(f"{text!r}: the window starts at {first} or later, e.g. {first}:{max(stop, first + 1)}")
+    if stop <= start:
+        raise UsageError(f"{text!r}: STOP must be greater than START, e.g. {start}:{start + 10}")
+    if len(numbers) == 3 and block < 2:
+        raise UsageError(f"{text!r}: BLOCK must be 2 or more, e.g. {start}:{stop}:5")
+    return Window(start, stop, block)
+
+
+def window_from_text(text: str | None, variable: str = "DPRO_PROFILE") -> tuple[Window, str | None]:
+    """The window a launcher passed in ``variable`` (unset or empty: 10:20), and what was wrong with it when it
+    could not be read (the default is used then: an auto-attached recorder never stops the job)."""
+    if not text:
+        return Window(10, 20), None
+    try:
+        return parse_window(text), None
+    except UsageError as err:
+        return Window(10, 20), f"{variable}={err}; recording 10:20"
 
 
 def check_window_fits(steps: tuple[int, ...], total_steps: int | None, who: str) -> None:
@@ -323,19 +382,20 @@ def step_ended(ends: dict[int, tuple[float, float]], iteration: int, window: lis
 def recording_overhead(ends: dict[int, tuple[float, float]], window: list[int]) -> dict[str, Any] | None:
     """What recording cost the training thread: ``ends`` maps an iteration to (wall s, thread CPU s) when it ended
     (a recorder's step boundary, after its own work for that step); each iteration lasts from the end of the one
-    before. The steps of ``window`` after its first are compared with the unrecorded steps before it (at most
+    before. The steps of ``window`` after its first are compared with, in a window with gaps (recorded blocks between
+    unrecorded ones), the unrecorded steps of its gaps except each one just before a block (which installs the
+    block's hooks at its end): steps of the same job in the same state, with whatever the recorder leaves running
+    between blocks. Without gaps, they are compared with the unrecorded steps before the window (at most
     ``BASELINE_STEPS``, the one just before the window left out: the window's clock exchange and probe run at its
-    end) and, in a window with gaps (recorded blocks between unrecorded ones, the finer comparison), the unrecorded
-    steps of its gaps except each one just before a block (which installs the block's hooks at its end); medians,
-    None without both. A rank writes the result in its trace's header (``recording_overhead``) and ``dpro info``
-    shows it."""
+    end), which may still be warming up. Medians, None without both. A rank writes the result in its trace's
+    header (``recording_overhead``) and ``dpro info`` shows it."""
     def lasted(iterations: list[int]) -> list[tuple[float, float]]:
         return [(ends[i][0] - ends[i - 1][0], ends[i][1] - ends[i - 1][1]) for i in iterations
                 if i in ends and i - 1 in ends]
 
     first, recorded = min(window), set(window)
-    gaps = [i for i in range(first, max(window)) if i not in recorded and i + 1 not in recorded]
-    before = lasted(list(range(first - 1 - BASELINE_STEPS, first - 1)) + gaps)
+    gaps = lasted([i for i in range(first, max(window)) if i not in recorded and i + 1 not in recorded])
+    before = gaps or lasted(list(range(first - 1 - BASELINE_STEPS, first - 1)))
     during = lasted(sorted(window)[1:])
     if not before or not during:
         return None

@@ -34,13 +34,14 @@ def _say(text: str) -> None:
     print(f"[dpro] {text}", file=sys.stderr, flush=True)
 
 
-def _window(text: str | None) -> range:
-    start, _, stop = (text or "10:20").partition(":")
-    try:
-        return range(int(start), int(stop))
-    except ValueError:
-        _say(f"{PROFILE}={text!r} is not START:STOP; using 10:20")
-        return range(10, 20)
+def _window(text: str | None) -> list[int]:
+    """The recorded iterations (``$DPRO_PROFILE``, START:STOP or START:STOP:BLOCK)."""
+    from dpro.record.protocol import window_from_text
+
+    window, problem = window_from_text(text, PROFILE)
+    if problem:
+        _say(problem)
+    return window.steps
 
 
 def _config_path(model: Any) -> str | None:

@@ -35,7 +35,8 @@
 
 Step clock: with ``$DPRO_STEP_TIMES`` set to a file, rank 0 writes there (at exit, and every 25 steps) the
 wall-clock time (``time.time()``) at the end of each ``step()`` of the script's ``hvd.DistributedOptimizer``
-(outermost call only) as JSON ``{"rank": 0, "step_ends": [...]}``: an unmodified script's step times, with
+(outermost call only) and the process's CPU time then (``time.process_time()``) as JSON
+``{"rank": 0, "step_ends": [...], "cpu_ends": [...]}``: an unmodified script's step times, with
 one wrapper call per step of overhead and no recorder (``bench/launch.py --script`` uses it).
 
 The recorder is closed at interpreter exit, so a run shorter than the window still leaves its steps.
@@ -63,6 +64,7 @@ __all__ = ["install", "installed", "owning_model"]
 AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
 CONFIG, APPLY_SEARCH, FORCE = "DPRO_CONFIG", "DPRO_APPLY_SEARCH", "DPRO_FORCE"
 BACKWARD_MARKS = "DPRO_BACKWARD_MARKS"
+MECHANISMS_VAR = "DPRO_MECHANISMS"
 STEP_TIMES = "DPRO_STEP_TIMES"
 ELSEWHERE_FILE = "recorded-elsewhere.json"
 WHO = "dpro-launch"
@@ -78,6 +80,14 @@ def _rank() -> int:
     except ImportError:
         pass
     return int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or 0)
+
+
+def _mechanisms() -> tuple[str, ...]:
+    """``$DPRO_MECHANISMS`` (comma-separated, e.g. to price each one in an overhead bench), else all of them."""
+    from dpro.plugins.torch.recorder import MECHANISMS
+
+    text = os.environ.get(MECHANISMS_VAR, "")
+    return tuple(m.strip() for m in text.split(",") if m.strip()) if text else MECHANISMS
 
 
 def _backward_marks() -> str:
@@ -99,7 +109,7 @@ def _say(message: str) -> None:
 @dataclass
 class _State:
     record: bool
-    window: tuple[int, int] | None
+    window: list[int] | None  # the iterations to record
     run_dir: str | None
     ddps: list[weakref.ref] = field(default_factory=list)
     recorder: Any = None
@@ -286,13 +296,13 @@ class _State:
         """Create the recorder (DDP or Horovod) after iteration 0's optimizer step and count that step."""
         from dpro.errors import DproError
 
-        steps = [s for s in range(*self.window) if s >= 1]
+        steps = [s for s in self.window if s >= 1]
         knobs: dict[str, Any] = {"dpro.launch": "autoattach", "recompute": recompute}
         if self.config_source:
             knobs["dpro.config"] = self.config_source
         try:
             self.recorder = recorder_class(model, optimizer, self.run_dir, steps, extra_knobs=knobs, who=WHO,
-                                           backward_marks=_backward_marks())
+                                           backward_marks=_backward_marks(), mechanisms=_mechanisms())
         except DproError as err:
             _say(f"not recording: {err}")
             unhook()
@@ -341,15 +351,14 @@ def installed() -> bool:
     return _INSTALLED
 
 
-def _window(text: str | None) -> tuple[int, int] | None:
-    if not text:
-        return (10, 20)
-    start, _, stop = text.partition(":")
-    try:
-        return int(start), int(stop)
-    except ValueError:
-        _say(f"{PROFILE}={text!r} is not START:STOP; using 10:20")
-        return (10, 20)
+def _window(text: str | None) -> list[int]:
+    """The recorded iterations (``$DPRO_PROFILE``, START:STOP or START:STOP:BLOCK)."""
+    from dpro.record.protocol import window_from_text
+
+    window, problem = window_from_text(text, PROFILE)
+    if problem:
+        _say(problem)
+    return window.steps
 
 
 # ---- patches -----------------------------------------------------------------------------------------
@@ -408,7 +417,7 @@ def _patch_trainer(module: ModuleType) -> None:
             given = kwargs.get("callbacks")
             listed = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
             if not any(isinstance(cb, DproCallback) for cb in listed):
-                listed.append(DproCallback(run_dir=state.run_dir, steps=range(*state.window),
+                listed.append(DproCallback(run_dir=state.run_dir, steps=state.window,
                                            backward_marks=_backward_marks()))
                 kwargs["callbacks"] = listed
         original(self, *args, **kwargs)
@@ -563,6 +572,7 @@ def _patch_horovod(module: ModuleType) -> None:
 
 
 _STEP_ENDS: list[float] = []
+_STEP_CPU: list[float] = []  # the process's CPU time (every thread: Horovod's and dpro's too) at each step end
 
 
 def _step_clock(optimizer: Any) -> Any:
@@ -579,6 +589,7 @@ def _step_clock(optimizer: Any) -> Any:
     def timed_step(*args: Any, **kwargs: Any) -> Any:
         out = step(*args, **kwargs)
         _STEP_ENDS.append(time.time())
+        _STEP_CPU.append(time.process_time())
         if len(_STEP_ENDS) % 25 == 0:
             _write_step_times(path)
         return out
@@ -595,7 +606,8 @@ def _step_clock(optimizer: Any) -> Any:
 def _write_step_times(path: str) -> None:
     try:
         tmp = f"{path}.tmp"
-        Path(tmp).write_text(json.dumps({"rank": 0, "step_ends": _STEP_ENDS}), encoding="utf-8")
+        Path(tmp).write_text(json.dumps({"rank": 0, "step_ends": _STEP_ENDS, "cpu_ends": _STEP_CPU}),
+                             encoding="utf-8")
         os.replace(tmp, path)
     except OSError as err:
         _say(f"{STEP_TIMES}: cannot write {path}: {err}")

@@ -59,7 +59,7 @@ from torch import nn
 
 from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, knobs_from_environment
 from dpro.errors import UsageError
-from dpro.plugins.torch.recorder import COMM, COMPUTE, TorchRecorder, timed_closure
+from dpro.plugins.torch.recorder import COMM, COMPUTE, MECHANISMS, TorchRecorder, timed_closure
 from dpro.plugins.torch.transport import TEXT_BYTES, bytes_tensor, tensor_text
 from dpro.record.protocol import Clock, claim_run_dir
 
@@ -138,7 +138,8 @@ class HorovodRecorder(TorchRecorder):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path | None,
                  steps: Iterable[int], *, total_steps: int | None = None, extra_knobs: dict[str, Any] | None = None,
-                 who: str = "dpro.plugins.torch.horovod.record_horovod", backward_marks: str = "gradients") -> None:
+                 who: str = "dpro.plugins.torch.horovod.record_horovod", backward_marks: str = "gradients",
+                 mechanisms: Iterable[str] = MECHANISMS) -> None:
         if not hvd.is_initialized():
             raise UsageError(f"{who}: Horovod is not initialized; call hvd.init() before recording")
         if not hasattr(optimizer, "_allreduce_grad_async") or not hasattr(optimizer, "synchronize"):
@@ -150,7 +151,8 @@ class HorovodRecorder(TorchRecorder):
         # optimizer=None: TorchRecorder's UPDATE hooks would fire twice under Horovod (see _install_hooks)
         super().__init__(model, None, run_dir, steps, total_steps=total_steps, extra_knobs=extra,
                          versions={"horovod": horovod.__version__}, engine=ENGINE, who=who,
-                         transport=HorovodTransport(), claim=_claim_beside_timeline, backward_marks=backward_marks)
+                         transport=HorovodTransport(), claim=_claim_beside_timeline, backward_marks=backward_marks,
+                         mechanisms=mechanisms)
         self._pending: dict[Any, tuple[str, str, list[str], int, Any, int, dict]] = {}
         self._update_start: Any = None
         self._update_open = False
@@ -184,8 +186,10 @@ class HorovodRecorder(TorchRecorder):
         single, grouped, sync = opt._allreduce_grad_async, getattr(opt, "_grouped_allreduce_grad_async", None), \
             opt.synchronize
 
+        timed = "comm" in self.mechanisms  # else no launch marks and no polling: the timeline alone has COMM
+
         def allreduce_grad_async(p: torch.Tensor) -> Any:
-            if not self._recording:
+            if not self._recording or not timed:
                 return single(p)
             start = self._mark()
             out = single(p)
@@ -193,7 +197,7 @@ class HorovodRecorder(TorchRecorder):
             return out
 
         def grouped_allreduce_grad_async(ps: Any) -> Any:
-            if not self._recording:
+            if not self._recording or not timed:
                 return grouped(ps)
             start = self._mark()
             out = grouped(ps)

@@ -30,6 +30,7 @@ from dpro.launch.engines import HorovodEngine, TorchEngine
 from dpro.launch.env import AUTOATTACH_DIR, HOROVOD_KNOBS, horovod_env, horovodrun_flags
 from dpro.launch.env import job_env as launch_env
 from dpro.launch.settings import LaunchConfig, detect_engine, is_local_host, parse_hosts
+from dpro.record.protocol import Window
 
 VENV_BIN = str(Path(sys.executable).parent)
 
@@ -133,7 +134,7 @@ def test_hostfile_and_defaults(tmp_path):
     assert [(h.name, h.slots) for h in config.hosts] == [("node1", 2), ("node2", 3), ("node3", 1)]
     single = parse("-np", "2", "python", "x.py")
     assert [(h.name, h.slots) for h in single.hosts] == [("localhost", 2)] and not single.multi_host
-    assert single.profile == (10, 20) and single.engine == "torch"
+    assert single.profile == Window(10, 20) and single.engine == "torch"
 
 
 def test_unknown_flag_exits_2_naming_it(capsys):
@@ -194,6 +195,8 @@ def test_bad_hosts_on_the_command_line_exit_2(capsys):
     (["-np", "2", "--profile", "0:5"], "starts at 1 or later"),
     (["-np", "2", "--profile", "6:2"], "STOP must be greater than START"),
     (["-np", "2", "--profile", "ten"], "expected START:STOP"),
+    (["-np", "2", "--profile", "10:40:1"], "BLOCK must be 2 or more"),
+    (["-np", "2", "--profile", "10:40:5:2"], "START:STOP:BLOCK"),
     (["-np", "2", "--fusion-threshold-mb", "-1"], "must be >= 0"),
     (["-np", "2", "--autotune-gaussian-process-noise", "2"], r"must be in \[0, 1\]"),
     (["-np", "2", "--mpi", "--engine", "torch"], "--engine horovod"),
@@ -205,6 +208,18 @@ def test_bad_hosts_on_the_command_line_exit_2(capsys):
 def test_bad_values_are_explained(argv, message):
     with pytest.raises(UsageError, match=message):
         parse(*argv, "python", "x.py")
+
+
+def test_horovod_records_in_blocks_by_default(tmp_path):
+    """Horovod's default window alternates recorded and unrecorded blocks (the overhead's baseline is the gaps);
+    the other engines record ten steps; --profile wins, and the window reaches the ranks as it was given."""
+    horovod = parse("-np", "2", "--engine", "horovod", "python", "x.py")
+    assert horovod.profile == Window(10, 40, 5)
+    assert horovod.profile.steps == [*range(10, 15), *range(20, 25), *range(30, 35)]
+    assert parse("-np", "2", "--engine", "torch", "python", "x.py").profile == Window(10, 20)
+    given = parse("-np", "2", "--engine", "horovod", "--profile", "5:25:4", "python", "x.py")
+    assert given.profile.steps == [5, 6, 7, 8, 13, 14, 15, 16, 21, 22, 23, 24]
+    assert launch_env(given)["DPRO_PROFILE"] == "5:25:4"
 
 
 def test_no_command_is_explained():

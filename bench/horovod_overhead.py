@@ -1,0 +1,160 @@
+"""What recording a Horovod job costs its step, mechanism by mechanism, in jobs run side by side.
+
+An unmodified Horovod (PyTorch + Gloo) script runs on 2 ranks, on loopback or on the emulated cluster network
+(``dpro.testbed``: one rank per host, tbf-limited links), once per configuration, the configurations alternated
+round by round:
+
+- ``off``:        nothing recorded (dpro's step clock only: one wrapper call per step on rank 0);
+- ``timeline``:   Horovod's own timeline (``HOROVOD_TIMELINE`` from ``hvd.init()``, ``horovodrun --timeline-filename``);
+- ``cycles``:     the timeline with ``HOROVOD_TIMELINE_MARK_CYCLES=1``;
+- ``hooks``:      dpro's recorder with its module, gradient and optimizer hooks, no allreduce polling, no timeline;
+- ``hooks+poll``: the recorder with every mechanism (launch marks and ``hvd.poll`` of every allreduce), no timeline;
+- ``dpro``:       what ``dpro-launch --profile`` runs: the recorder plus ``HOROVOD_TIMELINE=DYNAMIC`` (the timeline
+                  started and stopped by the recorder around its window).
+
+Each job runs ``--steps`` steps and records (where it records) the window ``--profile``. A job's step is the median
+interval between the ends of consecutive steps inside the window (rank 0's step clock, ``DPRO_STEP_TIMES``); the
+same steps of the ``off`` job are its baseline. The CPU time is rank 0's process (every thread: the training
+thread, Horovod's background thread, dpro's builder thread) per step, the median over the same steps. Each
+configuration's overhead is given per round against that round's ``off`` job (the spread) and as the ratio of
+medians. The last lines time the merge of the timeline
+into the run at load time (``dpro.io.load.load_run``, with and without the timeline file).
+
+    python bench/horovod_overhead.py [--loopback] [--rate 1gbit] [--rounds 3] [--steps 60] [--profile 20:50]
+        [--configs off,timeline,cycles,hooks,hooks+poll,dpro] [--script tests/jobs/conv1d_hvd.py [ARGS...]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import launch as hvd_bench  # bench/launch.py: running a Horovod job on loopback or in the testbed's namespaces
+from dpro import testbed as tb
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ("off", "timeline", "cycles", "hooks", "hooks+poll", "dpro")
+NO_COMM = "forward,backward,grad_ready,update"
+
+
+def config_env(name: str, work: Path, window: str) -> dict[str, str]:
+    """The environment of one configuration (run files under ``work``)."""
+    record = {"DPRO_AUTO_RECORD": "1", "DPRO_PROFILE": window, "DPRO_RUN_DIR": str(work / "run")}
+    timeline = {"HOROVOD_TIMELINE": str(work / "timeline.json")}
+    return {"off": {}, "timeline": timeline, "cycles": {**timeline, "HOROVOD_TIMELINE_MARK_CYCLES": "1"},
+            "hooks": {**record, "DPRO_MECHANISMS": NO_COMM}, "hooks+poll": record,
+            "dpro": {**record, "HOROVOD_TIMELINE": "DYNAMIC"}}[name]
+
+
+def window_steps(ends: list[float], start: int, stop: int) -> list[float]:
+    """Intervals (ms) ending at the steps ``start+1 .. stop-1`` (step i ends at ``ends[i]``)."""
+    return [(ends[i] - ends[i - 1]) * 1000.0 for i in range(start + 1, min(stop, len(ends)))]
+
+
+def run_one(cluster: tb.Cluster | None, args: argparse.Namespace, name: str) -> dict:
+    work = Path(tempfile.mkdtemp(prefix=f"dpro-hvd-{name.replace('+', '-')}-"))
+    try:
+        env = config_env(name, work, args.profile)
+        result, wall, _ = hvd_bench.run_job(cluster, [], env, args.timeout, args)
+        start, stop = (int(v) for v in args.profile.split(":"))
+        out = {"step_ms": statistics.median(window_steps(result["step_ends"], start, stop)),
+               "cpu_ms_per_step": statistics.median(window_steps(result["cpu_ends"], start, stop)), "wall_s": wall}
+        if name == "dpro" and (work / "run").is_dir():
+            out["merge"] = time_merge(work / "run")
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def time_merge(run_dir: Path) -> dict[str, float]:
+    """``load_run`` of the recorded run with its timeline, then with the timeline moved away (s)."""
+    from dpro.io.load import load_run
+    from dpro.launch.pipeline import find_recorded_run
+
+    recorded = find_recorded_run(run_dir) or run_dir
+    began = time.perf_counter()
+    load_run(recorded)
+    merged = time.perf_counter() - began
+    timeline = recorded / hvd_bench.TIMELINE
+    if timeline.is_file():
+        timeline.rename(recorded / "timeline.aside")
+    began = time.perf_counter()
+    load_run(recorded)
+    return {"with_timeline_s": merged, "without_s": time.perf_counter() - began}
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):+.1f} .. {max(values):+.1f}" if values else "-"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--loopback", action="store_true", help="one host, horovodrun -H localhost:2")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60, help="(the bundled script's --steps)")
+    parser.add_argument("--profile", default="20:50", help="the recorded window, START:STOP")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--script", nargs=argparse.REMAINDER, default=None,
+                        help="SCRIPT [ARGS...] (last): an unmodified Horovod script; default tests/jobs/conv1d_hvd.py")
+    args = parser.parse_args()
+    if not args.script:
+        args.script = [str(ROOT / "tests" / "jobs" / "conv1d_hvd.py"), "--steps", str(args.steps)]
+    args.warmup = 0
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown or "off" not in configs:
+        parser.error(f"--configs: choose from {', '.join(CONFIGS)}, off included (unknown: {unknown})")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    where = "loopback (one host, horovodrun)"
+    if not args.loopback:
+        ok, why = tb.testbed_available()
+        if not ok:
+            print(f"emulated network unavailable ({why}); running on loopback", file=sys.stderr)
+            args.loopback = True
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    with contextlib.ExitStack() as stack:
+        cluster = None
+        if not args.loopback:
+            cluster = stack.enter_context(tb.emulated_cluster(2, tb.NetworkSpec(rate=args.rate)))
+            stack.enter_context(hvd_bench.resolvable_hosts(cluster))
+            where = f"emulated {args.rate} links, 2 hosts x 1 rank"
+        for r in range(args.rounds):
+            order = configs[r % len(configs):] + configs[:r % len(configs)]  # a different config first each round
+            for name in order:
+                runs[name].append(run_one(cluster, args, name))
+                print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    base = [x["step_ms"] for x in runs["off"]]
+    base_cpu = [x["cpu_ms_per_step"] for x in runs["off"]]
+    script = " ".join([Path(args.script[0]).name, *args.script[1:]])
+    print(f"\nHorovod 0.28.1 + Gloo, script {script}, {where}; window {args.profile}; {args.rounds} rounds, "
+          f"configurations alternated")
+    print(f"{'config':<11} {'step ms':>8} {'vs off':>7} {'per round %':>15} {'CPU ms/step':>12} {'vs off':>7}"
+          f"   jobs (ms)")
+    for name in configs:
+        steps = [x["step_ms"] for x in runs[name]]
+        cpu = [x["cpu_ms_per_step"] for x in runs[name]]
+        per_round = [100.0 * (s / b - 1.0) for s, b in zip(steps, base, strict=True)]
+        ratio = 100.0 * (statistics.median(steps) / statistics.median(base) - 1.0)
+        cpu_ratio = 100.0 * (statistics.median(cpu) / statistics.median(base_cpu) - 1.0)
+        print(f"{name:<11} {statistics.median(steps):>8.1f} {ratio:>+6.1f}% {spread(per_round):>15} "
+              f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}%   {', '.join(f'{s:.1f}' for s in steps)}")
+    merges = [x["merge"] for x in runs.get("dpro", []) if "merge" in x]
+    if merges:
+        print(f"timeline merge at load time: load_run {statistics.median(m['with_timeline_s'] for m in merges):.2f} s "
+              f"with the timeline, {statistics.median(m['without_s'] for m in merges):.2f} s without")
+    print(json.dumps(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
