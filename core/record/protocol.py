@@ -401,7 +401,11 @@ def recording_overhead(ends: dict[int, tuple[float, float]], window: list[int]) 
         return None
     base_wall, base_cpu = (statistics.median(v[k] for v in before) * 1000.0 for k in (0, 1))
     wall, cpu = (statistics.median(v[k] for v in during) * 1000.0 for k in (0, 1))
-    return {"unrecorded_steps": len(before), "recorded_steps": len(during),
+    walls = sorted(v[0] * 1000.0 for v in before)
+    # how much the unrecorded steps vary among themselves: an overhead inside it cannot be told from noise
+    spread = (walls[(3 * len(walls)) // 4] - walls[len(walls) // 4]) / 2.0 if len(walls) >= 4 else None
+    return {"unrecorded_steps": len(before), "recorded_steps": len(during), "baseline": "gaps" if gaps else "before",
+            "wall_spread_pct": 100.0 * spread / base_wall if spread is not None and base_wall > 0 else None,
             "wall_ms": [base_wall, wall], "thread_cpu_ms": [base_cpu, cpu],
             "wall_pct": 100.0 * (wall / base_wall - 1.0) if base_wall > 0 else None,
             "thread_cpu_pct": 100.0 * (cpu / base_cpu - 1.0) if base_cpu > 0 else None}

@@ -87,7 +87,12 @@ def overhead_of(value: Any) -> dict[str, Any] | None:
     keys = ("wall_pct", "thread_cpu_pct", "unrecorded_steps", "recorded_steps")
     if not isinstance(value, dict) or not all(_finite(value.get(k)) for k in keys):
         return None
-    return {k: value[k] for k in keys}
+    out = {k: value[k] for k in keys}
+    if _finite(value.get("wall_spread_pct")):
+        out["wall_spread_pct"] = value["wall_spread_pct"]
+    if value.get("baseline") in ("gaps", "before"):
+        out["baseline"] = value["baseline"]
+    return out
 
 
 def _finite(value: Any) -> bool:
@@ -136,19 +141,28 @@ def format_run_summary(summary: dict[str, Any]) -> str:
     blocks.append("ranks\n" + indent(_rank_table(summary["ranks"])))
     measured = [r for r in summary["ranks"] if r.get("recording_overhead")]
     if measured:
-        rows = [[str(r["rank"]), f"{r['recording_overhead']['thread_cpu_pct']:+.1f}%",
-                 f"{r['recording_overhead']['wall_pct']:+.1f}%",
-                 f"{r['recording_overhead']['recorded_steps']} vs {r['recording_overhead']['unrecorded_steps']}"]
-                for r in measured]
-        blocks.append("recording overhead (median step, recorded vs the unrecorded steps just before the window and "
-                      "between its blocks; one run's steps vary, so a few % either way is noise)\n"
-                      + indent(format_table(["rank", "training thread CPU", "wall", "steps"], rows, align=">>><")))
+        rows = [_overhead_row(r["rank"], r["recording_overhead"]) for r in measured]
+        gaps = all(r["recording_overhead"].get("baseline") == "gaps" for r in measured)
+        against = ("the unrecorded steps between its blocks" if gaps else
+                   "the unrecorded steps just before the window, which may still be warming up (a window in blocks, "
+                   "START:STOP:BLOCK, measures against steps of the same state)")
+        blocks.append(f"recording overhead (median step, recorded vs {against}; noise: half the interquartile range "
+                      "of the unrecorded steps' wall time)\n"
+                      + indent(format_table(["rank", "training thread CPU", "wall", "noise", "steps"], rows,
+                                            align=">>>><")))
     problems = summary["problems"]
     if problems:
         blocks.append(f"problems ({len(problems)})\n" + "\n".join(f"  - {p}" for p in problems))
     else:
         blocks.append("problems: none")
     return "\n\n".join(blocks)
+
+
+def _overhead_row(rank: int, overhead: dict[str, Any]) -> list[str]:
+    noise = overhead.get("wall_spread_pct")
+    return [str(rank), f"{overhead['thread_cpu_pct']:+.1f}%", f"{overhead['wall_pct']:+.1f}%",
+            "?" if noise is None else f"+/-{noise:.1f}%",
+            f"{overhead['recorded_steps']} vs {overhead['unrecorded_steps']}"]
 
 
 def _header_block(summary: dict[str, Any]) -> str:

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, knobs_from_environment
+from dpro.engines.horovod.timeline import TIMELINE_FILE, timeline_file
 from dpro.errors import UsageError
 from dpro.plugins.torch.recorder import COMM, COMPUTE, MECHANISMS, TorchRecorder, timed_closure
 from dpro.plugins.torch.transport import TEXT_BYTES, bytes_tensor, tensor_text
@@ -67,7 +68,7 @@ __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE",
            "horovod_knobs", "record_horovod"]
 
 ENGINE = "horovod"
-TIMELINE_FILE = "horovod-timeline.json"  # the name dpro.engines.horovod.timeline looks for in a run directory
+WAIT_POLL_S = 0.001  # hvd.synchronize's sleep between polls of a handle (horovod/torch/mpi_ops_v2.cc)
 
 
 def horovod_knobs(environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -157,6 +158,7 @@ class HorovodRecorder(TorchRecorder):
         self._update_start: Any = None
         self._update_open = False
         self._timeline_started = False
+        self._timeline_blocks = 0
         self._hvd_names = dict(getattr(optimizer, "_parameter_names", {}))  # param -> Horovod's name
         self._wrap_optimizer()
 
@@ -236,14 +238,19 @@ class HorovodRecorder(TorchRecorder):
         self._pending[handle] = (names[0], hvd_name, names, nbytes, start, self._iteration, {})
 
     def _poll(self, *, until_done: bool) -> None:
-        """Mark the completion of every launched allreduce that has finished (all of them if ``until_done``)."""
+        """Mark the completion of every launched allreduce that has finished (all of them if ``until_done``).
+
+        Waiting sleeps ``WAIT_POLL_S`` between polls, as ``hvd.synchronize`` does (Horovod's ``WaitAndClear``
+        polls, then sleeps a millisecond): a wait that spun instead took CPU from Horovod's own threads and, on a
+        machine whose cores are all in use, changed the step it records (on 2 cores it ran 19% faster than the
+        job unrecorded; bench/horovod_overhead.py)."""
         while self._pending:
             for handle in list(self._pending):
                 if hvd.poll(handle):
                     self._completed(handle, self._mark())
             if not until_done or not self._pending:
                 return
-            os.sched_yield()  # wait the way hvd.synchronize does (poll, yield the CPU), not faster or slower
+            time.sleep(WAIT_POLL_S)
 
     def _completed(self, handle: Any, end: Any) -> None:
         first, hvd_name, names, nbytes, start, step, _ = self._pending.pop(handle)
@@ -276,19 +283,29 @@ class HorovodRecorder(TorchRecorder):
 
     # ---- window ------------------------------------------------------------------------------------
 
-    def _begin_window(self) -> None:
-        super()._begin_window()
-        if os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
-            hvd.start_timeline(str(self.run_dir / TIMELINE_FILE))
-            self._timeline_started = True
+    def _block_started(self) -> None:
+        """With ``HOROVOD_TIMELINE=DYNAMIC``, Horovod's timeline runs only while a block records, one file per
+        block (``horovod-timeline.json``, ``horovod-timeline.2.json``, ...: a restarted timeline truncates the file
+        it opens), so the gaps of a window run as the unrecorded job does and measure what the timeline costs."""
+        if os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC":
+            return
+        self._timeline_blocks += 1
+        hvd.start_timeline(str(self.run_dir / timeline_file(self._timeline_blocks)))
+        self._timeline_started = True
 
-    def close(self, error: BaseException | None = None) -> Path | None:
+    def _block_ended(self) -> None:
+        self._stop_timeline()
+
+    def _stop_timeline(self) -> None:
         if self._timeline_started:
             self._timeline_started = False
             try:
                 hvd.stop_timeline()
             except ValueError:
                 pass
+
+    def close(self, error: BaseException | None = None) -> Path | None:
+        self._stop_timeline()
         self._pending.clear()
         self._unwrap_optimizer()
         return super().close(error)

@@ -553,6 +553,7 @@ class TorchRecorder:
             if not self._suspended:
                 self._remove_hooks()
             self._recording = False
+            self._block_ended()
         step_ended(self._step_ends, self._iteration - 1, self.steps)  # the overhead's clock
         if self._iteration > self.steps[-1]:
             self.close()
@@ -577,10 +578,18 @@ class TorchRecorder:
         if self._writer is None:
             self._begin_window()
         if not self._recording:
+            self._block_started()
             if not self._suspended:
                 self._install_hooks()
             self._recording = True
         self._log = _StepLog(start=self._mark(), gradient_marks=self._gradient_marks)
+
+    def _block_started(self) -> None:
+        """A recorded block begins (the window's first step, or the first after a gap): what an engine records
+        only while steps are recorded starts here."""
+
+    def _block_ended(self) -> None:
+        """A recorded block ended and a gap of unrecorded steps follows (not called when the window ends)."""
 
     def _begin_window(self) -> None:
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from jobrunner import JOBS, job_env, run_job
 
-from dpro.engines.horovod.timeline import TIMELINE_FILE
+from dpro.engines.horovod.timeline import TIMELINE_FILE, timeline_file
 from dpro.io.load import load_run
 from dpro.launch import engines
 from dpro.launch.cli import build_parser, config_from_args
@@ -250,6 +250,27 @@ def test_horovodrun_knobs_reach_the_job(plain_run):
     assert "HVD size=2 fusion=4194304 cycle=2.0" in proc.stdout  # what the ranks see
     knobs = json.loads((run_dir / "run.json").read_text())["knobs"]
     assert knobs["HOROVOD_FUSION_THRESHOLD"] == 4 * 2**20 and knobs["HOROVOD_CYCLE_TIME"] == 2.0
+
+
+def test_the_default_window_records_horovod_in_blocks_with_a_timeline_per_block(tmp_path):
+    """No --profile: blocks 10..14, 20..24, 30..34; Horovod's timeline runs only in the blocks (one file each), the
+    merge takes all three, and the recording overhead is measured against the gaps."""
+    proc = run_job(launcher("--run-dir", "run", "python", str(PLAIN), "--steps", "38"), env=env_for_jobs(),
+                   cwd=tmp_path, timeout=180)
+    assert "recording steps 10..14, 20..24, 30..34" in proc.stderr
+    run_dir = tmp_path / "run"
+    if not (run_dir / TIMELINE_FILE).is_file():
+        pytest.skip("Horovod wrote no timeline (HOROVOD_TIMELINE=DYNAMIC not honoured)")
+    assert (run_dir / timeline_file(2)).is_file() and (run_dir / timeline_file(3)).is_file()
+    assert not (run_dir / timeline_file(4)).exists()
+    run = load_run(run_dir)
+    blocks = [*range(10, 15), *range(20, 25), *range(30, 35)]
+    assert run.meta["horovod"]["merged"]["steps"] == blocks and not run.problems
+    for rank in (0, 1):
+        overhead = run.ranks[rank].header["recording_overhead"]
+        assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 8  # 15..18 and 25..28
+    info = run_job([sys.executable, "-m", "dpro", "info", str(run_dir)], timeout=60).stdout
+    assert "recorded vs the unrecorded steps between its blocks" in info
 
 
 def test_a_script_recording_itself_is_recorded_once(tmp_path):

@@ -36,6 +36,7 @@ the operations' ends are matched to the completions the recorder saw.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 import re
@@ -57,8 +58,10 @@ __all__ = [
     "fused_groups",
     "merge_horovod_timeline",
     "parse_timeline_text",
+    "read_block_timelines",
     "read_timeline",
     "tensor_ops",
+    "timeline_file",
 ]
 
 TIMELINE_FILE = "horovod-timeline.json"
@@ -379,6 +382,45 @@ def read_timeline(path: str | Path) -> Timeline:
                     truncated=truncated, incomplete=incomplete, cycles=cycles)
 
 
+def timeline_file(block: int) -> str:
+    """The timeline file of a window's ``block``-th recorded block (1: ``horovod-timeline.json``; a recorder that
+    restarts Horovod's timeline for each block writes ``horovod-timeline.2.json``, ... for the later ones)."""
+    return TIMELINE_FILE if block <= 1 else TIMELINE_FILE.replace(".json", f".{block}.json")
+
+
+def read_block_timelines(first: str | Path) -> Timeline:
+    """``read_timeline`` of ``first`` and of the later blocks' files beside it (``timeline_file``), as one
+    timeline. Each file counts its ``ts`` from its own start time (the header's epoch), so later files are
+    moved onto the first one's."""
+    first = Path(first)
+    paths = [first]
+    if first.name == TIMELINE_FILE:
+        while (first.parent / timeline_file(len(paths) + 1)).is_file():
+            paths.append(first.parent / timeline_file(len(paths) + 1))
+    timelines = [read_timeline(p) for p in paths]
+    if len(timelines) == 1:
+        return timelines[0]
+    base = timelines[0].start_epoch_us
+    ops: list[TensorOp] = []
+    cycles: list[float] = []
+    for t in timelines:
+        shift = (t.start_epoch_us - base) if base is not None and t.start_epoch_us is not None else 0.0
+        ops += [_shifted(op, shift) for op in t.ops] if shift else t.ops
+        cycles += [c + shift for c in t.cycles]
+    return Timeline(path=first, ops=ops, groups=fused_groups(ops), start_epoch_us=base,
+                    truncated=any(t.truncated for t in timelines), incomplete=sum(t.incomplete for t in timelines),
+                    cycles=cycles)
+
+
+def _shifted(op: TensorOp, shift: float) -> TensorOp:
+    """``op`` with every time ``shift`` µs later."""
+    return dataclasses.replace(
+        op, start=op.start + shift, end=op.end + shift,
+        negotiate=None if op.negotiate is None else (op.negotiate[0] + shift, op.negotiate[1] + shift),
+        activities={k: (a + shift, b + shift) for k, (a, b) in op.activities.items()},
+        ranks_ready={k: t + shift for k, t in op.ranks_ready.items()})
+
+
 # ---- merging into a run --------------------------------------------------------------------------
 
 
@@ -517,7 +559,7 @@ def merge_horovod_timeline(run: Any, path: str | Path | None = None) -> dict[str
     path = Path(path) if path is not None else find_timeline(run)
     if path is None:
         return None
-    timeline = read_timeline(path)
+    timeline = read_block_timelines(path)
     meta = run.meta if run.meta is not None else {}
     summary: dict[str, Any] = {"file": str(path), "tensor_operations": len(timeline.ops),
                                "fused_groups": len(timeline.groups), "truncated": timeline.truncated}
