@@ -9,8 +9,12 @@ round by round:
 - ``cycles``:     the timeline with ``HOROVOD_TIMELINE_MARK_CYCLES=1``;
 - ``hooks``:      dpro's recorder with its module, gradient and optimizer hooks, no allreduce polling, no timeline;
 - ``hooks+poll``: the recorder with every mechanism (launch marks and ``hvd.poll`` of every allreduce), no timeline;
-- ``dpro``:       what ``dpro-launch --profile`` runs: the recorder plus ``HOROVOD_TIMELINE=DYNAMIC`` (the timeline
-                  started and stopped by the recorder around its window).
+- ``dpro``:       the recorder plus ``HOROVOD_TIMELINE=DYNAMIC`` (the timeline started and stopped by the recorder
+                  around its window), over the whole window;
+- ``blocks``:     what ``dpro-launch`` runs for Horovod by default: the same, in blocks (``--profile START:STOP:5``),
+                  the timeline on only while a block records; its step is the median over the recorded steps (each
+                  block's first left out: the hooks go in at its start), against the same steps of the ``off`` job,
+                  and its ``self`` column is what the recorder itself reported (``dpro info``: recorded vs gap steps).
 
 Each job runs ``--steps`` steps and records (where it records) the window ``--profile``. A job's step is the median
 interval between the ends of consecutive steps inside the window (rank 0's step clock, ``DPRO_STEP_TIMES``); the
@@ -39,9 +43,11 @@ from pathlib import Path
 
 import launch as hvd_bench  # bench/launch.py: running a Horovod job on loopback or in the testbed's namespaces
 from dpro import testbed as tb
+from dpro.record.protocol import parse_window
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("off", "timeline", "cycles", "hooks", "hooks+poll", "dpro")
+CONFIGS = ("off", "timeline", "cycles", "hooks", "hooks+poll", "dpro", "blocks")
+BLOCK = 5
 NO_COMM = "forward,backward,grad_ready,update"
 
 
@@ -51,12 +57,23 @@ def config_env(name: str, work: Path, window: str) -> dict[str, str]:
     timeline = {"HOROVOD_TIMELINE": str(work / "timeline.json")}
     return {"off": {}, "timeline": timeline, "cycles": {**timeline, "HOROVOD_TIMELINE_MARK_CYCLES": "1"},
             "hooks": {**record, "DPRO_MECHANISMS": NO_COMM}, "hooks+poll": record,
-            "dpro": {**record, "HOROVOD_TIMELINE": "DYNAMIC"}}[name]
+            "dpro": {**record, "HOROVOD_TIMELINE": "DYNAMIC"},
+            "blocks": {**record, "HOROVOD_TIMELINE": "DYNAMIC", "DPRO_PROFILE": f"{window}:{BLOCK}"}}[name]
 
 
-def window_steps(ends: list[float], start: int, stop: int) -> list[float]:
-    """Intervals (ms) ending at the steps ``start+1 .. stop-1`` (step i ends at ``ends[i]``)."""
-    return [(ends[i] - ends[i - 1]) * 1000.0 for i in range(start + 1, min(stop, len(ends)))]
+def measured_steps(name: str, window: str) -> list[int]:
+    """The steps a configuration's step time is the median of: the window's, or the recorded steps of the blocks
+    after each block's first."""
+    start, stop = (int(v) for v in window.split(":"))
+    if name != "blocks":
+        return list(range(start + 1, stop))
+    recorded = set(parse_window(f"{window}:{BLOCK}").steps)
+    return [i for i in range(start, stop) if i in recorded and i - 1 in recorded]
+
+
+def intervals(ends: list[float], steps: list[int]) -> list[float]:
+    """Intervals (ms) ending at ``steps`` (step i ends at ``ends[i]``)."""
+    return [(ends[i] - ends[i - 1]) * 1000.0 for i in steps if 0 < i < len(ends)]
 
 
 def run_one(cluster: tb.Cluster | None, args: argparse.Namespace, name: str) -> dict:
@@ -64,14 +81,28 @@ def run_one(cluster: tb.Cluster | None, args: argparse.Namespace, name: str) -> 
     try:
         env = config_env(name, work, args.profile)
         result, wall, _ = hvd_bench.run_job(cluster, [], env, args.timeout, args)
-        start, stop = (int(v) for v in args.profile.split(":"))
-        out = {"step_ms": statistics.median(window_steps(result["step_ends"], start, stop)),
-               "cpu_ms_per_step": statistics.median(window_steps(result["cpu_ends"], start, stop)), "wall_s": wall}
+        out = {"wall_s": wall}
+        for config in ("window", "blocks"):  # off is the baseline of both
+            steps = measured_steps(config, args.profile)
+            suffix = "" if config == "window" else "_blocks"
+            out["step_ms" + suffix] = statistics.median(intervals(result["step_ends"], steps))
+            out["cpu_ms_per_step" + suffix] = statistics.median(intervals(result["cpu_ends"], steps))
+        if name == "blocks":
+            out["step_ms"], out["cpu_ms_per_step"] = out["step_ms_blocks"], out["cpu_ms_per_step_blocks"]
+            out["self_pct"] = self_reported(work / "run")
         if name == "dpro" and (work / "run").is_dir():
             out["merge"] = time_merge(work / "run")
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def self_reported(run_dir: Path) -> float | None:
+    """Rank 0's own measure of its recording overhead (wall, %), as ``dpro info`` shows it."""
+    from dpro.io.load import load_run
+
+    overhead = load_run(run_dir).ranks[0].header.get("recording_overhead") or {}
+    return overhead.get("wall_pct")
 
 
 def time_merge(run_dir: Path) -> dict[str, float]:
@@ -133,21 +164,26 @@ def main() -> int:
             for name in order:
                 runs[name].append(run_one(cluster, args, name))
                 print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
-    base = [x["step_ms"] for x in runs["off"]]
-    base_cpu = [x["cpu_ms_per_step"] for x in runs["off"]]
+    def baseline(name: str, key: str) -> list[float]:
+        return [x[key + ("_blocks" if name == "blocks" else "")] for x in runs["off"]]
+
     script = " ".join([Path(args.script[0]).name, *args.script[1:]])
     print(f"\nHorovod 0.28.1 + Gloo, script {script}, {where}; window {args.profile}; {args.rounds} rounds, "
           f"configurations alternated")
     print(f"{'config':<11} {'step ms':>8} {'vs off':>7} {'per round %':>15} {'CPU ms/step':>12} {'vs off':>7}"
-          f"   jobs (ms)")
+          f" {'self %':>14}   jobs (ms)")
     for name in configs:
         steps = [x["step_ms"] for x in runs[name]]
         cpu = [x["cpu_ms_per_step"] for x in runs[name]]
+        base, base_cpu = baseline(name, "step_ms"), baseline(name, "cpu_ms_per_step")
         per_round = [100.0 * (s / b - 1.0) for s, b in zip(steps, base, strict=True)]
         ratio = 100.0 * (statistics.median(steps) / statistics.median(base) - 1.0)
         cpu_ratio = 100.0 * (statistics.median(cpu) / statistics.median(base_cpu) - 1.0)
+        own = [x["self_pct"] for x in runs[name] if x.get("self_pct") is not None]
+        own_text = f"{statistics.median(own):+.1f} ({spread(own)})" if own else "-"
         print(f"{name:<11} {statistics.median(steps):>8.1f} {ratio:>+6.1f}% {spread(per_round):>15} "
-              f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}%   {', '.join(f'{s:.1f}' for s in steps)}")
+              f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}% {own_text:>14}   "
+              f"{', '.join(f'{s:.1f}' for s in steps)}")
     merges = [x["merge"] for x in runs.get("dpro", []) if "merge" in x]
     if merges:
         print(f"timeline merge at load time: load_run {statistics.median(m['with_timeline_s'] for m in merges):.2f} s "
