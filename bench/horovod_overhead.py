@@ -25,7 +25,8 @@ medians. The last lines time the merge of the timeline
 into the run at load time (``dpro.io.load.load_run``, with and without the timeline file).
 
     python bench/horovod_overhead.py [--loopback] [--rate 1gbit] [--rounds 3] [--steps 60] [--profile 20:50]
-        [--configs off,timeline,cycles,hooks,hooks+poll,dpro] [--script tests/jobs/conv1d_hvd.py [ARGS...]]
+        [--configs off,timeline,cycles,hooks,hooks+poll,dpro,blocks] [--doc FILE]
+        [--script tests/jobs/conv1d_hvd.py [ARGS...]]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import json
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -135,6 +137,8 @@ def main() -> int:
     parser.add_argument("--profile", default="20:50", help="the recorded window, START:STOP")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--doc", default=None, help="also write the table to this markdown file (e.g. "
+                                                     "docs/benchmarks/horovod_overhead.md)")
     parser.add_argument("--script", nargs=argparse.REMAINDER, default=None,
                         help="SCRIPT [ARGS...] (last): an unmodified Horovod script; default tests/jobs/conv1d_hvd.py")
     args = parser.parse_args()
@@ -168,10 +172,10 @@ def main() -> int:
         return [x[key + ("_blocks" if name == "blocks" else "")] for x in runs["off"]]
 
     script = " ".join([Path(args.script[0]).name, *args.script[1:]])
-    print(f"\nHorovod 0.28.1 + Gloo, script {script}, {where}; window {args.profile}; {args.rounds} rounds, "
-          f"configurations alternated")
-    print(f"{'config':<11} {'step ms':>8} {'vs off':>7} {'per round %':>15} {'CPU ms/step':>12} {'vs off':>7}"
-          f" {'self %':>14}   jobs (ms)")
+    table = [f"Horovod 0.28.1 + Gloo, script {script}, {where}; window {args.profile}; {args.rounds} rounds, "
+             f"configurations alternated",
+             f"{'config':<11} {'step ms':>8} {'vs off':>7} {'per round %':>15} {'CPU ms/step':>12} {'vs off':>7}"
+             f" {'self %':>22}   jobs (ms)"]
     for name in configs:
         steps = [x["step_ms"] for x in runs[name]]
         cpu = [x["cpu_ms_per_step"] for x in runs[name]]
@@ -181,15 +185,27 @@ def main() -> int:
         cpu_ratio = 100.0 * (statistics.median(cpu) / statistics.median(base_cpu) - 1.0)
         own = [x["self_pct"] for x in runs[name] if x.get("self_pct") is not None]
         own_text = f"{statistics.median(own):+.1f} ({spread(own)})" if own else "-"
-        print(f"{name:<11} {statistics.median(steps):>8.1f} {ratio:>+6.1f}% {spread(per_round):>15} "
-              f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}% {own_text:>14}   "
-              f"{', '.join(f'{s:.1f}' for s in steps)}")
+        table.append(f"{name:<11} {statistics.median(steps):>8.1f} {ratio:>+6.1f}% {spread(per_round):>15} "
+                     f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}% {own_text:>22}   "
+                     f"{', '.join(f'{s:.1f}' for s in steps)}")
     merges = [x["merge"] for x in runs.get("dpro", []) if "merge" in x]
     if merges:
-        print(f"timeline merge at load time: load_run {statistics.median(m['with_timeline_s'] for m in merges):.2f} s "
-              f"with the timeline, {statistics.median(m['without_s'] for m in merges):.2f} s without")
+        merged, alone = (statistics.median(m[k] for m in merges) for k in ("with_timeline_s", "without_s"))
+        table.append(f"timeline merge at load time: load_run {merged:.2f} s with the timeline, {alone:.2f} s without")
+    print("\n" + "\n".join(table))
     print(json.dumps(runs))
+    if args.doc:
+        write_doc(Path(args.doc), " ".join(sys.argv[1:]), table)
     return 0
+
+
+def write_doc(path: Path, argv: str, table: list[str]) -> None:
+    """The table as a markdown page, stamped with the date, the commit and the command."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# What recording costs a Horovod job\n\nWritten by `python bench/horovod_overhead.py {argv}` on "
+                    f"{time.strftime('%Y-%m-%d')} at commit {commit.strip() or '?'} (2 cores; see the bench's "
+                    f"docstring for the configurations).\n\n```\n" + "\n".join(table) + "\n```\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ namespaces joined by tbf-limited links, 1 Gbit/s by default), one rank per host:
             autotune's, from the job's start until the recording is complete (the last rank file written at
             the profiled window's end), plus the search.
 
-Each measured step time is the median over the steps after warm-up, from rank 0.
+Each measured step time is the median over the steps after warm-up, from rank 0. The last lines say how much
+recording inflated the step it models: the recorded window's step against the unrecorded default jobs (the same
+setting), next to what the recorder measured itself against the gaps of its window (``dpro info``).
 
 ``--script train.py [args...]`` (last on the command line) runs any unmodified Horovod training script
 instead of the bundled job. Its step time is measured without its cooperation: dpro's auto-attach
@@ -40,6 +42,7 @@ over /etc/hosts) mapping the host name to the host's own address, removed again 
 ``horovodrun -np 2 -H localhost:2 --gloo`` instead. Needs root for the namespaces.
 
     python bench/launch.py [--model wide_mlp] [--rate 1gbit] [--steps 40] [--loopback] [--check 16/25,128/1]
+        [--profile 8:28:5] [--record-steps 30]
     python bench/launch.py --loopback --warmup 5 --script tests/jobs/conv1d_hvd.py --steps 30
 """
 
@@ -280,7 +283,20 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
             "step_ms": statistics.median(times),
             "runs_ms": times, "predicted_ms": doc["predicted"]["step_ms"],
             "recorded_measured_ms": doc["baseline"]["step_ms"], "recorded_replay_ms": replay.get("predicted_step_ms"),
+            "self_check_pct": _self_check(run_dir),
             "analyze_error_pct": replay.get("error_pct"), "explain": [e["why"] for e in doc["explain"]]}
+
+
+def _self_check(run_dir: Path) -> float | None:
+    """The recorded job's own measure of what recording cost its step (rank 0, wall %; ``dpro info``)."""
+    from dpro.io.load import load_run
+    from dpro.launch.pipeline import find_recorded_run
+
+    recorded = find_recorded_run(run_dir)
+    if recorded is None:
+        return None
+    overhead = load_run(recorded).ranks[0].header.get("recording_overhead") or {}
+    return overhead.get("wall_pct")
 
 
 def _recording_complete(run_dir: Path) -> float:
@@ -341,8 +357,9 @@ def main() -> int:
     parser.add_argument("--loopback", action="store_true", help="one host, horovodrun -H localhost:2 (no emulation)")
     parser.add_argument("--steps", type=int, default=40, help="steps of each measured job")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of each measured median")
-    parser.add_argument("--record-steps", type=int, default=20)
-    parser.add_argument("--profile", default="8:18", help="the steps dpro records, START:STOP")
+    parser.add_argument("--record-steps", type=int, default=30)
+    parser.add_argument("--profile", default="8:28:5", help="the steps dpro records, START:STOP[:BLOCK] (default: "
+                                                            "blocks, as dpro-launch records Horovod)")
     parser.add_argument("--autotune-steps", type=int, default=220)
     parser.add_argument("--repeat", type=int, default=3, help="jobs per measured setting (median of their medians)")
     parser.add_argument("--autotune-steps-per-sample", type=int, default=2)
@@ -427,6 +444,12 @@ def main() -> int:
               f"(error {d['analyze_error_pct']:+.1f}%); its config predicts {d['predicted_ms']:.1f} ms")
         for why in d["explain"]:
             print(f"  - {why}")
+        if "default" in rows:  # what recording did to the step it models, measured against the unrecorded jobs
+            inflation = 100.0 * (d["recorded_measured_ms"] / rows["default"]["step_ms"] - 1.0)
+            own = d.get("self_check_pct")
+            print(f"recording inflation: the recorded window {d['recorded_measured_ms']:.1f} ms against the unrecorded "
+                  f"jobs' {rows['default']['step_ms']:.1f} ms at the same setting ({inflation:+.1f}%); the recorder's "
+                  f"own check: {'n/a' if own is None else f'{own:+.1f}%'}")
     print(json.dumps(rows, default=str))
     return 0
 

@@ -45,6 +45,7 @@ Example (run with ``horovodrun -np 2 -H localhost:2 --gloo python train.py``)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -161,6 +162,11 @@ class HorovodRecorder(TorchRecorder):
         self._timeline_blocks = 0
         self._hvd_names = dict(getattr(optimizer, "_parameter_names", {}))  # param -> Horovod's name
         self._wrap_optimizer()
+        if os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
+            # Horovod enables a DYNAMIC timeline's per-cycle coordination in hvd.init() (operations.cc), with no
+            # file open, until the first stop: stopped here, the steps before the window run as unrecorded ones
+            with contextlib.suppress(ValueError):
+                hvd.stop_timeline()
 
     def _run_extra(self) -> dict[str, Any]:
         timeline = os.environ.get("HOROVOD_TIMELINE", "")

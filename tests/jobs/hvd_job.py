@@ -20,7 +20,7 @@ from dpro.plugins.torch.models import get_example
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="mlp")
 parser.add_argument("--steps", type=int, default=10)
-parser.add_argument("--profile", default="3:7", help="steps to record, START:STOP ('' records nothing)")
+parser.add_argument("--profile", default="3:7", help="steps to record, START:STOP[:BLOCK] ('' records nothing)")
 parser.add_argument("--run-dir", default=None)
 parser.add_argument("--config", default=None, help="a dpro config.json: its tensor_groups become groups=")
 parser.add_argument("--warmup", type=int, default=3, help="steps left out of the printed median")
@@ -56,9 +56,10 @@ def one_step() -> None:
 
 if args.profile:
     from dpro.plugins.torch.horovod import record_horovod
+    from dpro.record.protocol import parse_window
 
-    start, stop = (int(v) for v in args.profile.split(":"))
-    with record_horovod(model, opt, run_dir=args.run_dir, steps=range(start, stop), total_steps=args.steps) as rec:
+    steps = parse_window(args.profile).steps
+    with record_horovod(model, opt, run_dir=args.run_dir, steps=steps, total_steps=args.steps) as rec:
         for _ in range(args.steps):
             t0 = time.perf_counter()
             one_step()
