@@ -247,9 +247,8 @@ class HorovodRecorder(TorchRecorder):
         """Mark the completion of every launched allreduce that has finished (all of them if ``until_done``).
 
         Waiting sleeps ``WAIT_POLL_S`` between polls, as ``hvd.synchronize`` does (Horovod's ``WaitAndClear``
-        polls, then sleeps a millisecond): a wait that spun instead took CPU from Horovod's own threads and, on a
-        machine whose cores are all in use, changed the step it records (on 2 cores it ran 19% faster than the
-        job unrecorded; bench/horovod_overhead.py)."""
+        polls, then sleeps a millisecond), so the recorded job waits as the unrecorded one does; a wait that spins
+        competes for the CPU with Horovod's own threads on a machine whose cores are all in use."""
         while self._pending:
             for handle in list(self._pending):
                 if hvd.poll(handle):
