@@ -15,10 +15,12 @@ the events are turned into microseconds on the host clock once per profiled step
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import platform
 import resource
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -60,7 +62,8 @@ from dpro.record.writer import (
     write_run_json,
 )
 
-__all__ = ["BACKWARD_MARKS", "MECHANISMS", "TorchRecorder", "active_recorders", "in_backward", "recorded_modules",
+__all__ = ["BACKWARD_MARKS", "MECHANISMS", "TorchRecorder", "active_recorders", "in_backward", "is_compiling",
+           "recorded_modules", "runs_compiled",
            "tensor_bytes", "timed_closure"]
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
@@ -167,6 +170,38 @@ class _StepLog:
         return [(m, slice(m.first_forward, end)) for m, end in zip(marks, ends, strict=True)]
 
 
+def _optimized_module_class() -> type | None:
+    """torch.compile's module wrapper class, once torch.compile has been used in this process (else None: nothing
+    is compiled, and torch._dynamo is not imported for nothing)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(model)`` wraps, or ``model``."""
+    optimized = _optimized_module_class()
+    return model._orig_mod if optimized is not None and isinstance(model, optimized) else model
+
+
+def runs_compiled(module: nn.Module, ddp: nn.Module | None) -> bool:
+    """Whether torch.compile traces ``module`` or a part of it: a compiled submodule, or a compiled wrapper of the
+    module or of its DDP model (``torch.compile(ddp)`` makes a new module the recorder is not handed: it is found
+    among the live objects)."""
+    optimized = _optimized_module_class()
+    if optimized is None:
+        return False
+    if any(isinstance(m, optimized) for m in module.modules()):
+        return True
+    wrapped = {id(module), id(ddp)}
+    return any(isinstance(o, optimized) and id(getattr(o, "_orig_mod", None)) in wrapped for o in gc.get_objects())
+
+
+def is_compiling() -> bool:
+    """True while torch.compile (Dynamo) traces the code that calls it; the recorder's hooks then step aside, so a
+    compiled model runs as it would unrecorded (its modules untimed; steps, collectives and the optimizer are)."""
+    return torch.compiler.is_compiling()
+
+
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass on this thread (a checkpointed module's forward
     recomputed there is RECOMPUTE, not the next micro-batch's forward)."""
@@ -246,6 +281,7 @@ class TorchRecorder:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+        model = _uncompiled(model)
         self.ddp = model if isinstance(model, DistributedDataParallel) else ddp
         self.module = self.ddp.module if isinstance(model, DistributedDataParallel) else model
         self.params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -457,6 +493,8 @@ class TorchRecorder:
             self._log.backward.bw_end[name] = mark()
 
         def pre(module: nn.Module, inputs: Any) -> None:
+            if is_compiling():
+                return  # inside a graph torch.compile traces: timestamps and tensor hooks are not for it to trace
             if not module.training and not is_grad_enabled():
                 return  # evaluation inside a step (eval mode, no autograd): not the step's training work
             log = self._log
@@ -481,6 +519,8 @@ class TorchRecorder:
                             tensor.register_hook(bw_end)
 
         def post(module: nn.Module, inputs: Any, output: Any) -> None:
+            if is_compiling():
+                return
             log = self._log
             opened = log.fw_open.get(name)
             if not opened:
@@ -593,6 +633,13 @@ class TorchRecorder:
 
     def _begin_window(self) -> None:
         t0 = time.perf_counter()
+        if {"forward", "backward"} & self.mechanisms and runs_compiled(self.module, self.ddp):
+            # a wrapper of a module class's forward (or a hook) changes what torch.compile traced: the job would
+            # compile again when the window opens, and pay for it in the recorded steps
+            self.mechanisms -= {"forward", "backward"}
+            if self.rank == 0:
+                logger.warning("%s: the model runs under torch.compile; its modules are not timed (FW and BW are not "
+                               "recorded), the steps, collectives, gradients and optimizer are", self.who)
         pingpong = clock_samples(self.transport, self.clock)
         self._probe = allreduce_probe(self.transport, self.clock)
         if self.cuda:
@@ -622,7 +669,8 @@ class TorchRecorder:
         """The training thread's share of a step's end: one mark, then the step goes to the builder thread."""
         log = self._log
         log.end = self._mark()
-        self.batch_ready(log.end)  # a step without a forward still closes its IO event
+        if "forward" in self.mechanisms:
+            self.batch_ready(log.end)  # a step without a forward still closes its IO event
         log.last_output = None  # the builder keeps the log; not the activation
         self._to_build.append((log, self._iteration))
 
@@ -920,6 +968,8 @@ class _ClassForwardPatch:
 
         @functools.wraps(original)
         def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if is_compiling():  # traced by torch.compile: the compiled graph runs the module untimed
+                return original(module, *args, **kwargs)
             hooks = timed.get(id(module))
             if hooks is None:
                 return original(module, *args, **kwargs)

@@ -29,6 +29,7 @@ parser.add_argument("--no-sync", choices=("pass", "backward"), default="pass",
                          "backward (a common loop; DDP still allreduces every pass)")
 parser.add_argument("--reuse", action="store_true",
                     help="a model whose hidden layer runs twice per forward, the second time checkpointed")
+parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model (the Profiler is handed that)")
 parser.add_argument("--crash-rank", type=int, default=-1)
 parser.add_argument("--crash-step", type=int, default=-1)
 args = parser.parse_args()
@@ -66,6 +67,8 @@ def train() -> None:
     if config is not None:
         register_compression(model, config)  # before the Profiler: DDP takes one comm hook
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if args.compile:
+        model = torch.compile(model)
     gen = torch.Generator().manual_seed(rank)
     start, stop = (int(v) for v in args.profile.split(":"))
     with Profiler(model, opt, run_dir=args.run_dir, steps=range(start, stop), total_steps=args.steps) as prof:
