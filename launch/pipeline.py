@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -36,6 +37,7 @@ __all__ = ["collect_remote", "find_recorded_run", "measured_step_ms", "optimize_
 LAUNCH_FILE = "launch.json"
 ELSEWHERE_FILE = "recorded-elsewhere.json"  # written by dpro.plugins.torch.autoattach
 APPLIED_SUFFIX = "-applied"
+NOT_KEPT_FILE = "config.not-kept.json"  # an --auto config that did not measure faster: --apply auto passes it by
 _TORCH_NOTHING = "the job built no DistributedDataParallel model or hvd.DistributedOptimizer"
 _NOTHING_RECORDED = {"torch": _TORCH_NOTHING, "horovod": _TORCH_NOTHING,  # why, by engine
                      "tf": "the TensorFlow job got no dpro recorder",
@@ -271,9 +273,46 @@ def _auto_rerun(first: LaunchConfig, recorded: Path, tuned: Config, replayed_ms:
     stages.advance(note="stage 4: compare")
     print(format_comparison(recorded, recorded_after, tuned, replayed_ms), flush=True)
     _write_compare_page(recorded, recorded_after)
+    _keep_the_faster(recorded, recorded_after, tuned)
     stages.advance()
     stages.close()
     return 0
+
+
+def _keep_the_faster(before: Path, after: Path, tuned: Config) -> dict[str, Any]:
+    """``--auto``'s verdict: the config stays where ``--apply auto`` finds it only if the re-run measured faster than
+    the original beyond the two runs' step-to-step spread; otherwise it is set aside as ``config.not-kept.json``
+    (``--apply FILE`` still takes it) and the original settings are what the user is left with. The verdict goes
+    to ``AFTER/analysis/auto.json``."""
+    from dpro.io.load import load_run
+    from dpro.report.compare import measured_change, step_samples
+
+    if not tuned.knobs:
+        _say("--auto: the config changes nothing; the original settings stay")
+        doc = {"kept": "original", "why": "the config changes nothing", "config": str(tuned.path), "change": None}
+        write_json_atomic(analysis_file(after, "auto.json"), doc)
+        return doc
+    try:
+        change = measured_change(step_samples(load_run(before)), step_samples(load_run(after)))
+    except DproError as err:
+        change, why = None, f"the runs could not be compared: {err}"
+    else:
+        why = f"with the config the job measured {change.describe()}"
+    kept = "config" if change is not None and change.verdict == "faster" else "original"
+    doc: dict[str, Any] = {"kept": kept, "why": why, "config": str(tuned.path),
+                           "change": dataclasses.asdict(change) if change is not None else None}
+    if kept == "config":
+        _say(f"--auto: kept the config: {why}")
+    else:
+        aside = tuned.path.with_name(NOT_KEPT_FILE)
+        os.replace(tuned.path, aside)
+        doc["config"] = str(aside)
+        told = ("slower" if change is not None and change.verdict == "slower" else
+                "not faster beyond the runs' spread")
+        _say(f"--auto: kept the original settings, the config measured {told}: {why}; the config is set aside "
+             f"as {aside} (dpro-launch --apply FILE still applies it)")
+    write_json_atomic(analysis_file(after, "auto.json"), doc)
+    return doc
 
 
 def _write_compare_page(before: Path, after: Path) -> None:

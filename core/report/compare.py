@@ -10,6 +10,7 @@ ops that explain the change of the step, largest first. ``format_comparison`` pr
 from __future__ import annotations
 
 import json
+import random
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -20,10 +21,65 @@ from dpro.analyze import AnalyzedRun, analyze_run, time_by_category
 from dpro.errors import UsageError
 from dpro.io.load import Run, load_run
 
-__all__ = ["Comparison", "compare_runs", "format_comparison", "render_comparison", "same_model"]
+__all__ = ["Comparison", "MeasuredChange", "compare_runs", "format_comparison", "measured_change", "render_comparison",
+           "same_model", "step_samples"]
 
 TOP_DIFFERENCES = 12
 MIN_SHARED_OPS = 0.5  # runs without fingerprints must share at least half their compute ops by name
+
+
+BOOTSTRAP_DRAWS = 2000
+CONFIDENCE = 0.90  # the interval the ratio of median steps must lie in, wholly, for a change to count
+
+
+@dataclass(frozen=True)
+class MeasuredChange:
+    """How a run's step compares with a reference run's, measured: ``ratio`` of their median steps (below 1: faster),
+    its bootstrap interval (``CONFIDENCE``), and the verdict: ``faster`` or ``slower`` when the whole interval is on
+    one side of 1, else ``undecided`` (the two cannot be told apart from these steps)."""
+
+    before_ms: float
+    after_ms: float
+    ratio: float
+    low: float
+    high: float
+    verdict: str
+    steps: tuple[int, int]
+
+    def describe(self) -> str:
+        pct = lambda r: f"{100.0 * (r - 1.0):+.1f}%"  # noqa: E731
+        return (f"{self.after_ms:.2f} ms against {self.before_ms:.2f} ms, {pct(self.ratio)} "
+                f"({int(CONFIDENCE * 100)}% interval {pct(self.low)} .. {pct(self.high)}; "
+                f"{self.steps[1]} and {self.steps[0]} steps)")
+
+
+def step_samples(run: Run) -> list[float]:
+    """Each recorded step's time in ms, as the slowest rank measured it (the step the job waits for)."""
+    by_step: dict[int, float] = defaultdict(float)
+    for trace in run.ranks.values():
+        for ev in trace.events:
+            if ev["cat"] == "STEP":
+                by_step[ev["args"]["step"]] = max(by_step[ev["args"]["step"]], ev["dur"] / 1000.0)
+    first = min(by_step, default=None)
+    return [ms for step, ms in sorted(by_step.items()) if step != first]  # the window's first step opens it
+
+
+def measured_change(before: list[float], after: list[float], *, seed: int = 0) -> MeasuredChange:
+    """Compare two runs' step samples (``step_samples``) by the ratio of their medians, with a bootstrap interval.
+
+    Raises:
+        UsageError: a run with fewer than 3 steps to compare.
+    """
+    if len(before) < 3 or len(after) < 3:
+        raise UsageError(f"too few recorded steps to compare ({len(before)} and {len(after)}; 3 or more each)")
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(after, k=len(after))) /
+                    statistics.median(rng.choices(before, k=len(before))) for _ in range(BOOTSTRAP_DRAWS))
+    tail = (1.0 - CONFIDENCE) / 2.0
+    low, high = ratios[int(tail * BOOTSTRAP_DRAWS)], ratios[int((1.0 - tail) * BOOTSTRAP_DRAWS) - 1]
+    b, a = statistics.median(before), statistics.median(after)
+    verdict = "faster" if high < 1.0 else "slower" if low > 1.0 else "undecided"
+    return MeasuredChange(b, a, a / b, low, high, verdict, (len(before), len(after)))
 
 
 @dataclass

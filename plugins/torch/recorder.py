@@ -188,12 +188,20 @@ def runs_compiled(module: nn.Module, ddp: nn.Module | None) -> bool:
     module or of its DDP model (``torch.compile(ddp)`` makes a new module the recorder is not handed: it is found
     among the live objects)."""
     optimized = _optimized_module_class()
-    if optimized is None:
+    if optimized is None or not _compiled_anything():
         return False
     if any(isinstance(m, optimized) for m in module.modules()):
         return True
     wrapped = {id(module), id(ddp)}
-    return any(isinstance(o, optimized) and id(getattr(o, "_orig_mod", None)) in wrapped for o in gc.get_objects())
+    # type(), not isinstance(): some live objects answer attribute lookups with deprecation warnings
+    return any(issubclass(type(o), optimized) and id(o._orig_mod) in wrapped for o in gc.get_objects())
+
+
+def _compiled_anything() -> bool:
+    """Whether torch.compile has traced any frame in this process (Dynamo's own counters), before a heap scan."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    return counters is None or sum(counters["frames"].values()) > 0
 
 
 def is_compiling() -> bool:

@@ -3,7 +3,8 @@
 Options: --steps N; --width W (hidden size); --accumulate K (K micro-batches per step, the forwards and
 backwards of all but the last inside DDP's no_sync); --crash-rank R --crash-step S (that rank dies with status 3 at
 that step, like a killed process); --print-env (each rank prints its torch.distributed environment);
---tag T (ignored: lets a test find its own processes).
+--tag T (ignored: lets a test find its own processes); --slower-with-config MS (each step sleeps MS when a dpro
+config is applied, $DPRO_CONFIG: a config that measures slower).
 """
 
 import argparse
@@ -11,6 +12,7 @@ import contextlib
 import datetime
 import gc
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ parser.add_argument("--crash-rank", type=int, default=-1)
 parser.add_argument("--crash-step", type=int, default=-1)
 parser.add_argument("--print-env", action="store_true")
 parser.add_argument("--tag", default="")
+parser.add_argument("--slower-with-config", type=float, default=0.0)
 args = parser.parse_args()
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -44,6 +47,8 @@ def train() -> None:
     for step in range(args.steps):
         if rank == args.crash_rank and step == args.crash_step:
             os._exit(3)
+        if args.slower_with_config and os.environ.get("DPRO_CONFIG"):
+            time.sleep(args.slower_with_config / 1000.0)
         opt.zero_grad()
         for k in range(args.accumulate):
             x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)

@@ -377,22 +377,28 @@ def test_auto_profiles_optimizes_reruns_and_compares(tmp_path):
                             str(JOBS / "plain_ddp.py"), "--steps", "10", "--width", "512"),
                    env=env_for_jobs(), cwd=tmp_path, timeout=300)
     before, after = tmp_path / "runs" / "a", tmp_path / "runs" / "a-applied"
-    config = read_config(before / "analysis" / "config.json")
+    verdict = json.loads((after / "analysis" / "auto.json").read_text())
+    kept = verdict["kept"] == "config"
+    assert kept == (verdict["change"] is not None and verdict["change"]["verdict"] == "faster"), verdict
+    path = before / "analysis" / ("config.json" if kept else "config.not-kept.json")
+    config = read_config(path) if path.exists() else read_config(before / "analysis" / "config.json")
     assert load_run(before).ranks and load_run(after).ranks
     for row in ("before (measured)", "predicted with the config", "after (measured)", "knobs applied:",
                 "predicted gain"):
         assert row in proc.stdout, proc.stdout
+    assert ("--auto: kept the config" in proc.stderr) == kept
     applied = json.loads((after / "run.json").read_text())["knobs"]
-    assert applied["dpro.config"] == str(before / "analysis" / "config.json")
+    assert applied["dpro.config"] == str(before / "analysis" / "config.json")  # where it was when the re-run began
     if "torch.ddp.bucket_cap_mb" in config.knobs:
         assert applied["torch.ddp.bucket_cap_mb"] == config.knobs["torch.ddp.bucket_cap_mb"]
 
-    # --apply auto: the ranks pick the newest config made for their model under the run root
+    # --apply auto: the ranks pick the newest config made for their model under the run root, if --auto kept it
     run_job(launcher("-np", "2", "--apply", "auto", "--profile", "2:4", "--run-dir", "runs/c", "python",
                      str(JOBS / "plain_ddp.py"), "--steps", "6", "--width", "512"),
             env=env_for_jobs(), cwd=tmp_path, timeout=180)
-    assert json.loads((tmp_path / "runs" / "c" / "run.json").read_text())["knobs"]["dpro.config"] == str(
-        before / "analysis" / "config.json")
+    found = json.loads((tmp_path / "runs" / "c" / "run.json").read_text())["knobs"].get("dpro.config")
+    # a config that changes nothing stays where it is; one that changes something only if it measured faster
+    assert found == (str(before / "analysis" / "config.json") if kept or not config.knobs else None)
 
 
 @pytest.mark.slow
@@ -693,3 +699,24 @@ def test_any_text_as_a_hostfile_or_horovod_config_is_read_or_refused(tmp_path, t
             read(path)
         except UsageError as err:
             assert str(path) in str(err)
+
+
+@pytest.mark.slow
+def test_auto_keeps_the_original_when_the_config_measures_slower(tmp_path):
+    """The script sleeps 15 ms a step whenever a dpro config is applied (here fp16 gradient compression, which the
+    replay prices as a gain on this wide model): the re-run is slower beyond its spread, so
+    --auto says so, keeps the original settings and sets the config aside where --apply auto does not find it."""
+    proc = run_job(launcher("-np", "2", "--auto", "--allow-compression", "--profile", "3:15", "--run-dir", "runs/a",
+                            "python", str(JOBS / "plain_ddp.py"), "--steps", "16", "--width", "1024",
+                            "--slower-with-config", "15"),
+                   env=env_for_jobs(), cwd=tmp_path, timeout=300)
+    before, after = tmp_path / "runs" / "a", tmp_path / "runs" / "a-applied"
+    verdict = json.loads((after / "analysis" / "auto.json").read_text())
+    if verdict.get("why") == "the config changes nothing":
+        pytest.skip("dpro optimize changed nothing for this job, so there was nothing to measure against")
+    assert verdict["kept"] == "original" and verdict["change"]["verdict"] == "slower", verdict
+    assert verdict["change"]["ratio"] > 1.0
+    assert "kept the original settings, the config measured slower" in proc.stderr
+    assert not (before / "analysis" / "config.json").exists()
+    assert (before / "analysis" / "config.not-kept.json").is_file()
+    assert read_config(before / "analysis" / "config.not-kept.json").knobs  # still a config --apply FILE takes
