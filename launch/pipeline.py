@@ -284,8 +284,8 @@ def _keep_the_faster(before: Path, after: Path, tuned: Config) -> dict[str, Any]
     the original beyond the two runs' step-to-step spread; otherwise it is set aside as ``config.not-kept.json``
     (``--apply FILE`` still takes it) and the original settings are what the user is left with. The verdict goes
     to ``AFTER/analysis/auto.json``."""
-    from dpro.io.load import load_run
-    from dpro.report.compare import measured_change, step_samples
+    from dpro.io.load import load_run, run_step_times_ms
+    from dpro.report.compare import measured_change
 
     if not tuned.knobs:
         _say("--auto: the config changes nothing; the original settings stay")
@@ -293,7 +293,7 @@ def _keep_the_faster(before: Path, after: Path, tuned: Config) -> dict[str, Any]
         write_json_atomic(analysis_file(after, "auto.json"), doc)
         return doc
     try:
-        change = measured_change(step_samples(load_run(before)), step_samples(load_run(after)))
+        change = measured_change(run_step_times_ms(load_run(before)), run_step_times_ms(load_run(after)))
     except DproError as err:
         change, why = None, f"the runs could not be compared: {err}"
     else:

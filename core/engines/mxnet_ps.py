@@ -470,9 +470,9 @@ def sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
 
 def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> Any:
     """dPRO's tensor partition for a parameter server: every server count and partition bound replayed; the best
-    is recommended when predicted to save ``MIN_GAIN`` (written as the config's ``env``), then the common
-    searches."""
-    from dpro.optimize.search import MIN_GAIN, optimize_common
+    is recommended when its predicted gain clears the prediction's uncertainty (``optimize.search.clears``; written
+    as the config's ``env``), then the common searches."""
+    from dpro.optimize.search import clears, optimize_common
     from dpro.sim.whatif import predict as whatif_predict
     from dpro.sim.whatif import replay_model
 
@@ -497,17 +497,18 @@ def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compressio
             "rate scaled") if alternatives else ""
     knobs: dict[str, Any] = {}
     explain: list[dict[str, Any]] = []
-    if gain > MIN_GAIN * now[0] and (servers, bound) != (servers0, bound0):
+    worth, shown = clears(ctx, gain, now[0])
+    if worth and (servers, bound) != (servers0, bound0):
         knobs["env"] = {NUM_SERVERS_ENV: str(servers), BIGARRAY_BOUND_ENV: str(bound)}
         explain.append({"knob": "env", "predicted_gain_ms": now[0] - best_ms,
                         "why": f"{servers} server(s), keys of {bound:,} elements or more split over all of them "
-                               f"(now {servers0}, bound {bound0:,}): {best_ms:.2f} ms vs {now[0]:.2f} ms replayed "
-                               f"({len(ranked)} settings{both})"})
+                               f"(now {servers0}, bound {bound0:,}): {best_ms:.2f} ms vs {now[0]:.2f} ms replayed, "
+                               f"{shown} ({len(ranked)} settings{both})"})
     else:
         explain.append({"knob": "env", "predicted_gain_ms": 0.0,
-                        "why": f"{servers0} servers with bound {bound0:,} are within {MIN_GAIN:.0%} of the best "
-                               f"found ({servers} servers, bound {bound:,}: {best_ms:.2f} ms vs {now[0]:.2f} ms"
-                               f"{both})"})
+                        "why": f"the best found ({servers} servers, bound {bound:,}: {best_ms:.2f} ms vs "
+                               f"{now[0]:.2f} ms, {shown}{both}) gains no more than the prediction can tell: "
+                               f"{servers0} servers with bound {bound0:,} are kept"})
     return optimize_common(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,
                            knobs=knobs, explain=explain, baseline=baseline, began=began)
 

@@ -78,7 +78,7 @@ def sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
 
 def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> Any:
     """MWMS's ``bytes_per_pack`` (every distinct packing replayed), then the common searches."""
-    from dpro.optimize.search import MIN_GAIN, optimize_common
+    from dpro.optimize.search import clears, optimize_common
     from dpro.sim.whatif import predict
 
     began = time.perf_counter()
@@ -91,16 +91,17 @@ def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compressio
     knobs: dict[str, Any] = {}
     explain: list[dict[str, Any]] = []
     packs = len(mwms_packs(ctx.gradients, size))
-    if gain > MIN_GAIN * now.predicted_step_ms:
+    worth, shown = clears(ctx, gain, now.predicted_step_ms)
+    if worth and size != in_force:
         knobs[BYTES_PER_PACK] = size
         explain.append({"knob": BYTES_PER_PACK, "predicted_gain_ms": gain,
                         "why": f"{_shown_bytes(size)} packs ({packs} all-reduces) instead of "
-                               f"{_shown_bytes(in_force)}: fewer chained collectives or more overlap"})
+                               f"{_shown_bytes(in_force)}, {shown}: fewer chained collectives or more overlap"})
     else:
         explain.append({"knob": BYTES_PER_PACK, "predicted_gain_ms": 0.0,
-                        "why": f"the packing in force ({_shown_bytes(in_force)}) is already within "
-                               f"{MIN_GAIN:.0%} of the best found ({_shown_bytes(size)}, {packs} all-reduces: "
-                               f"{best.predicted_step_ms:.2f} ms vs {now.predicted_step_ms:.2f} ms)"})
+                        "why": f"the best packing found ({_shown_bytes(size)}, {packs} all-reduces: "
+                               f"{best.predicted_step_ms:.2f} ms against {now.predicted_step_ms:.2f} ms, {shown}) "
+                               f"gains no more than the prediction can tell: {_shown_bytes(in_force)} is kept"})
     return optimize_common(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,
                            knobs=knobs, explain=explain, baseline=baseline, began=began)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from dpro.config import Knob, _bucket_cap, _optional
 from dpro.engines.base import Engine
-from dpro.optimize.search import MIN_GAIN, OptimizeResult, best_grouping, optimize_common
+from dpro.optimize.search import OptimizeResult, best_grouping, clears, optimize_common
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
 __all__ = ["BUCKET_CAP", "CAP_CANDIDATES_MB", "ENGINE", "FIRST_BUCKET_CAP", "best_bucket_cap", "ddp_buckets"]
@@ -82,22 +82,30 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
     in_force = float(ctx.knobs.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
     same_cap = next((p for c, p in caps if abs(c - in_force) < 1e-9), None) or predict(ctx, {BUCKET_CAP: in_force})
     gain = same_cap.predicted_step_ms - cap_pred.predicted_step_ms
-    if gain > MIN_GAIN * same_cap.predicted_step_ms:
+    worth, shown = clears(ctx, gain, same_cap.predicted_step_ms)
+    if [len(g) for g in ddp_buckets(ctx.gradients, cap)] == [len(g) for g in ddp_buckets(ctx.gradients, in_force)]:
+        explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": 0.0,
+                        "why": f"the bucket size in force ({in_force:g} MB) makes the buckets that predict the "
+                               f"shortest step of the caps tried ({cap_pred.predicted_step_ms:.2f} ms)"})
+    elif worth:
         knobs[BUCKET_CAP] = cap
         current = cap_pred
         explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": gain,
-                        "why": f"{cap:g} MB buckets ({len(ddp_buckets(ctx.gradients, cap))} allreduces) overlap "
-                               f"communication with backward better than {in_force:g} MB"})
+                        "why": f"{cap:g} MB buckets ({len(ddp_buckets(ctx.gradients, cap))} allreduces) predict "
+                               f"{shown} against {in_force:g} MB"})
     else:
         explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": 0.0,
-                        "why": f"the bucket size in force ({in_force:g} MB) is already the best DDP cap found "
-                               f"(best {cap:g} MB predicts {cap_pred.predicted_step_ms:.2f} ms vs "
-                               f"{same_cap.predicted_step_ms:.2f} ms)"})
+                        "why": f"{cap:g} MB buckets predict {cap_pred.predicted_step_ms:.2f} ms against "
+                               f"{same_cap.predicted_step_ms:.2f} ms for the {in_force:g} MB in force, {shown}: "
+                               f"within what the prediction can tell, so {in_force:g} MB is kept"})
     group_gain = current.predicted_step_ms - grouped.predicted_step_ms
+    group_worth, group_shown = clears(ctx, group_gain, current.predicted_step_ms)
     explain.append({"knob": "tensor_groups", "predicted_gain_ms": max(0.0, group_gain),
                     "why": f"optimal grouping by dynamic programming: {len(grouping)} groups of "
-                           f"{', '.join(f'{c:.2f}' for c in group_caps)} MB, applied as DDP's bucket_cap_mb_list"})
-    if group_gain > MIN_GAIN * current.predicted_step_ms:
+                           f"{', '.join(f'{c:.2f}' for c in group_caps)} MB, applied as DDP's bucket_cap_mb_list; "
+                           f"{group_shown}" + ("" if group_worth else ": not applied, within the prediction's "
+                                                                       "uncertainty")})
+    if group_worth:
         knobs["tensor_groups"] = grouping
     # the plugins apply tensor_groups over a bucket cap (DDP's bucket_cap_mb_list), and so does what-if
     return optimize_common(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,

@@ -63,6 +63,7 @@ __all__ = [
     "load_run",
     "load_run_json",
     "read_json",
+    "run_step_times_ms",
     "step_times_ms",
     "validate_events",
 ]
@@ -894,6 +895,17 @@ def _one_line(text: str, limit: int = 200) -> str:
 def step_times_ms(trace: RankTrace) -> dict[int, float]:
     """Measured time of each recorded step of one rank, in milliseconds, from its STEP events."""
     return {ev["args"]["step"]: ev["dur"] / 1000.0 for ev in trace.events if ev["cat"] == "STEP"}
+
+
+def run_step_times_ms(run: Run) -> list[float]:
+    """Each recorded step's time in ms as the slowest rank measured it (the step the job waits for), in step order,
+    without the window's first step (it opens the window)."""
+    slowest: dict[int, float] = {}
+    for trace in run.ranks.values():
+        for step, ms in step_times_ms(trace).items():
+            slowest[step] = max(slowest.get(step, 0.0), ms)
+    ordered = sorted(slowest)
+    return [slowest[step] for step in ordered[1:]]
 
 
 def format_steps(steps: Iterable[int]) -> str:

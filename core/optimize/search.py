@@ -18,30 +18,55 @@ the applied config (``dpro.config`` schema) with its ``explain`` list.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from dpro.engines import get_engine
+from dpro.io.load import run_step_times_ms
 from dpro.progress import Progress
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
 __all__ = [
     "MIN_GAIN",
+    "WHATIF_ERROR",
     "OptimizeResult",
     "RecomputeChoice",
     "best_grouping",
     "best_recompute",
+    "clears",
     "config_document",
     "gradient_ready_us",
     "optimize",
     "optimize_common",
     "recompute_candidates",
+    "uncertainty_ms",
 ]
 
 
 MIN_GAIN = 0.03  # a change must be predicted to save 3% to be recommended: smaller gains are within what-if error
+WHATIF_ERROR = 0.05  # what a what-if on a job not tuned on misses by (median, issue 35's measurements): every
+# prediction carries it beside the spread of the recorded steps
+
+
+def uncertainty_ms(ctx: Context, predicted_ms: float) -> float:
+    """How far a predicted step of ``predicted_ms`` may be off: the standard error of the recorded steps' median
+    (from their interquartile range; the slowest rank's step, step by step) plus ``WHATIF_ERROR`` of it."""
+    steps = sorted(run_step_times_ms(ctx.run))
+    spread = 0.0
+    if len(steps) >= 4:
+        iqr = steps[(3 * len(steps)) // 4] - steps[len(steps) // 4]
+        spread = 1.253 * (iqr / 1.349) / math.sqrt(len(steps))  # the median's standard error, normal steps
+    return spread + WHATIF_ERROR * predicted_ms
+
+
+def clears(ctx: Context, gain_ms: float, predicted_ms: float, floor: float = MIN_GAIN) -> tuple[bool, str]:
+    """Whether a predicted gain is worth recommending (beyond ``floor`` of the step and the prediction's
+    uncertainty), and the gain as people read it: ``+4.6 ms +/- 6.0 ms``."""
+    margin = uncertainty_ms(ctx, predicted_ms)
+    return gain_ms > max(floor * predicted_ms, margin), f"{gain_ms:+.2f} ms +/- {margin:.2f} ms"
 
 
 def gradient_ready_us(ctx: Context) -> dict[str, float]:
@@ -207,16 +232,17 @@ def optimize_common(ctx: Context, *, memory_budget_bytes: int | None = None, all
     if ctx.base.transfer:
         compressed = predict(ctx, {**comm_knobs, "gradient_compression": "fp16"})
         c_gain = current.predicted_step_ms - compressed.predicted_step_ms
-        if c_gain > 0.05 * current.predicted_step_ms and allow_compression:
+        worth, shown = clears(ctx, c_gain, current.predicted_step_ms, floor=0.05)
+        if worth and allow_compression:
             knobs["gradient_compression"] = "fp16"
             current = compressed
             explain.append({"knob": "gradient_compression", "predicted_gain_ms": c_gain,
-                            "why": "fp16 allreduce halves the bytes on the wire"})
+                            "why": f"fp16 allreduce halves the bytes on the wire: {shown}"})
         else:
             explain.append({"knob": "gradient_compression", "predicted_gain_ms": max(0.0, c_gain),
                             "why": "not applied: " + ("fp16 compression changes numerics; pass --allow-compression"
-                                                      if c_gain > 0.05 * current.predicted_step_ms
-                                                      else "predicted gain under 5%")})
+                                                      if worth else f"{shown} is within what the prediction can "
+                                                                    "tell (or under 5% of the step)")})
     if memory_budget_bytes is not None:
         choice = best_recompute(ctx, memory_budget_bytes, {k: v for k, v in knobs.items() if k != "tensor_groups"})
         if choice.modules and choice.prediction is not None:

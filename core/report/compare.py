@@ -22,7 +22,7 @@ from dpro.errors import UsageError
 from dpro.io.load import Run, load_run
 
 __all__ = ["Comparison", "MeasuredChange", "compare_runs", "format_comparison", "measured_change", "render_comparison",
-           "same_model", "step_samples"]
+           "same_model"]
 
 TOP_DIFFERENCES = 12
 MIN_SHARED_OPS = 0.5  # runs without fingerprints must share at least half their compute ops by name
@@ -53,19 +53,9 @@ class MeasuredChange:
                 f"{self.steps[1]} and {self.steps[0]} steps)")
 
 
-def step_samples(run: Run) -> list[float]:
-    """Each recorded step's time in ms, as the slowest rank measured it (the step the job waits for)."""
-    by_step: dict[int, float] = defaultdict(float)
-    for trace in run.ranks.values():
-        for ev in trace.events:
-            if ev["cat"] == "STEP":
-                by_step[ev["args"]["step"]] = max(by_step[ev["args"]["step"]], ev["dur"] / 1000.0)
-    first = min(by_step, default=None)
-    return [ms for step, ms in sorted(by_step.items()) if step != first]  # the window's first step opens it
-
-
 def measured_change(before: list[float], after: list[float], *, seed: int = 0) -> MeasuredChange:
-    """Compare two runs' step samples (``step_samples``) by the ratio of their medians, with a bootstrap interval.
+    """Compare two runs' step times (``io.load.run_step_times_ms``) by the ratio of their medians, with a bootstrap
+    interval.
 
     Raises:
         UsageError: a run with fewer than 3 steps to compare.

@@ -18,7 +18,7 @@ from typing import Any
 
 from dpro.dag.graph import graph_from_steps
 from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
-from dpro.optimize.search import OptimizeResult, best_grouping, best_recompute, gradient_ready_us
+from dpro.optimize.search import OptimizeResult, best_grouping, best_recompute, clears, gradient_ready_us
 from dpro.sim.cost import CommModel, fit_comm_model, robust_line
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.whatif import MB, Context, Prediction, predict
@@ -551,7 +551,8 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
     level = baseline.predicted_step_ms - current["predicted_step_ms"]
     explain: list[dict[str, Any]] = []
     gain = current["predicted_step_ms"] - best["predicted_step_ms"]
-    chosen = best if gain > HOROVOD_MIN_GAIN * current["predicted_step_ms"] else current
+    worth, shown = clears(ctx, gain, current["predicted_step_ms"] + level, floor=HOROVOD_MIN_GAIN)
+    chosen = best if worth else current
     env = {"HOROVOD_FUSION_THRESHOLD": str(chosen["threshold_bytes"]),
            "HOROVOD_CYCLE_TIME": f"{chosen['cycle_time_ms']:g}"}
     knobs: dict[str, Any] = {"env": env}
@@ -564,13 +565,13 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
                         "why": f"HOROVOD_FUSION_THRESHOLD / HOROVOD_CYCLE_TIME {described}; the setting in force "
                                f"({current['threshold_mb']:g} MB / {current['cycle_time_ms']:g} ms) replays at "
                                f"{baseline.predicted_step_ms:.2f} ms, this one at "
-                               f"{best['predicted_step_ms'] + level:.2f} ms ({space})"})
+                               f"{best['predicted_step_ms'] + level:.2f} ms, {shown} ({space})"})
     else:
         explain.append({"knob": "env", "predicted_gain_ms": 0.0,
-                        "why": f"the Horovod setting in force ({described}) is already within "
-                               f"{HOROVOD_MIN_GAIN:.0%} of the best ({best['threshold_mb']:g} MB / "
-                               f"{best['cycle_time_ms']:g} ms: {best['predicted_step_ms'] + level:.2f} ms vs "
-                               f"{baseline.predicted_step_ms:.2f} ms; {space}); kept"})
+                        "why": f"the best setting found ({best['threshold_mb']:g} MB / {best['cycle_time_ms']:g} "
+                               f"ms: {best['predicted_step_ms'] + level:.2f} ms against "
+                               f"{baseline.predicted_step_ms:.2f} ms, {shown}) gains no more than the prediction "
+                               f"can tell ({space}): the setting in force ({described}) is kept"})
     cache = best["cache"]
     _, _, cache0 = _in_force(ctx)
     if chosen is best and cache["capacity"] != cache0:
@@ -588,7 +589,7 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
     final_ms = chosen["predicted_step_ms"] + level
     group_gain = chosen["predicted_step_ms"] - best["tensor_groups_predicted_step_ms"]
     groups = best["tensor_groups"]
-    if chosen is best and group_gain > HOROVOD_MIN_GAIN * chosen["predicted_step_ms"]:
+    if chosen is best and clears(ctx, group_gain, chosen["predicted_step_ms"] + level, floor=HOROVOD_MIN_GAIN)[0]:
         knobs["tensor_groups"] = groups
         final_ms -= group_gain
     applied = "tensor_groups" in knobs
@@ -597,7 +598,8 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
                     "why": f"optimal grouping by dynamic programming ({len(groups)} groups) as "
                            f"hvd.DistributedOptimizer(groups=): {grouped_ms:.2f} ms under "
                            f"{best['threshold_mb']:g} MB / {best['cycle_time_ms']:g} ms"
-                           + ("" if applied else f"; not applied (gain under {HOROVOD_MIN_GAIN:.0%} or setting kept)")})
+                           + ("" if applied else "; not applied (gain within the prediction's uncertainty, or the "
+                                                 "setting kept)")})
     explain.append({"knob": "gradient_compression", "predicted_gain_ms": 0.0,
                     "why": "not searched for Horovod (hvd.Compression.fp16 is not applied by dpro)"})
     predicted = Prediction(knobs=dict(knobs), predicted_step_ms=final_ms,
