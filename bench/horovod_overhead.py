@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import json
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -149,13 +148,7 @@ def main() -> int:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown or "off" not in configs:
         parser.error(f"--configs: choose from {', '.join(CONFIGS)}, off included (unknown: {unknown})")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    where = "loopback (one host, horovodrun)"
-    if not args.loopback:
-        ok, why = tb.testbed_available()
-        if not ok:
-            print(f"emulated network unavailable ({why}); running on loopback", file=sys.stderr)
-            args.loopback = True
+    where = hvd_bench.choose_network(args)
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     with contextlib.ExitStack() as stack:
         cluster = None

@@ -193,6 +193,18 @@ def _result(argv: list[str], stdout: str) -> dict:
     return _rank0_json(stdout) if argv[1:2] == [str(JOB)] else {}
 
 
+def choose_network(args: argparse.Namespace) -> str:
+    """Loopback when asked for or when the emulated network cannot be made here (``args.loopback`` is set then);
+    a SIGTERM still removes the namespaces and /etc/netns. Returns where the jobs run, for the table's title."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if not args.loopback:
+        ok, why = tb.testbed_available()
+        if not ok:
+            print(f"emulated network unavailable ({why}); running on loopback", file=sys.stderr)
+            args.loopback = True
+    return "loopback (one host, horovodrun)"
+
+
 # ---- the three ways --------------------------------------------------------------------------------
 
 def measure(cluster: tb.Cluster | None, args: argparse.Namespace, env: dict[str, str],
@@ -380,13 +392,7 @@ def main() -> int:
     if args.command == "rendezvous":
         serve_rendezvous(args.hosts, args.size)
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still removes namespaces and /etc/netns
-    where = "loopback (one host, horovodrun)"
-    if not args.loopback:
-        ok, why = tb.testbed_available()
-        if not ok:
-            print(f"emulated network unavailable ({why}); running on loopback", file=sys.stderr)
-            args.loopback = True
+    where = choose_network(args)
     rows: dict[str, dict] = {}
     keep = contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="dpro-launch-")
     with keep as tmp:
