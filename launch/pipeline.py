@@ -279,6 +279,21 @@ def _auto_rerun(first: LaunchConfig, recorded: Path, tuned: Config, replayed_ms:
     return 0
 
 
+def _changes(config: Config, in_force: dict[str, Any]) -> dict[str, Any]:
+    """The knobs ``config`` sets to something other than what the recorded run had in force (an engine's ``env``
+    knobs one by one: a Horovod config always names its fusion threshold and cycle time)."""
+    def same(a: Any, b: Any) -> bool:
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return str(a) == str(b)
+
+    out = {k: v for k, v in config.knobs.items() if k != "env"}
+    env = config.knobs.get("env") or {}
+    out.update({k: v for k, v in env.items() if k not in in_force or not same(v, in_force[k])})
+    return out
+
+
 def _keep_the_faster(before: Path, after: Path, tuned: Config) -> dict[str, Any]:
     """``--auto``'s verdict: the config stays where ``--apply auto`` finds it only if the re-run measured faster than
     the original beyond the two runs' step-to-step spread; otherwise it is set aside as ``config.not-kept.json``
@@ -287,7 +302,7 @@ def _keep_the_faster(before: Path, after: Path, tuned: Config) -> dict[str, Any]
     from dpro.io.load import load_run, run_step_times_ms
     from dpro.report.compare import measured_change
 
-    if not tuned.knobs:
+    if not _changes(tuned, load_run(before).meta.get("knobs") or {}):
         _say("--auto: the config changes nothing; the original settings stay")
         doc = {"kept": "original", "why": "the config changes nothing", "config": str(tuned.path), "change": None}
         write_json_atomic(analysis_file(after, "auto.json"), doc)

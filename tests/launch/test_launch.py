@@ -707,7 +707,7 @@ def test_auto_keeps_the_original_when_the_config_measures_slower(tmp_path):
     replay prices as a gain on this wide model): the re-run is slower beyond its spread, so
     --auto says so, keeps the original settings and sets the config aside where --apply auto does not find it."""
     proc = run_job(launcher("-np", "2", "--auto", "--allow-compression", "--profile", "3:15", "--run-dir", "runs/a",
-                            "python", str(JOBS / "plain_ddp.py"), "--steps", "16", "--width", "1024",
+                            "python", str(JOBS / "plain_ddp.py"), "--steps", "16", "--width", "2048",
                             "--slower-with-config", "15"),
                    env=env_for_jobs(), cwd=tmp_path, timeout=300)
     before, after = tmp_path / "runs" / "a", tmp_path / "runs" / "a-applied"

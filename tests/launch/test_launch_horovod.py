@@ -288,7 +288,10 @@ def test_auto_on_a_horovod_job(tmp_path):
     proc = run_job(launcher("--auto", "--profile", "2:8", "--run-dir", "runs/a", "python", str(PLAIN)),
                    env=env_for_jobs(), cwd=tmp_path, timeout=180)
     before, after = tmp_path / "runs" / "a", tmp_path / "runs" / "a-applied"
-    config = json.loads((before / "analysis" / "config.json").read_text())
+    verdict = json.loads((after / "analysis" / "auto.json").read_text())  # kept where --apply auto finds it, or not
+    config = json.loads(Path(verdict["config"]).read_text())
+    assert Path(verdict["config"]).name == ("config.json" if verdict["kept"] == "config" or verdict["change"] is None
+                                           else "config.not-kept.json")
     assert config["fingerprint"]["engine"] == "horovod" and config["fingerprint"]["world_size"] == 2
     env = config["knobs"]["env"]
     assert int(env["HOROVOD_FUSION_THRESHOLD"]) >= 0 and float(env["HOROVOD_CYCLE_TIME"]) > 0
