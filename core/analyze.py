@@ -347,8 +347,8 @@ def _left_out_note(model: StepModel) -> list[str]:
     if not model.left_out_steps:
         return []
     listed = ", ".join(f"{step} ({us / 1000.0:.1f} ms)" for step, us in model.left_out_steps.items())
-    return [f"steps far outside the others (beyond 3 interquartile ranges), left out of the model and of the "
-            f"measured step: {listed}"]
+    return [f"steps far outside the others (beyond 3 interquartile ranges; with under 8 steps, over twice the "
+            f"others' median), left out of the model and of the measured step: {listed}"]
 
 
 def _engine_notes(run: Run) -> list[str]:

@@ -268,13 +268,16 @@ class StepModel:
 
 FAR_OUT_IQR = 3.0  # Tukey's "far out": beyond the quartiles by 3 interquartile ranges
 FAR_OUT_MIN_STEPS = 8  # fewer steps give no quartiles to judge by
+FAR_OUT_RATIO = 2.0  # with fewer: a step more than twice the median of the others (a stall, a compile)
 
 
 def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
     """Steps whose duration (median over ranks) lies beyond ``FAR_OUT_IQR`` interquartile ranges outside the
     quartiles of the others: a collection, a checkpoint, a neighbour taking the CPU. Their ops would move every op's
-    mean; they are left out of the step model and of the measured step alike, and the analysis names them."""
-    if len(steps) < FAR_OUT_MIN_STEPS:
+    mean; they are left out of the step model and of the measured step alike, and the analysis names them.
+    With fewer than ``FAR_OUT_MIN_STEPS`` steps (3 at least) there are no quartiles to judge by: a step longer than
+    ``FAR_OUT_RATIO`` times the median of the others is far out, fewer than half of the steps at most."""
+    if len(steps) < 3:
         return {}
     wanted = set(steps)
     by_step: dict[int, list[float]] = defaultdict(list)
@@ -283,8 +286,12 @@ def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
             if e["cat"] == "STEP" and e["args"].get("step") in wanted:
                 by_step[e["args"]["step"]].append(e["dur"])
     durations = {step: statistics.median(v) for step, v in by_step.items()}
-    if len(durations) < FAR_OUT_MIN_STEPS:
+    if len(durations) < 3:
         return {}
+    if len(durations) < FAR_OUT_MIN_STEPS:
+        out = {step: d for step, d in sorted(durations.items())
+               if d > FAR_OUT_RATIO * statistics.median(o for s, o in durations.items() if s != step)}
+        return out if 2 * len(out) < len(durations) else {}
     q1, _, q3 = statistics.quantiles(durations.values(), n=4)
     fence = FAR_OUT_IQR * (q3 - q1)
     return {step: d for step, d in sorted(durations.items()) if d > q3 + fence or d < q1 - fence}

@@ -115,7 +115,17 @@ def test_a_step_far_outside_the_others_is_left_out_of_the_model_and_the_measured
     analysis = analyze_path(root)
     assert analysis.measured_step_ms == PERIOD_US / 1000.0 and abs(analysis.error_pct) < 1.0
     assert any("left out of the model and of the measured step: 9 (47.7 ms)" in n for n in analysis.notes)
-    assert far_out_steps(run, list(range(3, 10))) == {}  # too few steps to judge by
+    # fewer than 8 steps have no quartiles: a step over twice the others' median is far out, never half of them
+    assert far_out_steps(run, list(range(5, 10))) == {9: PERIOD_US + 40_000.0}
+    assert far_out_steps(run, [8, 9]) == {}
+
+
+def test_a_stall_in_five_steps_is_left_out(tmp_path):
+    """Five steps, one of them stalled (a profiler trace of a few steps): the prediction stays with the other four."""
+    root = make_run_of(tmp_path / "run", _one_stall, steps=range(5, 10))
+    analysis = analyze_path(root)
+    assert analysis.measured_step_ms == PERIOD_US / 1000.0 and abs(analysis.error_pct) < 1.0
+    assert any("9 (47.7 ms)" in n for n in analysis.notes)
 
 
 def test_the_step_model_comes_with_its_measured_gaps_and_tails(tmp_path):
