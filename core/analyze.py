@@ -321,7 +321,7 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
     per_rank = [{"rank": r, "measured_step_ms": model.step_us_by_rank[r] / 1000.0,
                  "predicted_step_ms": predicted.get(r, float("nan")) / 1000.0,
                  **{k + "_ms": parts[r][k] / 1000.0 for k in keys}} for r in sorted(parts)]
-    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model)]
+    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model)] + _unrecorded_note(run, pred)
     analysis = Analysis(
         source=str(run.path), measured_step_ms=measured / 1000.0, predicted_step_ms=pred / 1000.0,
         error_pct=error_pct(pred, measured), breakdown=summary,
@@ -331,6 +331,22 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
         notes=list(run.problems) + alignment.notes + _engine_notes(run) + notes, graph_nodes=g.size,
     )
     return AnalyzedRun(analysis, g, sched, alignment, model)
+
+
+def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
+    """What recording cost the step, when the window's gaps measured it (a window in blocks): the recorded steps
+    are what the model replays, so a prediction for the job as it runs unrecorded is the replay scaled back."""
+    overheads = [o for t in run.ranks.values() if (o := t.header.get("recording_overhead") or {})
+                 and o.get("baseline") == "gaps" and isinstance(o.get("wall_pct"), int | float)]
+    if not overheads:
+        return []
+    pct = statistics.median(o["wall_pct"] for o in overheads)
+    spreads = [o["wall_spread_pct"] for o in overheads if isinstance(o.get("wall_spread_pct"), int | float)]
+    noise = statistics.median(spreads) if spreads else None
+    told = "" if noise is None else f"; noise +/-{noise:.1f}%" + (", so within it" if abs(pct) <= noise else "")
+    return [f"recorded steps ran {pct:+.1f}% against the unrecorded steps between the window's blocks (median over "
+            f"ranks{told}): the job unrecorded would take about {predicted_us / (1.0 + pct / 100.0) / 1000.0:.2f} ms "
+            "a step where this replay says what it recorded"]
 
 
 def _as_recorded_note(run: Run, alignment: Alignment, model: StepModel) -> str:

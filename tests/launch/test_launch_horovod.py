@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from jobrunner import JOBS, job_env, run_job
 
+from dpro.analyze import analyze_run
 from dpro.engines.horovod.timeline import TIMELINE_FILE, timeline_file
 from dpro.io.load import load_run
 from dpro.launch import engines
@@ -271,6 +272,8 @@ def test_the_default_window_records_horovod_in_blocks_with_a_timeline_per_block(
         assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 8  # 15..18 and 25..28
     info = run_job([sys.executable, "-m", "dpro", "info", str(run_dir)], timeout=60).stdout
     assert "recorded vs the unrecorded steps between its blocks" in info
+    notes = analyze_run(run).analysis.notes  # and the analysis says what the job would take unrecorded
+    assert any("against the unrecorded steps between the window's blocks" in n for n in notes), notes
 
 
 def test_a_script_recording_itself_is_recorded_once(tmp_path):
