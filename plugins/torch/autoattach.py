@@ -33,6 +33,9 @@
   allreduced but not attributed to a layer; a parameter shared by two unrelated models picks the
   larger; with several Horovod optimizers the first one to finish a step is recorded.
 
+``$DPRO_MECHANISMS`` (comma-separated, e.g. ``forward,backward,grad_ready,update``) narrows what the recorder
+hooks (``dpro.plugins.torch.recorder.MECHANISMS``), for benches that price each mechanism; unset, all of them.
+
 Step clock: with ``$DPRO_STEP_TIMES`` set to a file, rank 0 writes there (at exit, and every 25 steps) the
 wall-clock time (``time.time()``) at the end of each ``step()`` of the script's ``hvd.DistributedOptimizer``
 (outermost call only) and the process's CPU time then (``time.process_time()``) as JSON
