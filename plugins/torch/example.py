@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from dpro.errors import UsageError
 from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config
 from dpro.plugins.torch.models import MODELS, get_example
 from dpro.plugins.torch.profiler import Profiler
+from dpro.record.protocol import parse_window
 
 __all__ = ["main"]
 
@@ -31,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dpro.plugins.torch.example", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="transformer")
     parser.add_argument("--steps", type=int, default=30, help="training iterations in all")
-    parser.add_argument("--profile", default="10:20", help="iterations to record, START:STOP (default 10:20)")
+    parser.add_argument("--profile", default="10:20",
+                        help="iterations to record, START:STOP or START:STOP:BLOCK (default 10:20)")
     parser.add_argument("--run-dir", default=None, help="run directory (default: a new ./dpro-runs/<timestamp>)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     parser.add_argument("--batch-size", type=int, default=None)
@@ -39,13 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None,
                         help="a dpro config.json to apply (default: $DPRO_CONFIG when set)")
     return parser
-
-
-def parse_window(text: str) -> range:
-    start, sep, stop = text.partition(":")
-    if not sep or not start.isdigit() or not stop.isdigit() or int(stop) <= int(start):
-        raise argparse.ArgumentTypeError(f"--profile {text!r}: expected START:STOP with START < STOP, e.g. 10:20")
-    return range(int(start), int(stop))
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -63,7 +59,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> Path | None:
     """Train the example model; return the run directory (None when not profiled)."""
-    window = parse_window(args.profile)
+    window = parse_window(args.profile).steps
     example = get_example(args.model)
     torch.manual_seed(0)
     model = example.build().to(device)
@@ -98,8 +94,12 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    parse_window(args.profile)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        parse_window(args.profile)
+    except UsageError as err:
+        parser.error(f"--profile {err}")
     rank, world, device = setup_distributed()
     began = time.monotonic()
     run_dir = train(args, rank, world, device)
