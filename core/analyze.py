@@ -18,7 +18,7 @@ import numpy as np
 
 from dpro.dag.align import Alignment, align
 from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model
-from dpro.io.load import Run, load_run
+from dpro.io.load import Run, load_run, overhead_of
 from dpro.sim.replay import Schedule, critical_path, plan_levels, replay
 from dpro.sim.steps import one_step_models, replay_recorded
 
@@ -336,12 +336,12 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
 def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
     """What recording cost the step, when the window's gaps measured it (a window in blocks): the recorded steps
     are what the model replays, so a prediction for the job as it runs unrecorded is the replay scaled back."""
-    overheads = [o for t in run.ranks.values() if (o := t.header.get("recording_overhead") or {})
-                 and o.get("baseline") == "gaps" and isinstance(o.get("wall_pct"), int | float)]
+    overheads = [o for t in run.ranks.values()
+                 if (o := overhead_of(t.header.get("recording_overhead"))) and o.get("baseline") == "gaps"]
     if not overheads:
         return []
     pct = statistics.median(o["wall_pct"] for o in overheads)
-    spreads = [o["wall_spread_pct"] for o in overheads if isinstance(o.get("wall_spread_pct"), int | float)]
+    spreads = [o["wall_spread_pct"] for o in overheads if "wall_spread_pct" in o]
     noise = statistics.median(spreads) if spreads else None
     told = "" if noise is None else f"; noise +/-{noise:.1f}%" + (", so within it" if abs(pct) <= noise else "")
     return [f"recorded steps ran {pct:+.1f}% against the unrecorded steps between the window's blocks (median over "

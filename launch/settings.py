@@ -168,8 +168,7 @@ def parse_window(text: str) -> Window:
     try:
         return parse_protocol_window(text, first=1)
     except UsageError as err:
-        raise UsageError(f"--profile {err}" + ("; dpro-launch attaches at the end of iteration 0"
-                                                if "starts at" in str(err) else "")) from None
+        raise UsageError(f"--profile {err}") from None
 
 
 def default_window(engine: str) -> Window:

@@ -62,6 +62,7 @@ __all__ = [
     "load_rank_file",
     "load_run",
     "load_run_json",
+    "overhead_of",
     "read_json",
     "run_step_times_ms",
     "step_times_ms",
@@ -895,6 +896,20 @@ def _one_line(text: str, limit: int = 200) -> str:
 def step_times_ms(trace: RankTrace) -> dict[int, float]:
     """Measured time of each recorded step of one rank, in milliseconds, from its STEP events."""
     return {ev["args"]["step"]: ev["dur"] / 1000.0 for ev in trace.events if ev["cat"] == "STEP"}
+
+
+def overhead_of(value: Any) -> dict[str, Any] | None:
+    """A rank header's ``recording_overhead`` (``dpro.record.protocol.recording_overhead``: what recording cost its
+    steps), when it is well formed: a header from elsewhere with anything else in it is not shown."""
+    keys = ("wall_pct", "thread_cpu_pct", "unrecorded_steps", "recorded_steps")
+    if not isinstance(value, dict) or not all(is_finite_number(value.get(k)) for k in keys):
+        return None
+    out = {k: value[k] for k in keys}
+    if is_finite_number(value.get("wall_spread_pct")):
+        out["wall_spread_pct"] = value["wall_spread_pct"]
+    if value.get("baseline") in ("gaps", "before"):
+        out["baseline"] = value["baseline"]
+    return out
 
 
 def run_step_times_ms(run: Run) -> list[float]:

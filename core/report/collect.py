@@ -22,9 +22,8 @@ import numpy as np
 from dpro.analyze import Analysis, AnalyzedRun, analyze_run, time_by_category
 from dpro.dag.graph import NO_QUEUE, Graph
 from dpro.errors import DproError
-from dpro.io.load import Run, load_run
+from dpro.io.load import Run, load_run, overhead_of
 from dpro.progress import Progress
-from dpro.report.info import overhead_of
 from dpro.report.svg import Lane, Span
 from dpro.sim.replay import Schedule, critical_path
 

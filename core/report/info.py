@@ -11,17 +11,16 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from dpro.io.load import RankTrace, Run, format_steps, step_times_ms
+from dpro.io.load import RankTrace, Run, format_steps, overhead_of, step_times_ms
 from dpro.record.trace import CATEGORIES
 from dpro.report.tables import format_bytes, format_table, indent
 
-__all__ = ["format_run_summary", "overhead_of", "summarize_run"]
+__all__ = ["format_run_summary", "summarize_run"]
 
 _RANK_COLUMNS = ("rank", "host", "state", "steps", *CATEGORIES, "step ms (median)", "COMM/step")
 
@@ -79,24 +78,6 @@ def _rank_summary(run: Run, rank: int) -> dict[str, Any]:
         "note": trace.note,
         "recording_overhead": overhead_of(trace.header.get("recording_overhead")),
     }
-
-
-def overhead_of(value: Any) -> dict[str, Any] | None:
-    """The recorder's own measure of what recording cost (``dpro.record.protocol.recording_overhead``), when it is
-    well formed: a header from elsewhere with anything else in it is not shown."""
-    keys = ("wall_pct", "thread_cpu_pct", "unrecorded_steps", "recorded_steps")
-    if not isinstance(value, dict) or not all(_finite(value.get(k)) for k in keys):
-        return None
-    out = {k: value[k] for k in keys}
-    if _finite(value.get("wall_spread_pct")):
-        out["wall_spread_pct"] = value["wall_spread_pct"]
-    if value.get("baseline") in ("gaps", "before"):
-        out["baseline"] = value["baseline"]
-    return out
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _count_categories(trace: RankTrace) -> dict[str, int]:

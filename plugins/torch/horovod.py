@@ -304,10 +304,8 @@ class HorovodRecorder(TorchRecorder):
     def _stop_timeline(self) -> None:
         if self._timeline_started:
             self._timeline_started = False
-            try:
+            with contextlib.suppress(ValueError):
                 hvd.stop_timeline()
-            except ValueError:
-                pass
 
     def close(self, error: BaseException | None = None) -> Path | None:
         self._stop_timeline()
