@@ -71,6 +71,9 @@ __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE",
 ENGINE = "horovod"
 
 
+TIMELINE_BLOCKS = 1  # recorded blocks of a window that run Horovod's timeline (DYNAMIC)
+
+
 def horovod_knobs(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """The Horovod knobs in force: from the environment, else Horovod's defaults."""
     return knobs_from_environment(dict(os.environ if environ is None else environ))
@@ -288,10 +291,13 @@ class HorovodRecorder(TorchRecorder):
     # ---- window ------------------------------------------------------------------------------------
 
     def _block_started(self) -> None:
-        """With ``HOROVOD_TIMELINE=DYNAMIC``, Horovod's timeline runs only while a block records, one file per
-        block (``horovod-timeline.json``, ``horovod-timeline.2.json``, ...: a restarted timeline truncates the file
-        it opens), so the gaps of a window run as the unrecorded job does and measure what the timeline costs."""
-        if os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC":
+        """With ``HOROVOD_TIMELINE=DYNAMIC``, Horovod's timeline runs while the window's first ``TIMELINE_BLOCKS``
+        blocks record, one file per block (``horovod-timeline.json``, ``horovod-timeline.2.json``, ...: a restarted
+        timeline truncates the file it opens). The timeline is what recording a Horovod step costs most (its
+        writer and the per-cycle coordination it turns on), and the fused buffers of a few steps are what the
+        model needs from it: the later blocks record hooks and allreduce completions only, and the gaps run as
+        the unrecorded job does."""
+        if os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC" or self._timeline_blocks >= TIMELINE_BLOCKS:
             return
         self._timeline_blocks += 1
         hvd.start_timeline(str(self.run_dir / timeline_file(self._timeline_blocks)))

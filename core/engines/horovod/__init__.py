@@ -49,11 +49,18 @@ def _prepare_run(run: Any) -> None:
 
 def _notes(run: Any) -> list[str]:
     merged = ((run.meta or {}).get("horovod") or {}).get("merged") or {}
+    notes = []
+    if merged.get("steps_without_timeline"):
+        notes.append(f"Horovod's timeline ran in {len(merged.get('steps', []))} of the recorded steps (it costs the "
+                     f"step most of what recording does); the other {len(merged['steps_without_timeline'])} time each "
+                     "allreduce from its launch to the completion the recorder saw, and the fused buffers that price "
+                     "Horovod's knobs come from the steps with the timeline")
     if merged.get("distinct_fusions", 0) > 1:
-        return [f"Horovod fused the gradients {merged['distinct_fusions']} different ways in "
-                f"{len(merged.get('steps', []))} steps (fusion depends on timing); every step is used: each tensor's "
-                "allreduce ends with its fused buffer, and transfers are calibrated from mean end times in the step"]
-    return []
+        notes.append(f"Horovod fused the gradients {merged['distinct_fusions']} different ways in "
+                     f"{len(merged.get('steps', []))} steps (fusion depends on timing); every step is used: each "
+                     "tensor's allreduce ends with its fused buffer, and transfers are calibrated from mean end "
+                     "times in the step")
+    return notes
 
 
 def _bytes(value: Any, source: str, key: str) -> int:

@@ -578,10 +578,12 @@ def merge_horovod_timeline(run: Any, path: str | Path | None = None) -> dict[str
         return summary
     rank0 = launches[0]
     step_of_op: dict[int, _Launch] = {id(op): rank0[i] for i, op in pairs.items()}
-    unmatched = len(rank0) - len(pairs)
+    covered = {rank0[i].step for i in pairs}
+    unmatched = sum(1 for i, launch in enumerate(rank0) if i not in pairs and launch.step in covered)
     if unmatched:
         run.problems.append(f"{path.name}: {unmatched} recorded allreduce(s) of rank 0 have no operation in "
                             "the Horovod timeline; they are kept as recorded")
+    summary["steps_without_timeline"] = sorted({launch.step for launch in rank0} - covered)
     steps: dict[int, list[FusedGroup]] = defaultdict(list)
     for group in timeline.groups:
         owners = [step_of_op[id(m)].step for m in group.members if id(m) in step_of_op]
