@@ -12,7 +12,7 @@ round by round:
 - ``dpro``:       the recorder plus ``HOROVOD_TIMELINE=DYNAMIC`` (the timeline started and stopped by the recorder
                   around its window), over the whole window;
 - ``blocks``:     what ``dpro-launch`` runs for Horovod by default: the same, in blocks (``--profile START:STOP:5``),
-                  the timeline on only while a block records; its step is the median over the recorded steps (each
+                  the timeline on only while the first block records; its step is the median over the recorded steps (each
                   block's first left out: the hooks go in at its start), against the same steps of the ``off`` job,
                   and its ``self`` column is what the recorder itself reported (``dpro info``: recorded vs gap steps).
 
