@@ -2,8 +2,10 @@
 
 The step boundaries come from the caller (the Keras callback's batch hooks, or ``Profiler.step()`` in a
 custom loop), on the rank's monotonic clock. Per-op timing comes from TensorFlow's own profiler: it runs
-for the window only (``tf.profiler.experimental.start/stop``), its XPlane file is kept in the run directory
-(``xplane-rank<r>/``, TensorBoard opens it) and parsed when the window ends (``dpro.plugins.tf.xplane``), and
+for the window only (``tf.profiler.experimental.start/stop``; a window in blocks, once per block, so that its gaps
+run unrecorded and measure what recording costs), its XPlane files are kept in the run directory (``xplane-rank<r>/``,
+``xplane-rank<r>.2/`` for a second block, ...; TensorBoard opens them) and parsed when the window ends
+(``dpro.plugins.tf.xplane``), and
 its ops are mapped to layers (``dpro.plugins.tf.ops``). TensorFlow hands the profile over only when it stops,
 so a worker killed inside the window leaves its run.json and the XPlane directory, not its events.
 
@@ -13,6 +15,7 @@ Workers agree on the run directory and exchange clock samples over a TCP side ch
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -211,6 +214,7 @@ class TFRecorder:
         self._writer: RankTraceWriter | None = None
         self._closed = False
         self._timeline_started = False
+        self._blocks: list[tuple[Path, list[int]]] = []  # each recorded block's TensorFlow profile and steps
         self._step_ends: dict[int, tuple[float, float]] = {}  # iteration -> (wall, thread CPU) at its end
 
     @property
@@ -225,6 +229,8 @@ class TFRecorder:
             return
         if self.iteration == self.steps[0] and not self.started:
             self._begin_window()
+        elif self.iteration in self.window and self.started and not self._profiling:
+            self._start_profiler()  # the first step of a later block
         now = self.clock.now()
         self._step_begin = self._last_end if (self._last_end is not None and self.iteration - 1 in self.window) \
             else now
@@ -236,7 +242,10 @@ class TFRecorder:
         now = self.clock.now()
         if self.iteration in self.window and self._profiling and self._step_begin is not None:
             self._marks.append((self.iteration, self._step_begin, now))
+            self._blocks[-1][1].append(self.iteration)
         self._last_end = now
+        if self._profiling and self.iteration + 1 not in self.window and self.iteration < self.steps[-1]:
+            self._stop_profiler()  # a gap follows: it runs unrecorded, and measures what recording costs
         step_ended(self._step_ends, self.iteration, self.steps)  # the overhead's clock
         self.iteration += 1
         if self.iteration > self.steps[-1]:
@@ -253,17 +262,39 @@ class TFRecorder:
         if self.rank == 0:
             self._write_run_json(pingpong)
         self.transport.barrier()
-        if self.horovod and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":  # dpro-launch asks for the window only
+        self._wall_minus_mono_ns = wall_minus_clock_ns(self.clock)
+        self._start_profiler()
+
+    def _start_profiler(self) -> None:
+        """A recorded block begins: TensorFlow's profiler into the block's own directory and, in the first block
+        only, Horovod's timeline (``HOROVOD_TIMELINE=DYNAMIC``: dpro-launch asks for the window only). The timeline
+        costs a Horovod step most of what recording does; a few steps of fused buffers are what the model needs."""
+        if self.horovod and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC" and not self._blocks:
             import horovod.tensorflow as hvd
 
             hvd.start_timeline(str(self.run_dir / TIMELINE_FILE))
             self._timeline_started = True
-        logdir = self.run_dir / XPLANE_DIR.format(rank=self.rank)
+        name = XPLANE_DIR.format(rank=self.rank)
+        logdir = self.run_dir / (name if not self._blocks else f"{name}.{len(self._blocks) + 1}")
         _drain()  # the profiler starts with no op of the previous step in flight
         tf.profiler.experimental.start(str(logdir))
-        self._logdir = logdir
+        self._blocks.append((logdir, []))
         self._profiling = True
-        self._wall_minus_mono_ns = wall_minus_clock_ns(self.clock)
+
+    def _stop_profiler(self) -> None:
+        self._profiling = False
+        _drain()
+        with self._writer.inside(STOPPING_PROFILER):
+            tf.profiler.experimental.stop()
+        self._stop_timeline()
+
+    def _stop_timeline(self) -> None:
+        if self._timeline_started:
+            self._timeline_started = False
+            import horovod.tensorflow as hvd
+
+            with contextlib.suppress(ValueError):
+                hvd.stop_timeline()
 
     def _model_layout(self) -> tuple[Layout, list[dict[str, Any]]]:
         bytes_per_pack, _ = communication_options(self.strategy)
@@ -279,24 +310,15 @@ class TFRecorder:
             self._close_transport()
             return None
         if self._profiling:
-            self._profiling = False
-            _drain()
-            with self._writer.inside(STOPPING_PROFILER):
-                tf.profiler.experimental.stop()
-        if self._timeline_started:
-            self._timeline_started = False
-            import horovod.tensorflow as hvd
-
-            try:
-                hvd.stop_timeline()
-            except ValueError:
-                pass
+            self._stop_profiler()
+        self._stop_timeline()
         note = f"stopped by {type(error).__name__}: {error}" if error is not None else ""
-        try:
-            profile = read_xplane(find_xplane(self._logdir))
-            rows_by_step = self._rows(profile)
-        except DproError as err:
-            rows_by_step, note = {}, f"{note}; the TensorFlow profile could not be read: {err}".lstrip("; ")
+        rows_by_step: dict[int, list[list[Any]]] = {}
+        for logdir, steps in self._blocks:
+            try:
+                rows_by_step.update(self._rows(read_xplane(find_xplane(logdir)), set(steps)))
+            except DproError as err:
+                note = f"{note}; the TensorFlow profile could not be read: {err}".lstrip("; ")
         for step, rows in rows_by_step.items():
             self._writer.end_step(step, rows)
         missing = [s for s in self.steps if s not in rows_by_step]
@@ -316,10 +338,13 @@ class TFRecorder:
         if callable(closer):
             closer()
 
-    def _rows(self, profile: Any) -> dict[int, list[list[Any]]]:
+    def _rows(self, profile: Any, steps: set[int]) -> dict[int, list[list[Any]]]:
+        """The rows of ``steps`` (one block's) from that block's ``profile``."""
         out: dict[int, list[list[Any]]] = {}
         offset = self._wall_minus_mono_ns
         for step, begin, end in self._marks:
+            if step not in steps:
+                continue
             lo, hi = begin * 1000.0 + offset, end * 1000.0 + offset  # the step in wall-clock ns
             ops = [o for o in profile.ops if lo <= o.start_ns < hi]
             colls = [c for c in profile.collectives if lo <= c.launch_ns < hi]

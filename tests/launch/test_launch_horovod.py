@@ -427,3 +427,26 @@ def test_an_unmodified_hvd_keras_job_is_recorded_through_the_horovod_engine(tmp_
     env = json.loads(config.read_text())["knobs"]["env"]
     knobs = json.loads((tmp_path / "applied" / "run.json").read_text())["knobs"]
     assert knobs["HOROVOD_FUSION_THRESHOLD"] == int(env["HOROVOD_FUSION_THRESHOLD"])
+
+
+@pytest.mark.skipif(not HAVE_HVD_KERAS, reason="this Horovod wheel was built without TensorFlow")
+def test_a_hvd_keras_window_in_blocks_profiles_each_block_and_runs_the_timeline_in_the_first(tmp_path):
+    """--profile 4:16:3: blocks 4..6 and 10..12, each with its own TensorFlow profile; the gaps run unrecorded (the
+    overhead's baseline), and Horovod's timeline runs in the first block only."""
+    proc = run_job(launcher("--profile", "4:16:3", "--run-dir", "run", "python", str(JOBS / "hvd_keras_job.py"),
+                            "--steps", "18"), env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
+    assert "hvd.keras rank 1 of 2 done" in proc.stdout
+    run_dir = tmp_path / "run"
+    assert (run_dir / "xplane-rank0").is_dir() and (run_dir / "xplane-rank0.2").is_dir()
+    assert not (run_dir / "xplane-rank0.3").exists()
+    run = load_run(run_dir)
+    for rank in (0, 1):
+        trace = run.ranks[rank]
+        for step in (4, 5, 6, 10, 11, 12):  # every recorded step has its layers' times, from its block's profile
+            assert any(e["cat"] == "FW" and e["args"]["step"] == step for e in trace.events), (rank, step)
+        assert not any(e["args"].get("step") in (7, 8, 9) for e in trace.events)
+        overhead = trace.header["recording_overhead"]
+        assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 2  # 7 and 8
+    merged = run.meta["horovod"]["merged"]
+    if merged.get("steps"):  # Horovod wrote the timeline (DYNAMIC honoured)
+        assert merged["steps"] == [4, 5, 6] and merged["steps_without_timeline"] == [10, 11, 12]
