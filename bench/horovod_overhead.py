@@ -1,14 +1,16 @@
 """What recording a Horovod job costs its step, mechanism by mechanism, in jobs run side by side.
 
-An unmodified Horovod (PyTorch + Gloo) script runs on 2 ranks, on loopback or on the emulated cluster network
+An unmodified Horovod script (PyTorch or Keras, Gloo) runs on 2 ranks, on loopback or on the emulated cluster network
 (``dpro.testbed``: one rank per host, tbf-limited links), once per configuration, the configurations alternated
 round by round:
 
 - ``off``:        nothing recorded (dpro's step clock only: one wrapper call per step on rank 0);
 - ``timeline``:   Horovod's own timeline (``HOROVOD_TIMELINE`` from ``hvd.init()``, ``horovodrun --timeline-filename``);
 - ``cycles``:     the timeline with ``HOROVOD_TIMELINE_MARK_CYCLES=1``;
-- ``hooks``:      dpro's recorder with its module, gradient and optimizer hooks, no allreduce polling, no timeline;
-- ``hooks+poll``: the recorder with every mechanism (launch marks and ``hvd.poll`` of every allreduce), no timeline;
+- ``hooks``:      dpro's recorder with its module, gradient and optimizer hooks, no allreduce polling, no timeline
+                  (PyTorch only: a Keras job's recorder is TensorFlow's profiler, which has no parts to leave out);
+- ``hooks+poll``: the recorder with every mechanism (launch marks and ``hvd.poll`` of every allreduce), no timeline
+                  (PyTorch only);
 - ``dpro``:       the recorder plus ``HOROVOD_TIMELINE=DYNAMIC`` (the timeline started and stopped by the recorder
                   around its window), over the whole window;
 - ``blocks``:     what ``dpro-launch`` runs for Horovod by default: the same, in blocks (``--profile START:STOP:5``),

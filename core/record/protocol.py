@@ -22,6 +22,7 @@ copy of the run directory; the file names never collide, so copying them into on
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import statistics
 import sys
@@ -43,6 +44,8 @@ __all__ = [
     "PROBE_REPEAT",
     "RUN_DIR_ENV",
     "SKEW_ENV",
+    "STEP_TIMES_ENV",
+    "StepClock",
     "Transport",
     "Window",
     "agree_run_dir",
@@ -63,6 +66,7 @@ __all__ = [
 
 
 PINGPONG_ROUNDS = 16
+STEP_TIMES_ENV = "DPRO_STEP_TIMES"  # a file where rank 0 of an unrecorded job writes when each step ended
 BASELINE_STEPS = 5  # unrecorded steps just before the window that a recorder's overhead is measured against
 PROBE_BYTES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
 PROBE_REPEAT = 5
@@ -409,3 +413,32 @@ def recording_overhead(ends: dict[int, tuple[float, float]], window: list[int]) 
             "wall_ms": [base_wall, wall], "thread_cpu_ms": [base_cpu, cpu],
             "wall_pct": 100.0 * (wall / base_wall - 1.0) if base_wall > 0 else None,
             "thread_cpu_pct": 100.0 * (cpu / base_cpu - 1.0) if base_cpu > 0 else None}
+
+
+class StepClock:
+    """The step clock of an unrecorded job (``$DPRO_STEP_TIMES``, which benches set): the wall-clock time
+    (``time.time()``) at the end of each step and the process's CPU time then (every thread's), written to ``path``
+    as ``{"rank": 0, "step_ends": [...], "cpu_ends": [...]}`` every ``every`` steps and at ``write()`` (exit).
+    One call per step, no recorder: what a job's steps take without dpro."""
+
+    def __init__(self, path: str | Path, every: int = 25) -> None:
+        self.path = Path(path)
+        self.every = every
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
+
+    def step_ended(self) -> None:
+        self.ends.append(time.time())
+        self.cpu_ends.append(time.process_time())
+        if len(self.ends) % self.every == 0:
+            self.write()
+
+    def write(self) -> None:
+        """Replace the file atomically; a file that cannot be written is said on stderr (the job goes on)."""
+        try:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({"rank": 0, "step_ends": self.ends, "cpu_ends": self.cpu_ends}),
+                           encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as err:
+            print(f"[dpro] {STEP_TIMES_ENV}: cannot write {self.path}: {err}", file=sys.stderr, flush=True)

@@ -10,13 +10,15 @@ the newest config made for this model, engine and number of workers under it) th
 communication options and recomputed layers first (``dpro.plugins.tf.apply``). The fit's batch size
 (``fit_batch_size``) gives the recorder each layer's activation bytes. Nothing here raises into the user's
 program: a failure to patch is printed and ignored; a config that does not fit the job stops it, as the torch
-plugin does.
+plugin does. With ``$DPRO_STEP_TIMES`` (benches), worker 0's first fit also times the end of each batch there
+(``StepClockCallback``), recorded or not.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -27,7 +29,8 @@ __all__ = ["PATCHES", "install"]
 
 AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
 CONFIG, APPLY_SEARCH, FORCE = "DPRO_CONFIG", "DPRO_APPLY_SEARCH", "DPRO_FORCE"
-_STATE = {"installed": False, "attached": False, "configured": False}
+STEP_TIMES = "DPRO_STEP_TIMES"
+_STATE = {"installed": False, "attached": False, "configured": False, "clocked": False}
 
 
 def _say(text: str) -> None:
@@ -110,6 +113,27 @@ def fit_batch_size(arguments: dict[str, Any]) -> int | None:
     return None
 
 
+def _with_step_clock(callbacks: Any) -> Any:
+    """``callbacks`` plus, with ``$DPRO_STEP_TIMES`` on worker 0, a ``StepClockCallback`` for the first fit."""
+    path = os.environ.get(STEP_TIMES)
+    if not path or _STATE["clocked"] or _rank() != 0:
+        return callbacks
+    from dpro.plugins.tf.callback import StepClockCallback
+
+    _STATE["clocked"] = True
+    return [*list(callbacks or []), StepClockCallback(path)]
+
+
+def _rank() -> int:
+    """This worker's rank: Horovod's, else its ``TF_CONFIG`` task index, else 0."""
+    if os.environ.get("HOROVOD_RANK"):
+        return int(os.environ["HOROVOD_RANK"])
+    try:
+        return int(json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {}).get("index", 0))
+    except (ValueError, AttributeError):
+        return 0
+
+
 def _with_recorder(callbacks: Any, batch_size: int | None = None) -> Any:
     """``callbacks`` plus a ``DproCallback`` for the first fit of the process (none if it already has one)."""
     from dpro.plugins.tf.callback import DproCallback
@@ -135,7 +159,7 @@ def _wrap_fit(owner: type) -> None:
         try:
             bound = signature.bind_partial(self, *args, **kwargs)
             batch = fit_batch_size(bound.arguments) if os.environ.get(AUTO_RECORD) == "1" else None
-            bound.arguments["callbacks"] = _with_recorder(bound.arguments.get("callbacks"), batch)
+            bound.arguments["callbacks"] = _with_step_clock(_with_recorder(bound.arguments.get("callbacks"), batch))
             args, kwargs = bound.args[1:], bound.kwargs
         except Exception as err:  # noqa: BLE001 - recording must never stop the user's fit
             _say(f"not recording this fit: {type(err).__name__}: {err}")
@@ -162,7 +186,8 @@ PATCHES: dict[str, Callable[[ModuleType], None]] = {
 def install(when_imported: Callable[[str, Callable[[ModuleType], None]], None]) -> None:
     """Register the patches (once per process) with dpro-launch's post-import hook; only when recording or
     applying a config."""
-    wanted = os.environ.get(AUTO_RECORD) == "1" or os.environ.get(CONFIG) or os.environ.get(APPLY_SEARCH)
+    wanted = os.environ.get(AUTO_RECORD) == "1" or os.environ.get(CONFIG) or os.environ.get(APPLY_SEARCH) or \
+        os.environ.get(STEP_TIMES)
     if _STATE["installed"] or not wanted:
         return
     _STATE["installed"] = True

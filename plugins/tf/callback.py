@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from dpro.plugins.tf.recorder import TFRecorder
+from dpro.record.protocol import StepClock
 
-__all__ = ["DproCallback"]
+__all__ = ["DproCallback", "StepClockCallback"]
 
 
 def _callback_base() -> type:
@@ -95,3 +96,19 @@ class DproCallback(_callback_base()):  # type: ignore[misc]
     def on_train_end(self, logs: Any = None) -> None:
         if self.recorder is not None:
             self.recorder.close()
+
+
+class StepClockCallback(_callback_base()):  # type: ignore[misc]
+    """Times the end of every batch of ``model.fit`` into ``path`` (``dpro.record.protocol.StepClock``): an
+    unrecorded job's steps, which benches compare a recorded one against (``$DPRO_STEP_TIMES`` under dpro-launch's
+    auto-attach)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.clock = StepClock(path)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.clock.step_ended()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self.clock.write()

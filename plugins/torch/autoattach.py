@@ -574,10 +574,6 @@ def _patch_horovod(module: ModuleType) -> None:
         inner_module.DistributedOptimizer = DistributedOptimizer
 
 
-_STEP_ENDS: list[float] = []
-_STEP_CPU: list[float] = []  # the process's CPU time (every thread: Horovod's and dpro's too) at each step end
-
-
 def _step_clock(optimizer: Any) -> Any:
     """With ``$DPRO_STEP_TIMES``: time the end of every ``step()`` of ``optimizer`` on rank 0 (the first
     Horovod optimizer built; an instance attribute, so the wrapped optimizer's own ``step`` inside Horovod's
@@ -585,16 +581,14 @@ def _step_clock(optimizer: Any) -> Any:
     path = os.environ.get(STEP_TIMES)
     if not path or _rank() != 0 or getattr(_step_clock, "installed", False):
         return optimizer
-    import time
+    from dpro.record.protocol import StepClock
 
+    clock = StepClock(path)
     step = optimizer.step
 
     def timed_step(*args: Any, **kwargs: Any) -> Any:
         out = step(*args, **kwargs)
-        _STEP_ENDS.append(time.time())
-        _STEP_CPU.append(time.process_time())
-        if len(_STEP_ENDS) % 25 == 0:
-            _write_step_times(path)
+        clock.step_ended()
         return out
 
     try:
@@ -602,18 +596,8 @@ def _step_clock(optimizer: Any) -> Any:
     except AttributeError:
         return optimizer
     _step_clock.installed = True
-    atexit.register(_write_step_times, path)
+    atexit.register(clock.write)
     return optimizer
-
-
-def _write_step_times(path: str) -> None:
-    try:
-        tmp = f"{path}.tmp"
-        Path(tmp).write_text(json.dumps({"rank": 0, "step_ends": _STEP_ENDS, "cpu_ends": _STEP_CPU}),
-                             encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as err:
-        _say(f"{STEP_TIMES}: cannot write {path}: {err}")
 
 
 class _ConfigRefused(Exception):
