@@ -144,7 +144,7 @@ def _with_recorder(callbacks: Any, batch_size: int | None = None) -> Any:
         return callbacks
     _STATE["attached"] = True
     return [*listed, DproCallback(run_dir=os.environ.get(RUN_DIR) or None, steps=_window(os.environ.get(PROFILE)),
-                                  batch_size=batch_size)]
+                                  batch_size=batch_size, quiet=True)]
 
 
 def _wrap_fit(owner: type) -> None:

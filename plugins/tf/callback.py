@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from dpro.errors import DproError
 from dpro.plugins.tf.recorder import TFRecorder
 from dpro.record.protocol import StepClock
 
@@ -53,11 +55,14 @@ class DproCallback(_callback_base()):  # type: ignore[misc]
         batch_size: the fit's global batch size (what ``fit(batch_size=)`` or the dataset's ``batch()`` gives);
             with it model.json holds each layer's activation bytes and ``dpro optimize --memory-budget`` can
             choose layers to recompute. ``dpro-launch`` finds it from the fit's arguments.
+        quiet: a window the recorder refuses (beyond the fit's steps, a used run directory) is said on stderr and
+            the fit goes on unrecorded, instead of raising (dpro-launch's auto-attach: dpro never stops a job).
     """
 
     def __init__(self, run_dir: str | Path | None = None, steps: Any = range(10, 20), *, config: Any = None,
-                 force: bool = False, batch_size: int | None = None) -> None:
+                 force: bool = False, batch_size: int | None = None, quiet: bool = False) -> None:
         super().__init__()
+        self.quiet = quiet
         self.batch_size = batch_size
         self.run_dir = run_dir
         self.steps = steps
@@ -77,13 +82,22 @@ class DproCallback(_callback_base()):  # type: ignore[misc]
         if self.config is not None and not self.applied:
             self._apply_config()  # before the first step is traced: packing and recompute take effect
         if self.recorder is None and self.steps is not None:
-            total = self.params.get("steps") if isinstance(getattr(self, "params", None), dict) else None
-            epochs = self.params.get("epochs") if isinstance(getattr(self, "params", None), dict) else None
-            replicas = int(getattr(self.model.distribute_strategy, "num_replicas_in_sync", 1) or 1)
-            per_worker = -(-self.batch_size // replicas) if self.batch_size else None
-            self.recorder = TFRecorder(self.model, self.run_dir, self.steps, who="dpro.plugins.tf.DproCallback",
-                                       total_steps=total * epochs if total and epochs else None,
-                                       batch_size=per_worker)
+            if self.quiet:
+                try:
+                    self._start_recorder()
+                except DproError as err:  # the same on every worker: none of them records, none waits
+                    print(f"[dpro] not recording this fit: {err}", file=sys.stderr, flush=True)
+                    self.steps = None
+            else:
+                self._start_recorder()
+
+    def _start_recorder(self) -> None:
+        total = self.params.get("steps") if isinstance(getattr(self, "params", None), dict) else None
+        epochs = self.params.get("epochs") if isinstance(getattr(self, "params", None), dict) else None
+        replicas = int(getattr(self.model.distribute_strategy, "num_replicas_in_sync", 1) or 1)
+        per_worker = -(-self.batch_size // replicas) if self.batch_size else None
+        self.recorder = TFRecorder(self.model, self.run_dir, self.steps, who="dpro.plugins.tf.DproCallback",
+                                   total_steps=total * epochs if total and epochs else None, batch_size=per_worker)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if self.recorder is not None:

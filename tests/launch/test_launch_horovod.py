@@ -450,3 +450,11 @@ def test_a_hvd_keras_window_in_blocks_profiles_each_block_and_runs_the_timeline_
     merged = run.meta["horovod"]["merged"]
     if merged.get("steps"):  # Horovod wrote the timeline (DYNAMIC honoured)
         assert merged["steps"] == [4, 5, 6] and merged["steps_without_timeline"] == [10, 11, 12]
+
+
+@pytest.mark.skipif(not HAVE_HVD_KERAS, reason="this Horovod wheel was built without TensorFlow")
+def test_a_keras_window_beyond_the_fit_is_said_and_the_job_runs_on(tmp_path):
+    proc = run_job(launcher("--profile", "20:30", "--run-dir", "run", "python", str(JOBS / "hvd_keras_job.py"),
+                            "--steps", "6"), env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
+    assert "hvd.keras rank 0 of 2 done" in proc.stdout and "hvd.keras rank 1 of 2 done" in proc.stdout
+    assert "not recording this fit" in proc.stderr and "only 6 steps" in proc.stderr
