@@ -129,12 +129,17 @@ dpro options:
     --auto                         profile -> optimize -> run again with the config, recorded into
                                    RUN-applied -> print measured step before and after, the predicted step
                                    and the knobs applied
+    --horovod-timeline             Horovod: run Horovod's timeline (HOROVOD_TIMELINE=DYNAMIC) in the window's
+                                   last block, for the fused buffers and the background loop's timing that
+                                   price the fusion knobs. Off by default: once started, Horovod's timeline
+                                   slows every later step (8-21% measured, docs/benchmarks/horovod_overhead.md),
+                                   stopped or not; without it allreduces are timed from launch to completion
 
 What a job gets in its environment: DPRO_LAUNCH=1, DPRO_AUTO_RECORD (1 or 0), DPRO_PROFILE=START:STOP,
 DPRO_RUN_DIR=RUN, DPRO_CONFIG (with --apply FILE), DPRO_APPLY_SEARCH (with --apply auto), DPRO_FORCE,
 DPRO_BACKWARD_MARKS (with --backward-marks tensors),
-the Horovod variables above (with the horovod engine, HOROVOD_TIMELINE=DYNAMIC when recording and no
-timeline is named, so that dpro's Horovod recorder can run the timeline for the window only), and
+the Horovod variables above (with --horovod-timeline, HOROVOD_TIMELINE=DYNAMIC when recording and no
+timeline is named, so that dpro's Horovod recorder can run the timeline in the window's last block), and
 PYTHONPATH with dpro's auto-attach directory first (a sitecustomize.py that also runs the one it hides,
 if any). After the job, RUN/launch.json records the command, hosts,
 settings and exit status.
@@ -264,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how the torch recorder times BW (default: from the gradients' ready marks)")
     dpro.add_argument("--auto", action="store_true",
                       help="profile, optimize, re-run with the config, print before/after")
+    dpro.add_argument("--horovod-timeline", action="store_true",
+                      help="Horovod: also run Horovod's timeline in the window's last block (the fused buffers that "
+                           "price the fusion knobs; it slows the job from then on)")
     return parser
 
 
@@ -312,6 +320,7 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
         run_dir=Path(args.run_dir) if args.run_dir else None, optimize=args.optimize, apply=apply, auto=args.auto,
         memory_budget_bytes=budget, allow_compression=args.allow_compression, force=args.force,
         backward_marks=args.backward_marks, num_servers=args.num_servers, cwd=cwd,
+        horovod_timeline=args.horovod_timeline,
     )
 
 

@@ -174,8 +174,9 @@ def job_env(config: LaunchConfig, *, base: Mapping[str, str] | None = None) -> d
     if config.profile is not None:
         env[DPRO_AUTO_RECORD] = "1"
         env[DPRO_PROFILE] = str(config.profile)
-        if config.engine == "horovod" and "HOROVOD_TIMELINE" not in env and "HOROVOD_TIMELINE" not in base:
-            env["HOROVOD_TIMELINE"] = "DYNAMIC"  # dpro's Horovod recorder starts it for the window only
+        if config.engine == "horovod" and config.horovod_timeline and "HOROVOD_TIMELINE" not in env and \
+                "HOROVOD_TIMELINE" not in base:
+            env["HOROVOD_TIMELINE"] = "DYNAMIC"  # dpro's Horovod recorder starts it in the window's last block
     else:
         env[DPRO_AUTO_RECORD] = "0"
     if config.run_dir is not None:

@@ -364,6 +364,8 @@ class LaunchConfig:
         force: apply a config made for another job anyway.
         backward_marks: how the torch recorder times BW: "gradients" (from the gradients' ready marks, the default)
             or "tensors" (a tensor hook per module: exact per module, costlier).
+        horovod_timeline: recording a Horovod job, also run Horovod's timeline in the window's last block
+            (``HOROVOD_TIMELINE=DYNAMIC``): its cost lasts for the rest of the job, so it is asked for, not default.
 
     Raises:
         UsageError: any inconsistent or out-of-range value, with how to fix it.
@@ -396,6 +398,7 @@ class LaunchConfig:
     backward_marks: str = "gradients"
     num_servers: int | None = None
     cwd: Path = field(default_factory=Path.cwd)
+    horovod_timeline: bool = False
 
     def __post_init__(self) -> None:
         self.command = list(self.command)

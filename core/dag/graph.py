@@ -271,6 +271,9 @@ FAR_OUT_MIN_STEPS = 8  # fewer steps give no quartiles to judge by
 FAR_OUT_RATIO = 2.0  # with fewer: a step more than twice the median of the others (a stall, a compile)
 
 
+MIN_MODEL_STEPS = 3  # steps the step model is built from, at least, before set-aside steps are used
+
+
 def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
     """Steps whose duration (median over ranks) lies beyond ``FAR_OUT_IQR`` interquartile ranges outside the
     quartiles of the others: a collection, a checkpoint, a neighbour taking the CPU. Their ops would move every op's
@@ -463,7 +466,7 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     duration (means, not medians: a step is a sum of its ops, and the medians of skewed parts add up to no step;
     hvd.keras on 2 CPU ranks replayed 2-11% short with medians). Steps far outside the others are left out first
     (``far_out_steps``), so that one stall does not move every op's mean; the measured step is the mean of the
-    same steps.
+    same steps. Steps the engine set aside (``Run.set_aside``) are not used while ``MIN_MODEL_STEPS`` others are.
 
     ``transfers``: how collectives' transfer times are calibrated, ``"per-step"`` (medians of each
     step's transfer, ``_transfer_times``) or ``"in-step"`` (from mean arrival and end times within
@@ -481,6 +484,9 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         raise GraphError(f"{run.path}: the ranks have no profiled step in common "
                          f"({', '.join(f'rank {r}: {format_steps(t.steps)}' for r, t in sorted(run.ranks.items()))}); "
                          "record the same window on every rank")
+    kept = [step for step in steps if step not in run.set_aside]
+    if len(kept) >= MIN_MODEL_STEPS:
+        steps = kept
     left_out = far_out_steps(run, steps)
     steps = [step for step in steps if step not in left_out]
     wanted = set(steps)

@@ -112,6 +112,9 @@ class Run:
     model: dict[str, Any] | None
     ranks: dict[int, RankTrace]
     problems: list[str] = field(default_factory=list)
+    # steps an engine keeps out of the step model, and why (Horovod's steps that ran with its timeline, when
+    # enough ran without): they stay in the traces and in what the engine reads from them
+    set_aside: dict[int, str] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

@@ -54,6 +54,7 @@ __all__ = [
     "claim_run_dir",
     "clock_samples",
     "host_cpu_busy_us",
+    "last_block_start",
     "parse_skew",
     "parse_steps",
     "parse_window",
@@ -171,6 +172,15 @@ def window_from_text(text: str | None, variable: str = "DPRO_PROFILE") -> tuple[
         return parse_window(text), None
     except UsageError as err:
         return Window(10, 20), f"{variable}={err}; recording 10:20"
+
+
+def last_block_start(steps: Iterable[int]) -> int:
+    """The first step of a window's last block (the window's first step when it has no gaps)."""
+    ordered = sorted(steps)
+    i = len(ordered) - 1
+    while i > 0 and ordered[i - 1] == ordered[i] - 1:
+        i -= 1
+    return ordered[i]
 
 
 def check_window_fits(steps: tuple[int, ...], total_steps: int | None, who: str) -> None:

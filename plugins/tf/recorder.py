@@ -40,6 +40,7 @@ from dpro.record.protocol import (
     check_window_fits,
     claim_run_dir,
     clock_samples,
+    last_block_start,
     parse_steps,
     recording_overhead,
     step_ended,
@@ -216,6 +217,12 @@ class TFRecorder:
         self._timeline_started = False
         self._blocks: list[tuple[Path, list[int]]] = []  # each recorded block's TensorFlow profile and steps
         self._step_ends: dict[int, tuple[float, float]] = {}  # iteration -> (wall, thread CPU) at its end
+        if self.horovod and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
+            # Horovod turns a DYNAMIC timeline's per-cycle coordination on in hvd.init(), with no file open, until
+            # the first stop (it measured 6-13% on a Keras step): stopped here, the steps before the window and
+            # the gaps run as the unrecorded job does
+            self._timeline_started = True
+            self._stop_timeline()
 
     @property
     def started(self) -> bool:
@@ -266,10 +273,11 @@ class TFRecorder:
         self._start_profiler()
 
     def _start_profiler(self) -> None:
-        """A recorded block begins: TensorFlow's profiler into the block's own directory and, in the first block
-        only, Horovod's timeline (``HOROVOD_TIMELINE=DYNAMIC``: dpro-launch asks for the window only). The timeline
-        costs a Horovod step most of what recording does; a few steps of fused buffers are what the model needs."""
-        if self.horovod and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC" and not self._blocks:
+        """A recorded block begins: TensorFlow's profiler into the block's own directory and, in the window's last
+        block only, Horovod's timeline (``HOROVOD_TIMELINE=DYNAMIC``, ``dpro-launch --horovod-timeline``): once
+        started it slows every later step, so the earlier blocks and the gaps run without it."""
+        if self.horovod and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC" and \
+                self.iteration == last_block_start(self.steps):
             import horovod.tensorflow as hvd
 
             hvd.start_timeline(str(self.run_dir / TIMELINE_FILE))

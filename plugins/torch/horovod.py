@@ -59,19 +59,16 @@ import torch
 from torch import nn
 
 from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, knobs_from_environment
-from dpro.engines.horovod.timeline import TIMELINE_FILE, timeline_file
+from dpro.engines.horovod.timeline import TIMELINE_FILE
 from dpro.errors import UsageError
 from dpro.plugins.torch.recorder import COMM, COMPUTE, MECHANISMS, TorchRecorder, timed_closure
 from dpro.plugins.torch.transport import TEXT_BYTES, bytes_tensor, tensor_text
-from dpro.record.protocol import Clock, claim_run_dir
+from dpro.record.protocol import Clock, claim_run_dir, last_block_start
 
 __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE", "HorovodRecorder",
            "horovod_knobs", "record_horovod"]
 
 ENGINE = "horovod"
-
-
-TIMELINE_BLOCKS = 1  # recorded blocks of a window that run Horovod's timeline (DYNAMIC)
 
 
 def horovod_knobs(environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -161,7 +158,6 @@ class HorovodRecorder(TorchRecorder):
         self._update_start: Any = None
         self._update_open = False
         self._timeline_started = False
-        self._timeline_blocks = 0
         self._hvd_names = dict(getattr(optimizer, "_parameter_names", {}))  # param -> Horovod's name
         self._wrap_optimizer()
         if os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
@@ -291,16 +287,13 @@ class HorovodRecorder(TorchRecorder):
     # ---- window ------------------------------------------------------------------------------------
 
     def _block_started(self) -> None:
-        """With ``HOROVOD_TIMELINE=DYNAMIC``, Horovod's timeline runs while the window's first ``TIMELINE_BLOCKS``
-        blocks record, one file per block (``horovod-timeline.json``, ``horovod-timeline.2.json``, ...: a restarted
-        timeline truncates the file it opens). The timeline is what recording a Horovod step costs most (its
-        writer and the per-cycle coordination it turns on), and the fused buffers of a few steps are what the
-        model needs from it: the later blocks record hooks and allreduce completions only, and the gaps run as
-        the unrecorded job does."""
-        if os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC" or self._timeline_blocks >= TIMELINE_BLOCKS:
+        """With ``HOROVOD_TIMELINE=DYNAMIC`` (``dpro-launch --horovod-timeline``), Horovod's timeline runs in the
+        window's last block only. Once started, the timeline slows every later step of the job, stopped or not
+        (bench/horovod_overhead.py): the earlier blocks and the gaps run as the job does without it, and the
+        step model is built from them; the last block gives the fused buffers that price Horovod's knobs."""
+        if os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC" or self._iteration != last_block_start(self.steps):
             return
-        self._timeline_blocks += 1
-        hvd.start_timeline(str(self.run_dir / timeline_file(self._timeline_blocks)))
+        hvd.start_timeline(str(self.run_dir / TIMELINE_FILE))
         self._timeline_started = True
 
     def _block_ended(self) -> None:

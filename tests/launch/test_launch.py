@@ -279,10 +279,12 @@ def test_horovod_engine_passes_flags_or_says_how_to_install(tmp_path, monkeypatc
     assert "--autotune" in argv and argv[argv.index("--log-level") + 1] == "INFO"
 
 
-def test_horovod_engine_gets_a_dynamic_timeline_when_recording(tmp_path, monkeypatch):
+def test_horovod_engine_gets_a_dynamic_timeline_when_asked_for(tmp_path, monkeypatch):
     monkeypatch.delenv("HOROVOD_TIMELINE", raising=False)
     config = parse("-np", "2", "--engine", "horovod", "python", "t.py", cwd=tmp_path)
-    assert launch_env(config)["HOROVOD_TIMELINE"] == "DYNAMIC"
+    assert "HOROVOD_TIMELINE" not in launch_env(config)
+    asked = parse("-np", "2", "--engine", "horovod", "--horovod-timeline", "python", "t.py", cwd=tmp_path)
+    assert launch_env(asked)["HOROVOD_TIMELINE"] == "DYNAMIC"
     named = parse("-np", "2", "--engine", "horovod", "--timeline-filename", "tl.json", "python", "t.py", cwd=tmp_path)
     assert launch_env(named)["HOROVOD_TIMELINE"] == "tl.json"
     quiet = parse("-np", "2", "--engine", "horovod", "--no-profile", "python", "t.py", cwd=tmp_path)

@@ -80,7 +80,7 @@ def test_horovodrun_gets_dpros_environment(tmp_path, monkeypatch):
     assert env["DPRO_AUTO_RECORD"] == "1" and env["DPRO_PROFILE"] == "2:8"
     assert env["DPRO_RUN_DIR"] == str(config.run_dir)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(AUTOATTACH_DIR)
-    assert env["HOROVOD_TIMELINE"] == "DYNAMIC"  # the recorder runs it for the window, into the run dir
+    assert "HOROVOD_TIMELINE" not in env  # once started it slows the rest of the job: asked for, not default
     assert env["HOROVOD_FUSION_THRESHOLD"] == str(2**19) and env["HOROVOD_CYCLE_TIME"] == "2.0"
     # horovodrun's --fusion-threshold-mb takes whole MB: half a MB goes by the environment alone
     assert "--fusion-threshold-mb" not in argv and argv[argv.index("--cycle-time-ms") + 1] == "2.0"
@@ -206,7 +206,7 @@ def plain_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The unmodified script, recorded, with horovodrun's knobs on the command line."""
     cwd = tmp_path_factory.mktemp("plain_hvd")
     proc = run_job(launcher("--profile", "2:8", "--run-dir", "run", "--fusion-threshold-mb", "4",
-                            "--cycle-time-ms", "2", "python", str(PLAIN)),
+                            "--cycle-time-ms", "2", "--horovod-timeline", "python", str(PLAIN)),
                    env=env_for_jobs(), cwd=cwd, timeout=120)
     return cwd / "run", proc
 
@@ -253,11 +253,31 @@ def test_horovodrun_knobs_reach_the_job(plain_run):
     assert knobs["HOROVOD_FUSION_THRESHOLD"] == 4 * 2**20 and knobs["HOROVOD_CYCLE_TIME"] == 2.0
 
 
-def test_the_default_window_records_horovod_in_blocks_with_the_timeline_in_the_first(tmp_path):
-    """No --profile: blocks 10..14, 20..24, 30..34; Horovod's timeline runs only in the first block, the later
-    blocks time each allreduce by polling, and the recording overhead is measured against the gaps."""
+def test_the_default_window_records_horovod_in_blocks_without_a_timeline(tmp_path):
+    """No --profile: blocks 10..14, 20..24, 30..34, each allreduce timed from its launch to its completion (no
+    Horovod timeline, which would slow the rest of the job), the recording overhead measured against the gaps."""
     proc = run_job(launcher("--run-dir", "run", "python", str(PLAIN), "--steps", "38"), env=env_for_jobs(),
                    cwd=tmp_path, timeout=180)
+    assert "recording steps 10..14, 20..24, 30..34" in proc.stderr
+    run_dir = tmp_path / "run"
+    assert not (run_dir / TIMELINE_FILE).exists()
+    run = load_run(run_dir)
+    assert not run.problems and "merged" not in run.meta["horovod"]
+    for rank in (0, 1):
+        overhead = run.ranks[rank].header["recording_overhead"]
+        assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 8  # 15..18 and 25..28
+        assert {e["args"]["step"] for e in run.ranks[rank].events if e["cat"] == "COMM"} == \
+            {*range(10, 15), *range(20, 25), *range(30, 35)}
+    info = run_job([sys.executable, "-m", "dpro", "info", str(run_dir)], timeout=60).stdout
+    assert "recorded vs the unrecorded steps between its blocks" in info
+    analysis = analyze_run(run).analysis  # and the analysis says what the job would take unrecorded
+    assert any("against the unrecorded steps between the window's blocks" in n for n in analysis.notes)
+    assert abs(analysis.error_pct) < 5.0, analysis.error_pct
+
+
+def test_horovod_timeline_runs_in_the_last_block_and_the_step_model_is_the_others(tmp_path):
+    proc = run_job(launcher("--run-dir", "run", "--horovod-timeline", "python", str(PLAIN), "--steps", "38"),
+                   env=env_for_jobs(), cwd=tmp_path, timeout=180)
     assert "recording steps 10..14, 20..24, 30..34" in proc.stderr
     run_dir = tmp_path / "run"
     if not (run_dir / TIMELINE_FILE).is_file():
@@ -265,19 +285,17 @@ def test_the_default_window_records_horovod_in_blocks_with_the_timeline_in_the_f
     assert not (run_dir / timeline_file(2)).exists()
     run = load_run(run_dir)
     merged = run.meta["horovod"]["merged"]
-    assert merged["steps"] == list(range(10, 15)) and not run.problems
-    assert merged["steps_without_timeline"] == [*range(20, 25), *range(30, 35)]
+    assert merged["steps"] == list(range(30, 35)) and not run.problems
+    assert merged["steps_without_timeline"] == [*range(10, 15), *range(20, 25)]
+    assert sorted(run.set_aside) == list(range(30, 35))
     for rank in (0, 1):
-        overhead = run.ranks[rank].header["recording_overhead"]
-        assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 8  # 15..18 and 25..28
-        comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM" and e["args"]["step"] >= 20]
+        comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM" and e["args"]["step"] < 30]
         assert comm and all("buffer" not in e["args"] for e in comm)  # as the recorder saw them
-    info = run_job([sys.executable, "-m", "dpro", "info", str(run_dir)], timeout=60).stdout
-    assert "recorded vs the unrecorded steps between its blocks" in info
-    analysis = analyze_run(run).analysis  # and the analysis says what the job would take unrecorded
-    assert any("against the unrecorded steps between the window's blocks" in n for n in analysis.notes)
-    assert any("timeline ran in 5 of the recorded steps" in n for n in analysis.notes), analysis.notes
-    assert abs(analysis.error_pct) < 5.0, analysis.error_pct
+    analyzed = analyze_run(run)
+    assert analyzed.model.steps == [*range(10, 15), *range(20, 25)]
+    assert any("timeline ran in 5 of the recorded steps" in n and "built from the others" in n
+               for n in analyzed.analysis.notes), analyzed.analysis.notes
+    assert abs(analyzed.analysis.error_pct) < 5.0, analyzed.analysis.error_pct
 
 
 def test_a_script_recording_itself_is_recorded_once(tmp_path):
@@ -321,11 +339,12 @@ CONV1D = JOBS / "conv1d_hvd.py"
 
 @pytest.fixture(scope="module")
 def conv1d_runs(tmp_path_factory) -> list[Path]:
-    """The conv1d script recorded twice the way a user does it (20 steps, Horovod's default fusion)."""
+    """The conv1d script recorded twice with Horovod's timeline (20 steps, Horovod's default fusion)."""
     cwd = tmp_path_factory.mktemp("conv1d")
     runs = []
     for i in range(2):
-        run_job(launcher("--profile", "6:26", "--run-dir", f"run{i}", "python", str(CONV1D), "--steps", "30"),
+        run_job(launcher("--profile", "6:26", "--run-dir", f"run{i}", "--horovod-timeline", "python", str(CONV1D),
+                         "--steps", "30"),
                 env=env_for_jobs(), cwd=cwd, timeout=180)
         runs.append(cwd / f"run{i}")
     return runs
@@ -388,8 +407,8 @@ HAVE_HVD_KERAS = HAVE_HOROVOD and importlib.util.find_spec("tf_keras") is not No
 
 @pytest.mark.skipif(not HAVE_HVD_KERAS, reason="this Horovod wheel was built without TensorFlow")
 def test_an_unmodified_hvd_keras_job_is_recorded_through_the_horovod_engine(tmp_path):
-    proc = run_job(launcher("--profile", "4:9", "--run-dir", "run", "python", str(JOBS / "hvd_keras_job.py"),
-                            "--steps", "12"), env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
+    proc = run_job(launcher("--profile", "4:9", "--run-dir", "run", "--horovod-timeline", "python",
+                            str(JOBS / "hvd_keras_job.py"), "--steps", "12"), env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
     assert "hvd.keras rank 0 of 2 done" in proc.stdout and "hvd.keras rank 1 of 2 done" in proc.stdout
     run_dir = tmp_path / "run"
     meta = json.loads((run_dir / "run.json").read_text())
@@ -430,10 +449,11 @@ def test_an_unmodified_hvd_keras_job_is_recorded_through_the_horovod_engine(tmp_
 
 
 @pytest.mark.skipif(not HAVE_HVD_KERAS, reason="this Horovod wheel was built without TensorFlow")
-def test_a_hvd_keras_window_in_blocks_profiles_each_block_and_runs_the_timeline_in_the_first(tmp_path):
+def test_a_hvd_keras_window_in_blocks_profiles_each_block_and_runs_the_timeline_in_the_last(tmp_path):
     """--profile 4:16:3: blocks 4..6 and 10..12, each with its own TensorFlow profile; the gaps run unrecorded (the
-    overhead's baseline), and Horovod's timeline runs in the first block only."""
-    proc = run_job(launcher("--profile", "4:16:3", "--run-dir", "run", "python", str(JOBS / "hvd_keras_job.py"),
+    overhead's baseline), and Horovod's timeline (asked for) runs in the last block only."""
+    proc = run_job(launcher("--profile", "4:16:3", "--run-dir", "run", "--horovod-timeline", "python",
+                            str(JOBS / "hvd_keras_job.py"),
                             "--steps", "18"), env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
     assert "hvd.keras rank 1 of 2 done" in proc.stdout
     run_dir = tmp_path / "run"
@@ -449,7 +469,7 @@ def test_a_hvd_keras_window_in_blocks_profiles_each_block_and_runs_the_timeline_
         assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 2  # 7 and 8
     merged = run.meta["horovod"]["merged"]
     if merged.get("steps"):  # Horovod wrote the timeline (DYNAMIC honoured)
-        assert merged["steps"] == [4, 5, 6] and merged["steps_without_timeline"] == [10, 11, 12]
+        assert merged["steps"] == [10, 11, 12] and merged["steps_without_timeline"] == [4, 5, 6]
 
 
 @pytest.mark.skipif(not HAVE_HVD_KERAS, reason="this Horovod wheel was built without TensorFlow")
