@@ -13,10 +13,14 @@ round by round:
                   (PyTorch only);
 - ``dpro``:       the recorder plus ``HOROVOD_TIMELINE=DYNAMIC`` (the timeline started and stopped by the recorder
                   around its window), over the whole window;
-- ``blocks``:     what ``dpro-launch`` runs for Horovod by default: the same, in blocks (``--profile START:STOP:5``),
-                  the timeline on only while the first block records; its step is the median over the recorded steps (each
-                  block's first left out: the hooks go in at its start), against the same steps of the ``off`` job,
-                  and its ``self`` column is what the recorder itself reported (``dpro info``: recorded vs gap steps).
+- ``blocks``:     what ``dpro-launch`` runs for Horovod by default: the recorder with every mechanism, no timeline, in
+                  blocks (``--profile START:STOP:5``); its step is the median over the recorded steps (each block's
+                  first left out: the hooks go in at its start), against the same steps of the ``off`` job, and its
+                  ``self`` column is what the recorder itself reported (``dpro info``: recorded vs gap steps);
+- ``blocks+tl``:  the same with ``dpro-launch --horovod-timeline``: Horovod's timeline in the last block.
+
+The ``after`` column is the median step after the window (the timeline stopped, the hooks removed) against the
+same steps of the ``off`` job: what recording leaves behind for the rest of the job.
 
 Each job runs ``--steps`` steps and records (where it records) the window ``--profile``. A job's step is the median
 interval between the ends of consecutive steps inside the window (rank 0's step clock, ``DPRO_STEP_TIMES``); the
@@ -27,7 +31,7 @@ medians. The last lines time the merge of the timeline
 into the run at load time (``dpro.io.load.load_run``, with and without the timeline file).
 
     python bench/horovod_overhead.py [--loopback] [--rate 1gbit] [--rounds 3] [--steps 60] [--profile 20:50]
-        [--configs off,timeline,cycles,hooks,hooks+poll,dpro,blocks] [--doc FILE]
+        [--configs off,timeline,cycles,hooks,hooks+poll,dpro,blocks,blocks+tl] [--doc FILE]
         [--script tests/jobs/conv1d_hvd.py [ARGS...]]
 """
 
@@ -49,7 +53,7 @@ from dpro import testbed as tb
 from dpro.record.protocol import parse_window
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("off", "timeline", "cycles", "hooks", "hooks+poll", "dpro", "blocks")
+CONFIGS = ("off", "timeline", "cycles", "hooks", "hooks+poll", "dpro", "blocks", "blocks+tl")
 BLOCK = 5
 NO_COMM = "forward,backward,grad_ready,update"
 
@@ -61,14 +65,15 @@ def config_env(name: str, work: Path, window: str) -> dict[str, str]:
     return {"off": {}, "timeline": timeline, "cycles": {**timeline, "HOROVOD_TIMELINE_MARK_CYCLES": "1"},
             "hooks": {**record, "DPRO_MECHANISMS": NO_COMM}, "hooks+poll": record,
             "dpro": {**record, "HOROVOD_TIMELINE": "DYNAMIC"},
-            "blocks": {**record, "HOROVOD_TIMELINE": "DYNAMIC", "DPRO_PROFILE": f"{window}:{BLOCK}"}}[name]
+            "blocks": {**record, "DPRO_PROFILE": f"{window}:{BLOCK}"},
+            "blocks+tl": {**record, "HOROVOD_TIMELINE": "DYNAMIC", "DPRO_PROFILE": f"{window}:{BLOCK}"}}[name]
 
 
 def measured_steps(name: str, window: str) -> list[int]:
     """The steps a configuration's step time is the median of: the window's, or the recorded steps of the blocks
     after each block's first."""
     start, stop = (int(v) for v in window.split(":"))
-    if name != "blocks":
+    if not name.startswith("blocks"):
         return list(range(start + 1, stop))
     recorded = set(parse_window(f"{window}:{BLOCK}").steps)
     return [i for i in range(start, stop) if i in recorded and i - 1 in recorded]
@@ -90,7 +95,10 @@ def run_one(cluster: tb.Cluster | None, args: argparse.Namespace, name: str) -> 
             suffix = "" if config == "window" else "_blocks"
             out["step_ms" + suffix] = statistics.median(intervals(result["step_ends"], steps))
             out["cpu_ms_per_step" + suffix] = statistics.median(intervals(result["cpu_ends"], steps))
-        if name == "blocks":
+        stop = int(args.profile.split(":")[1])
+        after = intervals(result["step_ends"], list(range(stop + 1, len(result["step_ends"]))))
+        out["after_ms"] = statistics.median(after) if after else None
+        if name.startswith("blocks"):
             out["step_ms"], out["cpu_ms_per_step"] = out["step_ms_blocks"], out["cpu_ms_per_step_blocks"]
             out["self_pct"] = self_reported(work / "run")
         if name == "dpro" and (work / "run").is_dir():
@@ -164,13 +172,13 @@ def main() -> int:
                 runs[name].append(run_one(cluster, args, name))
                 print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
     def baseline(name: str, key: str) -> list[float]:
-        return [x[key + ("_blocks" if name == "blocks" else "")] for x in runs["off"]]
+        return [x[key + ("_blocks" if name.startswith("blocks") else "")] for x in runs["off"]]
 
     script = " ".join([Path(args.script[0]).name, *args.script[1:]])
     table = [f"Horovod 0.28.1 + Gloo, script {script}, {where}; window {args.profile}; {args.rounds} rounds, "
              f"configurations alternated",
              f"{'config':<11} {'step ms':>8} {'vs off':>7} {'per round %':>15} {'CPU ms/step':>12} {'vs off':>7}"
-             f" {'self %':>22}   jobs (ms)"]
+             f" {'self %':>22} {'after':>7}   jobs (ms)"]
     for name in configs:
         steps = [x["step_ms"] for x in runs[name]]
         cpu = [x["cpu_ms_per_step"] for x in runs[name]]
@@ -180,8 +188,12 @@ def main() -> int:
         cpu_ratio = 100.0 * (statistics.median(cpu) / statistics.median(base_cpu) - 1.0)
         own = [x["self_pct"] for x in runs[name] if x.get("self_pct") is not None]
         own_text = f"{statistics.median(own):+.1f} ({spread(own)})" if own else "-"
+        afters = [x["after_ms"] for x in runs[name] if x.get("after_ms")]
+        off_after = [x["after_ms"] for x in runs["off"] if x.get("after_ms")]
+        after_text = f"{100.0 * (statistics.median(afters) / statistics.median(off_after) - 1.0):+.1f}%" \
+            if afters and off_after else "-"
         table.append(f"{name:<11} {statistics.median(steps):>8.1f} {ratio:>+6.1f}% {spread(per_round):>15} "
-                     f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}% {own_text:>22}   "
+                     f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}% {own_text:>22} {after_text:>7}   "
                      f"{', '.join(f'{s:.1f}' for s in steps)}")
     merges = [x["merge"] for x in runs.get("dpro", []) if "merge" in x]
     if merges:
