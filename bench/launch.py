@@ -28,8 +28,8 @@ instead of the bundled job. Its step time is measured without its cooperation: d
 dpro records anyway). Its own arguments decide how many steps it runs; ``--autotune-args`` are appended
 for the autotune job (e.g. ``"--steps 220"``, so the autotuner has time to finish), ``--record-args`` for
 the recorded job. The dpro way records the script the way ``dpro-launch`` does (``DPRO_AUTO_RECORD``,
-``--profile`` window, ``HOROVOD_TIMELINE=DYNAMIC``) and applies the config's ``tensor_groups`` through
-``DPRO_CONFIG``.
+``--profile`` window; ``HOROVOD_TIMELINE=DYNAMIC`` with ``--horovod-timeline``) and applies the config's
+``tensor_groups`` through ``DPRO_CONFIG``.
 
 Ranks are started directly in their namespaces (no ssh, so no ``horovodrun -H``): a Horovod
 rendezvous server (``horovod.runner.http.http_server.RendezvousServer``, what ``horovodrun --gloo``
@@ -257,8 +257,9 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
     run_dir.mkdir()
     began = time.time()
     if args.script:  # recorded the way dpro-launch records an unmodified script
-        record_env = {"DPRO_AUTO_RECORD": "1", "DPRO_PROFILE": args.profile, "DPRO_RUN_DIR": str(run_dir),
-                      "HOROVOD_TIMELINE": "DYNAMIC"}
+        record_env = {"DPRO_AUTO_RECORD": "1", "DPRO_PROFILE": args.profile, "DPRO_RUN_DIR": str(run_dir)}
+        if args.horovod_timeline:  # dpro-launch --horovod-timeline
+            record_env["HOROVOD_TIMELINE"] = "DYNAMIC"
     else:
         record_env = {"HOROVOD_TIMELINE": str(run_dir / TIMELINE)}
     _, record_s, _ = run_job(cluster, ["--model", args.model, "--steps", str(args.record_steps), "--profile",
@@ -385,6 +386,8 @@ def main() -> int:
     parser.add_argument("--autotune-args", default="", help="with --script: appended to the autotune job's "
                                                             "arguments (e.g. '--steps 220')")
     parser.add_argument("--record-args", default="", help="with --script: appended to the recorded job's arguments")
+    parser.add_argument("--horovod-timeline", action="store_true",
+                        help="with --script: record with Horovod's timeline in the last block (dpro-launch's flag)")
     parser.add_argument("--script", nargs=argparse.REMAINDER, default=None,
                         help="SCRIPT [ARGS...] (last): an unmodified Horovod training script instead of the bundled "
                              "job; its steps are timed by dpro's step clock (see the module docstring)")
