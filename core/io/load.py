@@ -112,8 +112,8 @@ class Run:
     model: dict[str, Any] | None
     ranks: dict[int, RankTrace]
     problems: list[str] = field(default_factory=list)
-    # steps an engine keeps out of the step model, and why (Horovod's steps that ran with its timeline, when
-    # enough ran without): they stay in the traces and in what the engine reads from them
+    # steps an engine keeps out of the step model, and why (steps that ran with a costlier recording mechanism,
+    # when enough ran without it): they stay in the traces and in what the engine reads from them
     set_aside: dict[int, str] = field(default_factory=dict)
 
     @property

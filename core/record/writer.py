@@ -59,7 +59,8 @@ def run_document(*, framework: str, engine: str, versions: dict[str, str], world
         "knobs": knobs,
         "model_fingerprint": fingerprint,
         "comm_probe": {"op": "allreduce", "world_size": world_size,
-                       "note": "[bytes, µs] of allreduces on the job's process group, after a barrier",
+                       "note": "[bytes, µs] of allreduces on the job's process group, after a barrier (a recorder "
+                               "that probes after the window writes them when the window ends)",
                        "samples": probe},
         "clocks": {
             "source": "CLOCK_MONOTONIC",
