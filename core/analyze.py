@@ -19,6 +19,7 @@ import numpy as np
 from dpro.dag.align import Alignment, align
 from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model
 from dpro.io.load import Run, load_run, overhead_of
+from dpro.sim.interference import fit_interference
 from dpro.sim.replay import Schedule, critical_path, plan_levels, replay
 from dpro.sim.steps import one_step_models, replay_recorded
 
@@ -321,7 +322,8 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
     per_rank = [{"rank": r, "measured_step_ms": model.step_us_by_rank[r] / 1000.0,
                  "predicted_step_ms": predicted.get(r, float("nan")) / 1000.0,
                  **{k + "_ms": parts[r][k] / 1000.0 for k in keys}} for r in sorted(parts)]
-    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model)] + _unrecorded_note(run, pred)
+    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model)] + _unrecorded_note(run, pred) + \
+        [fit_interference(run, model.steps).describe()]
     analysis = Analysis(
         source=str(run.path), measured_step_ms=measured / 1000.0, predicted_step_ms=pred / 1000.0,
         error_pct=error_pct(pred, measured), breakdown=summary,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import statistics
 import sys
@@ -54,6 +55,7 @@ __all__ = [
     "claim_run_dir",
     "clock_samples",
     "host_cpu_busy_us",
+    "interference_probe",
     "last_block_start",
     "parse_skew",
     "parse_steps",
@@ -384,6 +386,38 @@ def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = P
         for i in range(repeat):
             samples.append([float(nbytes), transport.timed_allreduce(nbytes, f"dpro.probe.{nbytes}.{i}", clock)])
     return samples
+
+
+INTERFERENCE_TARGET = 3.0  # the probe's allreduce is sized to last this many times the compute it overlaps
+
+
+def interference_probe(transport: Transport, clock: Clock, compute: Callable[[], None],
+                       samples: list[list[float]], repeat: int = PROBE_REPEAT) -> dict[str, Any] | None:
+    """How much slower ``compute`` (a fixed kernel of the framework) runs while an allreduce is in flight: timed
+    ``repeat`` times alone, then ``repeat`` times overlapped by an allreduce sized from the allreduce probe's
+    ``samples`` ([bytes, µs]) to outlast it. Only transports with ``overlapped_compute`` can; None otherwise.
+    ``slowdown`` is the median, over the runs the allreduce outlasted, of compute overlapped / alone - 1 (the
+    ``k`` of ``dpro.sim.interference``). Every rank calls it at the same point (collectives)."""
+    overlapped = getattr(transport, "overlapped_compute", None)
+    if overlapped is None or not samples:
+        return None
+    alone = []
+    for _ in range(repeat):
+        t0 = clock.now()
+        compute()
+        alone.append(clock.now() - t0)
+    nbytes_us = max(samples, key=lambda s: s[0])
+    us_per_byte = max(nbytes_us[1], 1.0) / max(nbytes_us[0], 1.0)
+    wanted = int(INTERFERENCE_TARGET * statistics.median(alone) / us_per_byte)
+    nbytes = int(transport.broadcast_text(str(min(max(wanted, 64 * 1024), 64 * 2**20) // 4 * 4)))  # rank 0's
+    runs = [overlapped(nbytes, f"dpro.interference.{i}", compute, clock) for i in range(repeat)]
+    base = statistics.median(alone)
+    outlasted = [c / base - 1.0 for c, left in runs if left > 0.05 * c]
+    return {"nbytes": nbytes, "compute_alone_us": alone, "compute_overlapped_us": [c for c, _ in runs],
+            "allreduce_left_us": [left for _, left in runs],
+            "slowdown": statistics.median(outlasted) if outlasted else None,
+            "stderr": (statistics.stdev(outlasted) / math.sqrt(len(outlasted))) if len(outlasted) > 1 else None,
+            "note": "a fixed kernel timed alone and while an allreduce of nbytes was in flight (after the window)"}
 
 
 def step_ended(ends: dict[int, tuple[float, float]], iteration: int, window: list[int]) -> None:

@@ -36,6 +36,8 @@ from dpro.errors import ConfigError, UsageError
 from dpro.io.limits import parse_bounded_json
 from dpro.io.load import Run
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
+from dpro.sim.interference import NONE as NO_INTERFERENCE
+from dpro.sim.interference import Interference, fit_interference, op_overlap, scale_for_overlap
 from dpro.sim.replay import plan_levels, replay
 
 __all__ = [
@@ -116,6 +118,7 @@ class Context:
     knobs: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)  # an engine's models fitted once per run (by engine name)
     on_predict: Callable[[dict[str, Any]], None] | None = None  # told the knobs of each prediction (progress)
+    interference: Interference = NO_INTERFERENCE  # how much overlapped compute slows (sim.interference)
 
     @property
     def world_size(self) -> int:
@@ -142,7 +145,9 @@ def context(run: Run) -> Context:
     comm = fit_comm_model(transfers, probe, run.world_size)
     knobs = recorded_knobs(run)
     grads = [(g["name"], int(g["bytes"])) for g in run.model.get("gradients", [])]
-    return calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs))
+    interference = fit_interference(run, base.steps)
+    return calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs,
+                             interference=interference))
 
 
 def recorded_knobs(run: Run) -> dict[str, Any]:
@@ -421,13 +426,34 @@ def scale_out(ctx: Context, model: StepModel, knobs: dict[str, Any], seeds: int 
                       graph_nodes=nodes, spread={"seeds": steps, "p50": statistics.median(steps), "p90": p90})
 
 
+INTERFERENCE_ROUNDS = 3  # replays that let the scaled durations and the overlap they cause settle
+
+
 def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iterations: int = 4) -> Prediction:
-    """Replay ``iterations`` copies of a (transformed) mean step: the prediction under ``knobs``."""
+    """Replay ``iterations`` copies of a (transformed) mean step: the prediction under ``knobs``. With a fitted
+    interference (``ctx.interference``), compute that overlaps communication more than it did in the recorded
+    configuration runs that much slower (less: faster)."""
     g = graph_from_steps(model, iterations=iterations)
-    sched = replay(g, plan_levels(g))
+    plan = plan_levels(g)
+    sched = replay(g, plan)
+    if ctx.interference.applies:
+        recorded = _recorded_overlap(ctx, iterations)
+        base = g.duration.copy()
+        for _ in range(INTERFERENCE_ROUNDS):
+            scale_for_overlap(g, sched, recorded, ctx.interference.slowdown, base)
+            sched = replay(g, plan)
     from dpro.analyze import predicted_step_us
 
     per_rank = predicted_step_us(g, sched)
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
                       predicted_peak_memory_bytes=ctx.memory.peak_bytes(knobs.get("recompute") or ()),
                       graph_nodes=g.size, per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
+
+
+def _recorded_overlap(ctx: Context, iterations: int) -> dict[tuple[int, str], float]:
+    """How much each compute op overlapped communication in the replay of the recorded configuration (once)."""
+    key = f"recorded_overlap/{iterations}"
+    if key not in ctx.cache:
+        g = graph_from_steps(ctx.base, iterations=iterations)
+        ctx.cache[key] = op_overlap(g, replay(g, plan_levels(g)))
+    return ctx.cache[key]

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -110,6 +110,19 @@ class HorovodTransport:
             return None
         peer_t1, peer_t2 = times.tolist()
         return [t0, peer_t1, peer_t2, t3]
+
+    def overlapped_compute(self, nbytes: int, name: str, compute: Callable[[], None],
+                           clock: Clock) -> tuple[float, float]:
+        """Run ``compute`` while an allreduce of ``nbytes`` is in flight: (compute µs, µs the allreduce ran on
+        after it)."""
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
+        hvd.barrier()
+        handle = hvd.allreduce_async(tensor, op=hvd.Sum, name=name)
+        t0 = clock.now()
+        compute()
+        t1 = clock.now()
+        hvd.synchronize(handle)
+        return t1 - t0, clock.now() - t1
 
     def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
         """Includes waiting for Horovod's cycle; the timeline's ALLREDUCE phases of these tensors

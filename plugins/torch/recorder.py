@@ -49,6 +49,7 @@ from dpro.record.protocol import (
     check_window_fits,
     claim_run_dir,
     clock_samples,
+    interference_probe,
     parse_steps,
     recording_overhead,
     step_ended,
@@ -829,13 +830,30 @@ class TorchRecorder:
         A probe that fails is logged; the job goes on."""
         try:
             probe = allreduce_probe(self.transport, self.clock)
+            interference = interference_probe(self.transport, self.clock, self._probe_kernel(), probe)
         except (RuntimeError, ValueError, OSError) as err:
-            logger.warning("%s: the allreduce probe after the window failed (%s); the run has no probe", self.who, err)
+            logger.warning("%s: the probe after the window failed (%s); the run has no probe", self.who, err)
             return
         doc = getattr(self, "_run_doc", None)
         if self.rank == 0 and doc is not None:
             doc["comm_probe"]["samples"] = probe
+            if interference is not None:
+                doc["interference_probe"] = interference
             write_run_json(self.run_dir, doc)
+
+    def _probe_kernel(self) -> Callable[[], None]:
+        """The interference probe's compute: matrix products of a fixed size, about a few ms on one CPU core."""
+        device = "cuda" if self.cuda else "cpu"
+        size = 1024 if self.cuda else 256
+        a = torch.randn(size, size, device=device)
+
+        def compute() -> None:
+            for _ in range(64 if self.cuda else 12):
+                torch.mm(a, a)
+            if self.cuda:
+                torch.cuda.synchronize()
+
+        return compute
 
     def _release_model(self) -> None:
         """Drop references to the model: DDP's reducer keeps our comm hook (and so this object) alive,

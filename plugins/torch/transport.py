@@ -5,6 +5,8 @@ Texts travel as fixed-size byte tensors (never pickled); on NCCL the tensors liv
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -65,6 +67,21 @@ class TorchDistTransport:
             t1 = clock.now()
             dist.send(torch.tensor([t1, clock.now()], dtype=torch.float64, device=self.device), dst=0)
         return None
+
+    def overlapped_compute(self, nbytes: int, name: str, compute: Callable[[], None],
+                           clock: Clock) -> tuple[float, float]:
+        """Run ``compute`` while an allreduce of ``nbytes`` is in flight: (compute µs, µs the allreduce ran on
+        after it)."""
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
+        dist.barrier()
+        work = dist.all_reduce(tensor, async_op=True)
+        t0 = clock.now()
+        compute()
+        t1 = clock.now()
+        work.wait()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return t1 - t0, clock.now() - t1
 
     def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
         tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)

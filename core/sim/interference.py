@@ -1,0 +1,209 @@
+"""Interference: compute that overlaps communication runs slower.
+
+On a CPU job the threads that drive a collective (gloo's, Horovod's background thread) take cores from the
+backward pass; on a GPU, NCCL kernels take SMs and memory bandwidth from the compute kernels. A model that prices
+overlap as free predicts too much from every change that overlaps more (smaller buckets, more buffers).
+
+The slowdown is fitted from the recording itself. An op's duration is modelled as ``d0 * (1 + k * f)``, ``f`` the
+fraction of it that overlapped communication on its rank. The same op (rank and name) overlaps more in some steps
+than in others (when a bucket is launched, how long its transfer takes, vary from step to step); regressing each
+op's relative duration on its overlap, pooled over ops, gives ``k`` and its standard error. Where the recording
+shows too little variation to tell, the recorder's interference probe answers (``interference_probe`` in
+run.json: a fixed kernel timed alone and while an allreduce is in flight, after the window); without either,
+nothing is applied.
+
+A what-if applies it relative to the recorded configuration (whose durations already hold the recorded
+slowdown): each compute node's duration is scaled by ``(1 + k * f_new) / (1 + k * f_recorded)``, ``f`` read from
+the replay of each, a few times over (the scaled durations move the overlap).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpro.dag.graph import Graph
+from dpro.io.load import Run
+from dpro.sim.replay import Schedule
+
+__all__ = ["COMPUTE_CATEGORIES", "Interference", "fit_interference", "node_overlap", "op_overlap", "scale_for_overlap"]
+
+COMPUTE_CATEGORIES = frozenset({"FW", "BW", "UPDATE", "RECOMPUTE"})
+TRACE_COMM = frozenset({"COMM"})
+GRAPH_COMM = frozenset({"COMM", "XFER"})
+MIN_STEPS = 4           # steps an op needs to take part in the fit
+SIGNIFICANCE = 2.0      # the fitted slowdown is applied when it is this many standard errors above zero
+MAX_SLOWDOWN = 3.0      # a fit beyond this (compute 4x slower when fully overlapped) is not believed
+
+
+@dataclass(frozen=True)
+class Interference:
+    """How much slower compute runs while communication overlaps it (``slowdown``: ``k`` of ``d0 * (1 + k f)``)."""
+
+    slowdown: float
+    stderr: float
+    ops: int                # ops (rank, name) whose overlap varied enough to take part
+    samples: int
+    source: str
+
+    @property
+    def applies(self) -> bool:
+        """Whether what-ifs use it: significantly above zero and believable."""
+        return 0.0 < self.slowdown <= MAX_SLOWDOWN and self.slowdown > SIGNIFICANCE * self.stderr
+
+    def describe(self) -> str:
+        if self.ops == 0:
+            return f"interference not measurable: {self.source}"
+        verdict = "applied in what-ifs" if self.applies else "not applied (within its uncertainty)"
+        return (f"compute overlapped by communication runs {100.0 * self.slowdown:+.0f}% +/- "
+                f"{100.0 * self.stderr:.0f}% slower when fully overlapped ({self.source}; {self.samples} samples); "
+                f"{verdict}")
+
+
+NONE = Interference(0.0, math.inf, 0, 0, "no recorded op overlapped communication by different amounts in "
+                                           "different steps")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _covered(start: float, end: float, busy: list[tuple[float, float]]) -> float:
+    """Fraction of [start, end) inside the union ``busy``."""
+    if end <= start:
+        return 0.0
+    total = 0.0
+    for a, b in busy:
+        if b <= start:
+            continue
+        if a >= end:
+            break
+        total += min(b, end) - max(a, start)
+    return total / (end - start)
+
+
+def _leaves(events: list[dict]) -> list[dict]:
+    """Compute events that hold no other compute event of their queue (a parent module's FW holds its
+    children's: its overlap is theirs)."""
+    by_queue: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        by_queue[e.get("tid")].append(e)
+    out = []
+    for items in by_queue.values():
+        items.sort(key=lambda e: (e["ts"], -e["dur"]))
+        for i, e in enumerate(items):
+            nxt = items[i + 1] if i + 1 < len(items) else None
+            if nxt is not None and nxt["ts"] + nxt["dur"] <= e["ts"] + e["dur"] and nxt["ts"] >= e["ts"]:
+                continue
+            out.append(e)
+    return out
+
+
+def fit_interference(run: Run, steps: list[int] | None = None) -> Interference:
+    """Fit the slowdown of overlapped compute from ``run``'s recorded steps (all, or ``steps``)."""
+    wanted = set(steps) if steps is not None else None
+    xs: list[float] = []
+    ys: list[float] = []
+    ops = 0
+    for trace in run.ranks.values():
+        by_step: dict[int, list[dict]] = defaultdict(list)
+        for e in trace.events:
+            step = e["args"].get("step")
+            if step is not None and (wanted is None or step in wanted):
+                by_step[step].append(e)
+        samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for events in by_step.values():
+            busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in TRACE_COMM])
+            if not busy:
+                continue
+            seen: dict[str, int] = defaultdict(int)
+            for e in _leaves([e for e in events if e["cat"] in COMPUTE_CATEGORIES]):
+                seen[e["name"]] += 1
+                key = e["name"] if seen[e["name"]] == 1 else f"{e['name']}#{seen[e['name']]}"
+                samples[key].append((_covered(e["ts"], e["ts"] + e["dur"], busy), float(e["dur"])))
+        for values in samples.values():
+            if len(values) < MIN_STEPS:
+                continue
+            fs = [f for f, _ in values]
+            mean_f = statistics.fmean(fs)
+            mean_d = statistics.fmean(d for _, d in values)
+            if mean_d <= 0 or max(fs) - min(fs) < 0.05:
+                continue
+            ops += 1
+            xs += [f - mean_f for f in fs]
+            ys += [d / mean_d - 1.0 for _, d in values]
+    fitted = NONE
+    if ops and len(xs) >= 3:
+        x, y = np.asarray(xs), np.asarray(ys)
+        sxx = float(x @ x)
+        slope = float(x @ y) / sxx
+        residual = y - slope * x
+        stderr = math.sqrt(float(residual @ residual) / max(len(xs) - 1, 1) / sxx)
+        fitted = Interference(slope, stderr, ops, len(xs),
+                              "each op's duration against how much of it overlapped communication, step to step")
+    if fitted.applies:
+        return fitted
+    return _from_probe(run) or fitted
+
+
+def _from_probe(run: Run) -> Interference | None:
+    """The recorder's interference probe (run.json's ``interference_probe``: a fixed kernel alone and overlapped by
+    an allreduce), when the steps alone cannot tell."""
+    probe = (run.meta or {}).get("interference_probe") or {}
+    slowdown, stderr = probe.get("slowdown"), probe.get("stderr")
+    if not isinstance(slowdown, (int, float)) or not math.isfinite(slowdown):
+        return None
+    runs = len(probe.get("compute_overlapped_us") or [])
+    error = float(stderr) if isinstance(stderr, (int, float)) and math.isfinite(stderr) else math.inf
+    return Interference(float(slowdown), error, 1, runs,
+                        "the recorder's probe: a fixed kernel alone and while an allreduce was in flight")
+
+
+def node_overlap(g: Graph, sched: Schedule) -> np.ndarray:
+    """For each compute node of the replay, the fraction of it that overlaps a collective of its rank (or a
+    transfer every rank takes part in: rank -1)."""
+    out = np.zeros(g.size)
+    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for i, cat in enumerate(g.category):
+        if cat in GRAPH_COMM and sched.end[i] > sched.start[i]:
+            busy[int(g.rank[i])].append((float(sched.start[i]), float(sched.end[i])))
+    shared = busy.pop(-1, [])  # a collective's transfer (rank -1) runs on every rank
+    ranks = {int(r) for r in np.unique(g.rank) if r >= 0}
+    merged = {rank: _union(busy.get(rank, []) + shared) for rank in ranks}
+    for i, cat in enumerate(g.category):
+        if cat in COMPUTE_CATEGORIES and int(g.rank[i]) in merged:
+            out[i] = _covered(float(sched.start[i]), float(sched.end[i]), merged[int(g.rank[i])])
+    return out
+
+
+def op_overlap(g: Graph, sched: Schedule) -> dict[tuple[int, str], float]:
+    """Mean overlap per (rank, op name) over the replayed iterations after the first (the first has no previous
+    step's communication to overlap)."""
+    overlap = node_overlap(g, sched)
+    sums: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for i, cat in enumerate(g.category):
+        if cat in COMPUTE_CATEGORIES and int(g.iteration[i]) > 0:
+            sums[(int(g.rank[i]), g.names[i])].append(float(overlap[i]))
+    return {key: statistics.fmean(v) for key, v in sums.items()}
+
+
+def scale_for_overlap(g: Graph, sched: Schedule, recorded: dict[tuple[int, str], float], slowdown: float,
+                      base_duration: np.ndarray) -> None:
+    """Set each compute node's duration to ``base_duration`` scaled by how much more (or less) it overlaps
+    communication in ``sched`` than in the recorded configuration (``recorded``)."""
+    overlap = node_overlap(g, sched)
+    for i, cat in enumerate(g.category):
+        if cat in COMPUTE_CATEGORIES:
+            before = recorded.get((int(g.rank[i]), g.names[i]))
+            if before is not None:
+                g.duration[i] = base_duration[i] * (1.0 + slowdown * overlap[i]) / (1.0 + slowdown * before)

@@ -1,0 +1,78 @@
+"""Interference: compute that overlaps communication runs slower, fitted and used by what-ifs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from jobrunner import JOBS, job_env, run_job
+from run_builder import make_run_of, x_event
+
+from dpro.io.load import load_run
+from dpro.sim.interference import NONE, fit_interference
+from dpro.sim.whatif import context, predict
+
+SLOWDOWN = 0.6
+
+
+def _overlapping_steps(rank: int, step: int, share: float | None = None) -> list[dict]:
+    """A step whose bucket allreduce overlaps ``share`` of BW.fc1 (by default a different share each step), BW.fc1
+    lasting 2000 µs * (1 + SLOWDOWN * share)."""
+    t0 = 1_000_000.0 + step * 20_000 + rank * 50
+    share = (step % 5) / 4.0 if share is None else share  # 0, 0.25, ... 1
+    bw = 2000.0 * (1.0 + SLOWDOWN * share)
+    comm_start = t0 + 4100 + (1.0 - share) * bw
+    return [
+        x_event("STEP", "STEP", t0, 12_000.0, rank=rank, queue="host", step=step),
+        x_event("FW.fc1", "FW", t0 + 100, 1000.0, rank=rank, queue="compute", step=step, bytes=2048),
+        x_event("FW.fc2", "FW", t0 + 1100, 1000.0, rank=rank, queue="compute", step=step, bytes=1024),
+        x_event("BW.fc2", "BW", t0 + 2100, 2000.0, rank=rank, queue="compute", step=step),
+        x_event("BW.fc1", "BW", t0 + 4100, bw, rank=rank, queue="compute", step=step),
+        x_event("COMM.bucket0.allreduce", "COMM", comm_start, 4000.0, rank=rank, queue="comm", step=step,
+                bytes=12288, tensors=["fc2.weight", "fc2.bias", "fc1.weight", "fc1.bias"], op="allreduce",
+                phase="allreduce"),
+        x_event("UPDATE.sgd", "UPDATE", comm_start + 4000, 500.0, rank=rank, queue="compute", step=step),
+    ]
+
+
+def test_the_slowdown_is_fitted_from_how_much_each_op_overlapped_step_to_step(tmp_path: Path) -> None:
+    run = load_run(make_run_of(tmp_path / "run", _overlapping_steps, steps=range(3, 13)))
+    fitted = fit_interference(run)
+    # d / mean(d) - 1 against f - mean(f): the slope is k / (1 + k * mean f), a little under k
+    assert fitted.applies and 0.4 < fitted.slowdown < SLOWDOWN + 0.05, fitted
+    assert "applied in what-ifs" in fitted.describe()
+
+
+def test_steps_that_overlap_alike_tell_nothing(tmp_path: Path) -> None:
+    run = load_run(make_run_of(tmp_path / "run", lambda rank, step: _overlapping_steps(rank, step, 0.5),
+                               steps=range(3, 9)))
+    assert fit_interference(run) == NONE and not NONE.applies
+    assert "not measurable" in NONE.describe()
+
+
+@pytest.mark.slow
+def test_a_real_ddp_job_measures_its_interference_and_the_what_if_uses_it(tmp_path: Path) -> None:
+    """2 gloo ranks on this machine's cores: gloo's threads take CPU from compute while an allreduce is in flight;
+    the recorder's probe after the window measures it, and a bucket what-if that overlaps less predicts a faster
+    compute than one that prices overlap as free."""
+    venv = str(Path(sys.executable).parent)
+    run_job([sys.executable, "-m", "dpro.launch", "-np", "2", "--profile", "4:14", "--run-dir", "run", "python",
+             str(JOBS / "plain_ddp.py"), "--steps", "16", "--width", "1024"],
+            env=job_env(PATH=venv + os.pathsep + os.environ.get("PATH", "")), cwd=tmp_path, timeout=240)
+    run = load_run(tmp_path / "run")
+    probe = run.meta["interference_probe"]
+    assert len(probe["compute_alone_us"]) == len(probe["compute_overlapped_us"]) == 5
+    assert probe["slowdown"] > 0, probe
+    ctx = context(run)
+    assert ctx.interference.slowdown > 0
+    if not ctx.interference.applies:
+        pytest.skip(f"the probe could not tell a slowdown from noise here: {ctx.interference.describe()}")
+    one_bucket = {"torch.ddp.bucket_cap_mb": 100}
+    with_it = predict(ctx, one_bucket).predicted_step_ms
+    same = predict(ctx, {}).predicted_step_ms
+    ctx.interference = NONE
+    free = predict(ctx, one_bucket).predicted_step_ms
+    assert predict(ctx, {}).predicted_step_ms == pytest.approx(same)  # the recorded setting replays alike
+    assert with_it != pytest.approx(free, rel=1e-6)  # the what-if prices the overlap it changes
