@@ -1,6 +1,6 @@
 """Interference: compute that overlaps communication runs slower.
 
-On a CPU job the threads that drive a collective (gloo's, Horovod's background thread) take cores from the
+On a CPU job the threads that drive a collective (the communication library's, a background loop's) take cores from the
 backward pass; on a GPU, NCCL kernels take SMs and memory bandwidth from the compute kernels. A model that prices
 overlap as free predicts too much from every change that overlaps more (smaller buckets, more buffers).
 
