@@ -408,7 +408,8 @@ HAVE_HVD_KERAS = HAVE_HOROVOD and importlib.util.find_spec("tf_keras") is not No
 @pytest.mark.skipif(not HAVE_HVD_KERAS, reason="this Horovod wheel was built without TensorFlow")
 def test_an_unmodified_hvd_keras_job_is_recorded_through_the_horovod_engine(tmp_path):
     proc = run_job(launcher("--profile", "4:9", "--run-dir", "run", "--horovod-timeline", "python",
-                            str(JOBS / "hvd_keras_job.py"), "--steps", "12"), env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
+                            str(JOBS / "hvd_keras_job.py"), "--steps", "12"),
+                   env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
     assert "hvd.keras rank 0 of 2 done" in proc.stdout and "hvd.keras rank 1 of 2 done" in proc.stdout
     run_dir = tmp_path / "run"
     meta = json.loads((run_dir / "run.json").read_text())
