@@ -4,13 +4,12 @@ On a CPU job the threads that drive a collective (the communication library's, a
 backward pass; on a GPU, NCCL kernels take SMs and memory bandwidth from the compute kernels. A model that prices
 overlap as free predicts too much from every change that overlaps more (smaller buckets, more buffers).
 
-The slowdown is fitted from the recording itself. An op's duration is modelled as ``d0 * (1 + k * f)``, ``f`` the
-fraction of it that overlapped communication on its rank. The same op (rank and name) overlaps more in some steps
-than in others (when a bucket is launched, how long its transfer takes, vary from step to step); regressing each
-op's relative duration on its overlap, pooled over ops, gives ``k`` and its standard error. Where the recording
-shows too little variation to tell, the recorder's interference probe answers (``interference_probe`` in
-run.json: a fixed kernel timed alone and while an allreduce is in flight, after the window); without either,
-nothing is applied.
+An op's duration is modelled as ``d0 * (1 + k * f)``, ``f`` the fraction of it that overlapped communication on its
+rank. ``k`` is measured by the recorder's interference probe (``interference_probe`` in run.json: a fixed kernel
+timed alone and while an allreduce is in flight, after the window): a controlled experiment. Without a probe, the
+steps' own ``k`` is shown but not applied: regressing each op's relative duration on its overlap, step to step,
+reads cause and effect both ways (a step slowed for another reason also overlaps more), and on a wide MLP it read
++276% where the probe read a few percent.
 
 A what-if applies it relative to the recorded configuration (whose durations already hold the recorded
 slowdown): each compute node's duration is scaled by ``(1 + k * f_new) / (1 + k * f_recorded)``, ``f`` read from
@@ -49,16 +48,22 @@ class Interference:
     ops: int                # ops (rank, name) whose overlap varied enough to take part
     samples: int
     source: str
+    probed: bool = False    # measured by the probe (a controlled experiment), not read off the steps
 
     @property
     def applies(self) -> bool:
-        """Whether what-ifs use it: significantly above zero and believable."""
-        return 0.0 < self.slowdown <= MAX_SLOWDOWN and self.slowdown > SIGNIFICANCE * self.stderr
+        """Whether what-ifs use it: measured by the probe, significantly above zero and believable. The steps' fit
+        is shown, never applied: a step slowed for another reason also overlaps more (its allreduce waits longer),
+        so duration and overlap correlate without the one causing the other (on a wide MLP the steps read +276%
+        where the probe read a few %)."""
+        return self.probed and 0.0 < self.slowdown <= MAX_SLOWDOWN and self.slowdown > SIGNIFICANCE * self.stderr
 
     def describe(self) -> str:
         if self.ops == 0:
             return f"interference not measurable: {self.source}"
-        verdict = "applied in what-ifs" if self.applies else "not applied (within its uncertainty)"
+        verdict = "applied in what-ifs" if self.applies else (
+            "not applied (within its uncertainty)" if self.probed else "shown, not applied (no probe: read off the "
+            "steps, where overlap and slowness go together either way)")
         return (f"compute overlapped by communication runs {100.0 * self.slowdown:+.0f}% +/- "
                 f"{100.0 * self.stderr:.0f}% slower when fully overlapped ({self.source}; {self.samples} samples); "
                 f"{verdict}")
@@ -151,8 +156,6 @@ def fit_interference(run: Run, steps: list[int] | None = None) -> Interference:
         stderr = math.sqrt(float(residual @ residual) / max(len(xs) - 1, 1) / sxx)
         fitted = Interference(slope, stderr, ops, len(xs),
                               "each op's duration against how much of it overlapped communication, step to step")
-    if fitted.applies:
-        return fitted
     return _from_probe(run) or fitted
 
 
@@ -166,7 +169,7 @@ def _from_probe(run: Run) -> Interference | None:
     runs = len(probe.get("compute_overlapped_us") or [])
     error = float(stderr) if isinstance(stderr, (int, float)) and math.isfinite(stderr) else math.inf
     return Interference(float(slowdown), error, 1, runs,
-                        "the recorder's probe: a fixed kernel alone and while an allreduce was in flight")
+                        "the recorder's probe: a fixed kernel alone and while an allreduce was in flight", probed=True)
 
 
 def node_overlap(g: Graph, sched: Schedule) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -37,12 +38,18 @@ def _overlapping_steps(rank: int, step: int, share: float | None = None) -> list
     ]
 
 
-def test_the_slowdown_is_fitted_from_how_much_each_op_overlapped_step_to_step(tmp_path: Path) -> None:
-    run = load_run(make_run_of(tmp_path / "run", _overlapping_steps, steps=range(3, 13)))
-    fitted = fit_interference(run)
+def test_the_steps_slowdown_is_read_off_but_only_the_probe_is_applied(tmp_path: Path) -> None:
+    root = make_run_of(tmp_path / "run", _overlapping_steps, steps=range(3, 13))
+    fitted = fit_interference(load_run(root))
     # d / mean(d) - 1 against f - mean(f): the slope is k / (1 + k * mean f), a little under k
-    assert fitted.applies and 0.4 < fitted.slowdown < SLOWDOWN + 0.05, fitted
-    assert "applied in what-ifs" in fitted.describe()
+    assert 0.4 < fitted.slowdown < SLOWDOWN + 0.05 and not fitted.applies, fitted
+    assert "shown, not applied" in fitted.describe()
+    meta = json.loads((root / "run.json").read_text())
+    meta["interference_probe"] = {"slowdown": 0.5, "stderr": 0.05, "compute_overlapped_us": [1.0] * 5}
+    (root / "run.json").write_text(json.dumps(meta))
+    probed = fit_interference(load_run(root))
+    assert probed.probed and probed.applies and probed.slowdown == 0.5
+    assert "applied in what-ifs" in probed.describe()
 
 
 def test_steps_that_overlap_alike_tell_nothing(tmp_path: Path) -> None:
