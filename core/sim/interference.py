@@ -22,12 +22,14 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpro.dag.graph import Graph
-from dpro.io.load import Run
-from dpro.sim.replay import Schedule
+if TYPE_CHECKING:  # types only: this module reads traces and replays, it builds neither
+    from dpro.dag.graph import Graph
+    from dpro.io.load import Run
+    from dpro.sim.replay import Schedule
 
 __all__ = ["COMPUTE_CATEGORIES", "Interference", "fit_interference", "node_overlap", "op_overlap", "scale_for_overlap"]
 

@@ -40,15 +40,14 @@ def knobs_from_environment(environ: dict[str, str]) -> dict[str, Any]:
 
 def _prepare_run(run: Any) -> None:
     """Merge ``horovod-timeline.json`` (fused buffers) into the run when it holds one."""
-    from dpro.dag.graph import MIN_MODEL_STEPS
     from dpro.engines.horovod.timeline import find_timeline, merge_horovod_timeline
 
     path = find_timeline(run)
     if path is None:
         return
     merged = merge_horovod_timeline(run, path) or {}
-    if len(merged.get("steps_without_timeline", [])) >= MIN_MODEL_STEPS:
-        # Horovod's timeline slows the steps it runs in; the step model is the steps without it
+    if merged.get("steps_without_timeline"):
+        # Horovod's timeline slows the steps it runs in; the step model uses the others while enough remain
         run.set_aside.update({step: "ran with Horovod's timeline" for step in merged.get("steps", [])})
 
 
@@ -56,7 +55,7 @@ def _notes(run: Any) -> list[str]:
     merged = ((run.meta or {}).get("horovod") or {}).get("merged") or {}
     notes = []
     if merged.get("steps_without_timeline"):
-        aside = "; the step model is built from the others" if run.set_aside else ""
+        aside = "; the step model is built from the others (when there are enough)" if run.set_aside else ""
         notes.append(f"Horovod's timeline ran in {len(merged.get('steps', []))} of the recorded steps, which it slows"
                      f"{aside}: the other {len(merged['steps_without_timeline'])} time each allreduce from its launch "
                      "to the completion the recorder saw, and the fused buffers that price Horovod's knobs come from "
