@@ -665,6 +665,9 @@ class TorchRecorder:
             self._write_run_json(pingpong)
         self._builder = threading.Thread(target=self._build_steps, name=f"dpro-builder-{self.rank}", daemon=True)
         self._builder.start()
+        # every rank begins the first recorded step together: rank 0's writes would otherwise show as the others
+        # waiting at the first collective, a wait the job does not have
+        self.transport.barrier()
         header["window_start_ms"] = round((time.perf_counter() - t0) * 1000.0, 3)
 
     def _peak_memory(self) -> int:

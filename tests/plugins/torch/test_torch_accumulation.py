@@ -110,9 +110,11 @@ def test_a_module_called_twice_and_checkpointed(tmp_path):
 def test_unmodified_accumulating_script_under_dpro_launch(tmp_path):
     """The zero-code path: an unmodified script accumulating 3 micro-batches with no_sync, under dpro-launch."""
     env = job_env(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
-    # the window starts after a few steps, as users record (the first steps of a job still warm its connections up)
-    run_job([sys.executable, "-m", "dpro.launch", "-np", "2", "--profile", "5:13", "--run-dir", "run", "python",
-             str(JOBS / "plain_ddp.py"), "--steps", "15", "--accumulate", "3"], env=env, cwd=tmp_path, timeout=180)
+    # the window starts after a few steps, as users record (the first steps of a job still warm its connections up);
+    # 20 steps of ~3 ms: the ranks' entry into the window and exit from it differ by a millisecond or two on 2 busy
+    # cores, which 8 steps' means did not amortize (5.6% once)
+    run_job([sys.executable, "-m", "dpro.launch", "-np", "2", "--profile", "5:25", "--run-dir", "run", "python",
+             str(JOBS / "plain_ddp.py"), "--steps", "27", "--accumulate", "3"], env=env, cwd=tmp_path, timeout=180)
     run_dir = tmp_path / "run"
     run = load_run(run_dir)
     assert_buckets_once(run)
