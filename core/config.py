@@ -1,6 +1,6 @@
 """The applied config: what dpro chose for a job, written so that the next run uses it.
 
-The schema is DESIGN.md "The applied config"::
+The schema is docs/architecture.md "The applied config"::
 
     {"schema": "dpro.config/1",
      "fingerprint": {"framework": "torch", "engine": "<run.json's engine>", "world_size": 2, "model": "3f2a..."},
@@ -379,7 +379,7 @@ class Explanation:
 
 @dataclass
 class Config:
-    """An applied config (DESIGN.md "The applied config"), validated when it is made.
+    """An applied config (docs/architecture.md "The applied config"), validated when it is made.
 
     Nested parts may be given as the dataclasses or as plain dicts; knob values are normalized
     (bucket sizes to float, groups to lists), so a config equals itself read back from disk.

@@ -1,4 +1,4 @@
-"""Small run directories written by hand in the documented format (DESIGN.md "The run directory").
+"""Small run directories written by hand in the documented format (docs/architecture.md "The run directory").
 
 The JSON is spelled out here rather than produced by dpro's own writers, so the tests pin the format.
 """

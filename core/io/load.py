@@ -1,4 +1,4 @@
-"""Read and validate a run directory (DESIGN.md "The run directory") into per-rank event tables.
+"""Read and validate a run directory (docs/architecture.md "The run directory") into per-rank event tables.
 
 Loading goes in layers: ``read_json`` parses one file, ``load_rank_file`` / ``load_journal`` turn one
 rank's file into a ``RankTrace``, and ``load_run`` gathers a whole directory into a ``Run``.

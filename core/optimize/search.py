@@ -261,7 +261,7 @@ def optimize_common(ctx: Context, *, memory_budget_bytes: int | None = None, all
 
 
 def config_document(result: OptimizeResult, ctx: Context) -> dict[str, Any]:
-    """The applied config (DESIGN.md "The applied config") for ``result``."""
+    """The applied config (docs/architecture.md "The applied config") for ``result``."""
     meta = ctx.run.meta or {}
     return {
         "schema": "dpro.config/1",

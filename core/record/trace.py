@@ -1,4 +1,4 @@
-"""The trace schema: the one contract between plugins and core (see DESIGN.md "The trace").
+"""The trace schema, the one contract between plugins and core: docs/architecture.md "The trace: what a plugin records".
 
 Events are Chrome "X" complete events. ``pid`` is the rank; ``tid`` is a small integer naming the
 queue the op occupies (``QUEUES``), and every file also carries Chrome ``thread_name`` metadata
