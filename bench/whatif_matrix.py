@@ -1,0 +1,225 @@
+"""What-ifs against real runs on unmodified scripts dpro was not tuned on, and whether the change dpro recommends
+is really faster.
+
+For each case (an unmodified training script, the knob its engine exposes, a few values of it) and each network
+(loopback, or the emulated cluster of ``dpro.testbed``: two hosts in network namespaces joined by a tbf-limited
+link, one rank per host):
+
+1. record the script at its own setting, the way ``dpro-launch --profile`` does (auto-attach, ``DPRO_*``
+   environment), and build the what-if context from it;
+2. predict each value of the knob (``dpro whatif``) and ask ``dpro optimize`` for its recommendation;
+3. run the script at its own setting, at each value and (when dpro recommends a change) with the recommended
+   config, ``--rounds`` times, the settings alternated round by round (a different one first each round); each
+   job records the same window with the setting applied (``dpro-launch --apply``), and its step is the recorded
+   step (median over steps and ranks): what the prediction is a prediction of.
+
+The table gives each prediction against the median of its jobs (and their range), the error, and for the
+recommendation its measured gain over the script's own setting, and whether it was faster beyond the jobs'
+spread (``dpro-launch --auto`` keeps a config only when its re-run measured faster beyond the steps' spread). The
+last lines give the median and worst |error| per engine.
+
+    python bench/whatif_matrix.py [--cases trainer,accelerate] [--networks loopback,300mbit] [--rounds 3]
+        [--doc docs/benchmarks/whatif_matrix.md]
+
+The Trainer and Accelerate scripts need ``pip install transformers accelerate`` in the torch venv (a case whose
+script cannot import its framework is skipped with the reason). Needs root for the emulated networks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpro import testbed
+from dpro.io.load import load_run
+from dpro.launch.env import job_env
+from dpro.launch.settings import LaunchConfig
+from dpro.optimize import config_document, optimize
+from dpro.record.protocol import parse_window
+from dpro.sim.whatif import context, predict
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "bench" / "scripts"
+
+
+@dataclass(frozen=True)
+class Case:
+    """An unmodified script and the knob whose what-ifs are checked."""
+
+    engine: str
+    script: Path
+    args: tuple[str, ...]
+    imports: str             # the module the script needs (a case without it is skipped)
+    knob: str
+    values: tuple[float, ...]
+    own: float               # the knob's value when the script runs as written
+
+    def label(self, value: float | None) -> str:
+        return "as written" if value is None else f"{self.knob.rsplit('.', 1)[-1]}={value:g}"
+
+
+CASES = {
+    "trainer": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"), "transformers",
+                    "torch.ddp.bucket_cap_mb", (1.0, 5.0, 100.0), 25.0),
+    "accelerate": Case("torch-ddp", SCRIPTS / "accelerate_train.py", ("--width", "512", "--depth", "4"),
+                       "accelerate", "torch.ddp.bucket_cap_mb", (1.0, 5.0, 100.0), 25.0),
+    "lightning": Case("torch-ddp", SCRIPTS / "lit_train.py", (), "lightning", "torch.ddp.bucket_cap_mb",
+                      (1.0, 5.0, 100.0), 25.0),
+}
+
+
+def missing_module(name: str) -> str | None:
+    probe = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
+
+
+def run_job(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps: int, window: str,
+            config: Path | None, port: int) -> float:
+    """One recorded job of ``case`` (with ``config`` applied); its recorded step (ms)."""
+    argv = [sys.executable, str(case.script), *case.args, "--steps", str(steps)]
+    launch = LaunchConfig(command=argv, np=2, profile=parse_window(window), run_dir=run_dir, apply=config)
+    env = job_env(launch, base={})
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    if cluster is None:
+        cmd = [sys.executable, "-m", "dpro.launch", "-np", "2", "--profile", window, "--run-dir", str(run_dir),
+               *(["--apply", str(config)] if config else []), *argv]
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": env["PATH"]},
+                              capture_output=True, text=True, timeout=900, cwd=run_dir.parent)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    else:
+        results = testbed.run_ranks(cluster, lambda rank: argv, ranks_per_host=1, timeout=900, cwd=run_dir.parent,
+                                    env_for_rank=lambda rank: {**env, **testbed.torch_rank_env(cluster, rank, 2, 1,
+                                                                                               port)})
+        for rank, res in enumerate(results):
+            if res.returncode != 0:
+                raise RuntimeError(f"rank {rank} of {case.script.name} failed:\n{res.stderr[-3000:]}")
+    return context(load_run(run_dir)).base.measured_step_us / 1000.0
+
+
+def write_config(base: dict, knobs: dict, path: Path) -> Path:
+    """``base`` (the config ``dpro optimize`` wrote for the recording: its fingerprint) with ``knobs``."""
+    path.write_text(json.dumps({**base, "knobs": knobs, "explain": []}), encoding="utf-8")
+    return path
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.1f}..{max(values):.1f}"
+
+
+def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: Path, args: argparse.Namespace,
+               port: int, say: Callable[[str], None], errors: dict[str, list[float]]) -> None:
+    """Record case ``name``, predict its knob's values and dpro's recommendation, run them all; say the rows."""
+    case = CASES[name]
+    work.mkdir()
+
+    def job(tag: str, config: Path | None) -> float:
+        return run_job(case, cluster, work / tag, args.steps, args.profile, config, port)
+
+    job("recorded", None)
+    run = load_run(work / "recorded")
+    ctx = context(run)
+    say(f"  {network} {name}: {ctx.interference.describe()}")
+    result = optimize(ctx)
+    base = config_document(result, ctx)
+    settings: dict[str, tuple[dict, float]] = {case.label(None): ({}, result.baseline.predicted_step_ms)}
+    for value in case.values:
+        knobs = {case.knob: value}
+        settings[case.label(value)] = (knobs, predict(ctx, knobs).predicted_step_ms)
+    recommended = dict(result.knobs)
+    if recommended:
+        settings["dpro's config"] = (recommended, result.predicted.predicted_step_ms)
+    configs = {label: (write_config(base, knobs, work / f"config-{i}.json") if knobs else None)
+               for i, (label, (knobs, _)) in enumerate(settings.items())}
+    measured: dict[str, list[float]] = {label: [] for label in settings}
+    labels = list(settings)
+    for r in range(args.rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            measured[label].append(job(f"r{r}-{labels.index(label)}", configs[label]))
+    for label, (_, predicted) in settings.items():
+        got = statistics.median(measured[label])
+        err = 100.0 * (predicted - got) / got
+        if label != case.label(None):
+            errors.setdefault(case.engine, []).append(abs(err))
+        say(f"{network:<9} {name:<11} {label:<22} {predicted:>12.1f} {got:>12.1f} "
+            f"{spread(measured[label]):<13} {err:>+8.1f}")
+    own = measured[case.label(None)]
+    if not recommended:
+        say(f"  dpro recommends no change (the script as written is kept): "
+            f"{'; '.join(e['why'] for e in base.get('explain', [])[:1])}")
+        return
+    mine = measured["dpro's config"]
+    gain = 100.0 * (1.0 - statistics.median(mine) / statistics.median(own))
+    verdict = ("faster beyond the jobs' spread" if max(mine) < min(own) else
+               "slower beyond the jobs' spread" if min(mine) > max(own) else "within the jobs' spread")
+    say(f"  recommended {recommended}: measured {gain:+.1f}% against as written ({spread(mine)} against "
+        f"{spread(own)} ms): {verdict}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="trainer,accelerate")
+    parser.add_argument("--networks", default="loopback,300mbit")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--profile", default="10:25")
+    parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
+    args = parser.parse_args()
+    header = (f"{'network':<9} {'case':<11} {'setting':<22} {'predicted ms':>12} {'measured ms':>12} "
+              f"{'jobs ms':<13} {'error %':>8}")
+    lines = [f"2 ranks; each job records steps {args.profile} of {args.steps}; measured = median of "
+             f"{args.rounds} jobs, settings alternated", header, "-" * len(header)]
+    print("\n".join(lines), flush=True)
+    errors: dict[str, list[float]] = {}
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    port = 29800
+    with tempfile.TemporaryDirectory(prefix="dpro-matrix-") as tmp:
+        for network in args.networks.split(","):
+            if network != "loopback":
+                ok, why = testbed.testbed_available()
+                if not ok:
+                    say(f"{network}: skipped: {why}")
+                    continue
+            for name in args.cases.split(","):
+                case = CASES[name]
+                why = missing_module(case.imports)
+                if why:
+                    say(f"{network:<9} {name:<11} skipped: {why}")
+                    continue
+                cluster_cm = testbed.emulated_cluster(2, testbed.NetworkSpec(rate=network)) \
+                    if network != "loopback" else None
+                cluster = cluster_cm.__enter__() if cluster_cm is not None else None
+                try:
+                    port += 10
+                    check_case(name, network, cluster, Path(tmp) / f"{network}-{name}", args, port, say, errors)
+                finally:
+                    if cluster_cm is not None:
+                        cluster_cm.__exit__(None, None, None)
+    for engine, errs in errors.items():
+        say(f"{engine}: |error| median {statistics.median(errs):.1f} %, worst {max(errs):.1f} % over {len(errs)} "
+            "what-ifs")
+    if args.doc:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip()
+        Path(args.doc).write_text(f"# What-ifs on unseen scripts against real runs\n\nWritten by "
+                                  f"`python bench/whatif_matrix.py {' '.join(sys.argv[1:])}` on "
+                                  f"{time.strftime('%Y-%m-%d')} at commit {commit or '?'} (2 cores).\n\n```\n"
+                                  + "\n".join(lines) + "\n```\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
