@@ -392,7 +392,7 @@ class TorchEngine:
 
 HOROVOD_INSTALL = ("horovodrun is not installed. Install Horovod with PyTorch and Gloo support, e.g. "
                    "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 pip install 'dpro[horovod]' "
-                   "(horovod 0.28.1; needs cmake and a C++ compiler; see the README), or run the job with "
+                   "(horovod 0.28.1; needs cmake and a C++ compiler; see docs/guide/horovod.md), or run the job with "
                    "--engine torch")
 
 
