@@ -331,12 +331,12 @@ def check_settings(cluster: tb.Cluster | None, args: argparse.Namespace, work: P
     row gives the error of the prediction (``error_pct``) and of the predicted ratio to the recorded
     setting (``relative_error_pct``: prediction / prediction of the recorded setting vs measured / measured
     of the recorded setting), which leaves out the level (the recorded job's own overhead and drift)."""
-    from dpro.engines.horovod.search import _in_force, horovod_predict
+    from dpro.engines.horovod.search import horovod_predict, knobs_in_force
     from dpro.io.load import load_run
     from dpro.sim.whatif import context
 
     ctx = context(load_run(work / "dpro-run"))
-    threshold0, cycle0, _ = _in_force(ctx)
+    threshold0, cycle0, _ = knobs_in_force(ctx)
     settings = [(threshold0 / 2**20, cycle0)] + [tuple(float(v) for v in item.split("/"))
                                                  for item in args.check.split(",")]
     predicted = [horovod_predict(ctx, mb * 2**20, ms) for mb, ms in settings]  # as the engine's search does

@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 
 JOBS = Path(__file__).parent / "jobs"
-ATTEMPTS = 5  # a recorded MWMS job crashes in TensorFlow's profiler stop in 1 run in 8 to 1 in 3 (docs/guide/tensorflow.md)
+ATTEMPTS = 5  # a recorded MWMS job crashes in TensorFlow's profiler stop in 1 run in 8 to 1 in 3 (docs/guide/)
 T = TypeVar("T")
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dpro.engines.torch_ddp_traces import _busy_periods, _partition, fit_transfer
+from dpro.engines.torch_ddp.traces import _busy_periods, _partition, fit_transfer
 
 
 def test_recorded_allreduces_partition_the_gradients_in_ready_order():
@@ -38,7 +38,7 @@ def test_bucket_whatif_on_cpu_traces_of_a_real_ddp_job(tmp_path, capsys):
 
     from dpro.cli import main
     from dpro.engines.torch_ddp import ddp_buckets
-    from dpro.engines.torch_ddp_traces import ddp_steps
+    from dpro.engines.torch_ddp.traces import ddp_steps
     from dpro.errors import UsageError
     from dpro.io.kineto import graph_from_kineto, load_traces, whatif_traces
 

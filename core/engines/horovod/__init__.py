@@ -9,34 +9,18 @@ from typing import Any
 
 from dpro.config import Knob, _count, _number
 from dpro.engines.base import Engine
+from dpro.engines.horovod.knobs import (
+    CACHE,
+    CYCLE,
+    DEFAULT_CYCLE_TIME_MS,
+    DEFAULT_FUSION_THRESHOLD,
+    NAME,
+    THRESHOLD,
+    knobs_from_environment,
+)
 
-__all__ = ["ENGINE", "NAME", "knobs_from_environment"]
-
-NAME = "horovod"
-THRESHOLD, CYCLE, CACHE = "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"
-DEFAULT_FUSION_THRESHOLD = 128 * 2**20   # horovod 0.28.1 (operations.cc)
-DEFAULT_CYCLE_TIME_MS = 1.0
-
-
-def knobs_from_environment(environ: dict[str, str]) -> dict[str, Any]:
-    """The Horovod knobs in force in a rank's environment (what the recorders store in run.json), else Horovod's
-    defaults; a value Horovod would not parse is kept as text, for ``dpro.config`` to report."""
-    knobs: dict[str, Any] = {}
-    try:
-        knobs[THRESHOLD] = int(environ.get(THRESHOLD, DEFAULT_FUSION_THRESHOLD))
-    except ValueError:
-        knobs[THRESHOLD] = environ[THRESHOLD]
-    try:
-        knobs[CYCLE] = float(environ.get(CYCLE, DEFAULT_CYCLE_TIME_MS))
-    except ValueError:
-        knobs[CYCLE] = environ[CYCLE]
-    knobs["horovod.autotune"] = environ.get("HOROVOD_AUTOTUNE", "0") not in ("", "0", "false", "False")
-    try:
-        knobs["horovod.cache_capacity"] = int(environ.get(CACHE, "1024") or 1024)
-    except ValueError:
-        knobs["horovod.cache_capacity"] = environ[CACHE]
-    return knobs
-
+__all__ = ["CACHE", "CYCLE", "DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "ENGINE", "NAME", "THRESHOLD",
+           "knobs_from_environment"]
 
 def _prepare_run(run: Any) -> None:
     """Merge ``horovod-timeline.json`` (fused buffers) into the run when it holds one."""
@@ -81,12 +65,12 @@ def _predict(ctx: Any, knobs: dict[str, Any]) -> Any:
     (as the search prices them); other knobs are left to what-if's replay."""
     if not any(k in knobs for k in (THRESHOLD, CYCLE, CACHE)):
         return None
-    from dpro.engines.horovod.search import _in_force, horovod_predict
+    from dpro.engines.horovod.search import horovod_predict, knobs_in_force
     from dpro.sim.whatif import Prediction, predict
 
     others = {k: v for k, v in knobs.items() if k not in (THRESHOLD, CYCLE, CACHE)}
     base = predict(ctx, others)
-    threshold0, cycle0, cache0 = _in_force(ctx)
+    threshold0, cycle0, cache0 = knobs_in_force(ctx)
     step_ms = horovod_predict(ctx, float(knobs.get(THRESHOLD, threshold0)), float(knobs.get(CYCLE, cycle0)),
                               int(knobs.get(CACHE, cache0)))
     same = horovod_predict(ctx, threshold0, cycle0, cache0)
@@ -97,9 +81,9 @@ def _predict(ctx: Any, knobs: dict[str, Any]) -> Any:
 
 def _sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
     """The fusion threshold over the thresholds the search tries and the one in force (``dpro report``'s curves)."""
-    from dpro.engines.horovod.search import HVD_THRESHOLDS_MB, _in_force
+    from dpro.engines.horovod.search import HVD_THRESHOLDS_MB, knobs_in_force
 
-    threshold = int(_in_force(ctx)[0])
+    threshold = int(knobs_in_force(ctx)[0])
     return [(THRESHOLD, sorted({*(int(mb * 2**20) for mb in HVD_THRESHOLDS_MB), threshold}))]
 
 

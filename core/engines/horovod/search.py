@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpro.dag.graph import graph_from_steps
-from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
+from dpro.engines.horovod.knobs import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
 from dpro.optimize.search import OptimizeResult, best_grouping, best_recompute, clears, gradient_ready_us
 from dpro.sim.cost import CommModel, fit_comm_model, robust_line
 from dpro.sim.replay import plan_levels, replay
@@ -355,7 +355,7 @@ def horovod_loop(ctx: Context, launches: list[dict[str, float]] | None = None) -
     comm = horovod_comm_model(ctx)
     memcpy = horovod_memcpy_us_per_byte(ctx)
     coordinate = comm.allreduce_us(0)
-    threshold, cycle_ms, cache = _in_force(ctx)
+    threshold, cycle_ms, cache = knobs_in_force(ctx)
     by_step: dict[int, list[dict[str, Any]]] = {}
     for b in _hvd_buffers(ctx):
         if all(k in b for k in ("start_us", "end_us", "last_launch_us")):
@@ -430,7 +430,7 @@ def _units(ctx: Context, groups: list[list[str]] | None = None,
     return sorted(units, key=lambda u: (u[2], order[u[0][0]]))
 
 
-def _in_force(ctx: Context) -> tuple[float, float, int]:
+def knobs_in_force(ctx: Context) -> tuple[float, float, int]:
     """Fusion threshold (bytes), cycle time (ms) and response cache capacity of the recorded run."""
     try:
         threshold = float(ctx.knobs.get("HOROVOD_FUSION_THRESHOLD", HVD_DEFAULT_THRESHOLD))
@@ -493,7 +493,7 @@ def horovod_fusion(ctx: Context, thresholds_mb: tuple[float, ...] = HVD_THRESHOL
     launches = recorded_launches(ctx)
     loop = horovod_loop(ctx, launches)
     steps = _unit_steps(ctx, launches)
-    threshold0, cycle0, cache0 = _in_force(ctx)
+    threshold0, cycle0, cache0 = knobs_in_force(ctx)
     cache = max(cache0, len(ctx.gradients)) if cache0 > 0 else 0
     results: list[dict[str, Any]] = []
     grid = [(t * MB, c) for t in thresholds_mb for c in cycles_ms]
@@ -527,7 +527,7 @@ def horovod_predict(ctx: Context, threshold_bytes: float, cycle_ms: float,
     launches = recorded_launches(ctx)
     loop = horovod_loop(ctx, launches)
     steps = _unit_steps(ctx, launches)
-    threshold0, cycle0, cache0 = _in_force(ctx)
+    threshold0, cycle0, cache0 = knobs_in_force(ctx)
     current = simulate_loop(loop, steps, threshold0, cycle0, _uncached(ctx, cache0))
     other = simulate_loop(loop, steps, threshold_bytes, cycle_ms,
                           _uncached(ctx, cache0 if cache_capacity is None else cache_capacity))
@@ -573,7 +573,7 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
                                f"{baseline.predicted_step_ms:.2f} ms, {shown}) gains no more than the prediction "
                                f"can tell ({space}): the setting in force ({described}) is kept"})
     cache = best["cache"]
-    _, _, cache0 = _in_force(ctx)
+    _, _, cache0 = knobs_in_force(ctx)
     if chosen is best and cache["capacity"] != cache0:
         env["HOROVOD_CACHE_CAPACITY"] = str(cache["capacity"])
     cache_why = (f"response cache: {cache['capacity']} entries for {cache['tensors']} tensors, so every request is "

@@ -13,43 +13,19 @@ from typing import Any
 
 from dpro.config import Knob, _bucket_cap, _optional
 from dpro.engines.base import Engine
+from dpro.engines.torch_ddp.buckets import (
+    BUCKET_CAP,
+    CAP_CANDIDATES_MB,
+    DEFAULT_BUCKET_CAP_MB,
+    FIRST_BUCKET_CAP,
+    NAME,
+    bucket_groups,
+    ddp_buckets,
+)
 from dpro.optimize.search import OptimizeResult, best_grouping, clears, optimize_common
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
 __all__ = ["BUCKET_CAP", "CAP_CANDIDATES_MB", "ENGINE", "FIRST_BUCKET_CAP", "best_bucket_cap", "ddp_buckets"]
-
-NAME = "torch-ddp"
-BUCKET_CAP, FIRST_BUCKET_CAP = "torch.ddp.bucket_cap_mb", "torch.ddp.first_bucket_cap_mb"
-DEFAULT_BUCKET_CAP_MB = 25.0   # torch.nn.parallel.DistributedDataParallel's default
-CAP_CANDIDATES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
-
-
-def ddp_buckets(gradients: list[tuple[str, int]], cap_mb: float, first_cap_mb: float | None = None) -> list[list[str]]:
-    """Group gradients (in ready order) the way DDP does: fill a bucket until it reaches its cap."""
-    limits = [first_cap_mb * MB] if first_cap_mb else []
-    buckets: list[list[str]] = [[]]
-    size = 0
-    for name, nbytes in gradients:
-        buckets[-1].append(name)
-        size += nbytes
-        limit = limits[0] if len(buckets) == 1 and limits else cap_mb * MB
-        if size >= limit:
-            buckets.append([])
-            size = 0
-    return [b for b in buckets if b]
-
-
-def groups(ctx: Context, knobs: dict[str, Any]) -> list[list[str]] | None:
-    """DDP's buckets under ``knobs`` (merged over the run's); an explicit cap applies to the first bucket too."""
-    if BUCKET_CAP not in knobs and FIRST_BUCKET_CAP not in knobs:
-        return None
-    merged = {**ctx.knobs, **knobs}
-    cap = float(merged.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
-    first = merged.get(FIRST_BUCKET_CAP)
-    if BUCKET_CAP in knobs and FIRST_BUCKET_CAP not in knobs:
-        first = None  # DDP's rule: a cap given explicitly applies to the first bucket too
-    return ddp_buckets(ctx.gradients, cap, first)
-
 
 def best_bucket_cap(ctx: Context, extra_caps_mb: list[float] = ()) -> list[tuple[float, Prediction]]:
     """Replay every candidate DDP bucket cap (one per distinct grouping, the largest cap that gives it);
@@ -113,15 +89,15 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
 
 
 def trace_whatif(traces: Any, info: Any, base: Any, grouping: dict[str, Any]) -> Any:
-    """Regroup DDP's buckets on profiler traces (``dpro.engines.torch_ddp_traces``: imported when used)."""
-    from dpro.engines.torch_ddp_traces import whatif_traces
+    """Regroup DDP's buckets on profiler traces (``dpro.engines.torch_ddp.traces``: imported when used)."""
+    from dpro.engines.torch_ddp.traces import whatif_traces
 
     return whatif_traces(traces, info, base, grouping)
 
 
 def trace_optimize(traces: Any) -> dict[str, Any]:
-    """Search DDP's bucket cap on profiler traces (``dpro.engines.torch_ddp_traces.optimize_traces``)."""
-    from dpro.engines.torch_ddp_traces import optimize_traces
+    """Search DDP's bucket cap on profiler traces (``dpro.engines.torch_ddp.traces.optimize_traces``)."""
+    from dpro.engines.torch_ddp.traces import optimize_traces
 
     return optimize_traces(traces)
 
@@ -141,7 +117,7 @@ ENGINE = Engine(
         Knob(FIRST_BUCKET_CAP, "size of DDP's first bucket in MiB, or null for DDP's choice", _optional(_bucket_cap),
              engine=NAME),
     ),
-    groups=groups,
+    groups=bucket_groups,
     optimize=search,
     apply="DistributedDataParallel(bucket_cap_mb=, bucket_cap_mb_list=) by the torch plugin (DproCallback, "
           "dpro-launch's auto-attach, dpro.plugins.torch.apply)",

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from dpro.dag.graph import NO_QUEUE, Graph, GraphBuilder
+from dpro.engines.torch_ddp.buckets import BUCKET_CAP, CAP_CANDIDATES_MB, bucket_groups, ddp_buckets
 from dpro.errors import UsageError
 from dpro.io.kineto import KinetoGraphInfo, KinetoTrace
 
@@ -265,7 +266,6 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
     gradients' shapes: a job records parameter names, traces do not, so applying it needs ``--force``)."""
     import hashlib
 
-    from dpro.engines.torch_ddp import BUCKET_CAP, CAP_CANDIDATES_MB, ddp_buckets
     from dpro.io.kineto import mean_step_graph, measured_step_ms, replayed_step_ms
     from dpro.optimize.search import MIN_GAIN
 
@@ -321,7 +321,6 @@ def whatif_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
     """
     from types import SimpleNamespace
 
-    from dpro.engines.torch_ddp import ENGINE
     from dpro.io.kineto import _used_iterations, replayed_step_ms
 
     ddp = ddp_steps(traces, info)
@@ -333,7 +332,7 @@ def whatif_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
             raise UsageError(f"--set tensor_groups: name every gradient once; the traces' gradients are "
                              f"{', '.join(names)}")
     else:
-        groups = ENGINE.groups(SimpleNamespace(knobs={}, gradients=ddp.gradients), grouping)
+        groups = bucket_groups(SimpleNamespace(knobs={}, gradients=ddp.gradients), grouping)
     changed, changed_info = regroup(base, info, ddp, groups, transfer)
     return changed, changed_info, {
         "gradients": len(ddp.gradients), "gradient_bytes": sum(b for _, b in ddp.gradients),
