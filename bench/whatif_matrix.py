@@ -13,7 +13,9 @@ link, one rank per host):
    job records the same window with the setting applied (``dpro-launch --apply``), and its step is the recorded
    step (median over steps and ranks): what the prediction is a prediction of.
 
-The table gives each prediction against the median of its jobs (and their range), the error, and for the
+The table gives each prediction against the median of its jobs (and their range), the error, the error of the
+predicted change (the prediction's ratio to the script as written, against the measured ratio: without the level
+of the recording, which drifts job to job), and for the
 recommendation its measured gain over the script's own setting, and whether it was faster beyond the jobs'
 spread (``dpro-launch --auto`` keeps a config only when its re-run measured faster beyond the steps' spread). The
 last lines give the median and worst |error| per engine.
@@ -28,6 +30,7 @@ script cannot import its framework is skipped with the reason). Needs root for t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -82,9 +85,26 @@ def missing_module(name: str) -> str | None:
     return None if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
 
 
+ATTEMPTS = 3  # torch 2.13's gloo aborts a rank at exit now and then ("terminate called without an active
+#               exception"), with or without dpro: such a job is run again, into a new directory
+
+
 def run_job(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps: int, window: str,
             config: Path | None, port: int) -> float:
     """One recorded job of ``case`` (with ``config`` applied); its recorded step (ms)."""
+    for attempt in range(ATTEMPTS):
+        target = run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-again{attempt}")
+        try:
+            return _run_once(case, cluster, target, steps, window, config, port)
+        except RuntimeError as err:
+            if attempt + 1 == ATTEMPTS:
+                raise
+            print(f"  ({target.name} failed, run again: {str(err).strip().splitlines()[-1]})", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def _run_once(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps: int, window: str,
+              config: Path | None, port: int) -> float:
     argv = [sys.executable, str(case.script), *case.args, "--steps", str(steps)]
     launch = LaunchConfig(command=argv, np=2, profile=parse_window(window), run_dir=run_dir, apply=config)
     env = job_env(launch, base={})
@@ -117,9 +137,12 @@ def spread(values: list[float]) -> str:
 
 
 def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: Path, args: argparse.Namespace,
-               port: int, say: Callable[[str], None], errors: dict[str, list[float]]) -> None:
+               port: int, say: Callable[[str], None], errors: dict[str, list[float]],
+               relative_errors: dict[str, list[float]]) -> None:
     """Record case ``name``, predict its knob's values and dpro's recommendation, run them all; say the rows."""
     case = CASES[name]
+    if args.values:
+        case = dataclasses.replace(case, values=tuple(float(v) for v in args.values.split(",")))
     work.mkdir()
 
     def job(tag: str, config: Path | None) -> float:
@@ -145,13 +168,17 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
     for r in range(args.rounds):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             measured[label].append(job(f"r{r}-{labels.index(label)}", configs[label]))
+    predicted0, measured0 = settings[case.label(None)][1], statistics.median(measured[case.label(None)])
     for label, (_, predicted) in settings.items():
         got = statistics.median(measured[label])
         err = 100.0 * (predicted - got) / got
+        # the change the model predicts against the change measured: leaves out the recorded job's own level
+        relative = 100.0 * ((predicted / predicted0) / (got / measured0) - 1.0)
         if label != case.label(None):
             errors.setdefault(case.engine, []).append(abs(err))
+            relative_errors.setdefault(case.engine, []).append(abs(relative))
         say(f"{network:<9} {name:<11} {label:<22} {predicted:>12.1f} {got:>12.1f} "
-            f"{spread(measured[label]):<13} {err:>+8.1f}")
+            f"{spread(measured[label]):<13} {err:>+8.1f} {relative:>+11.1f}")
     own = measured[case.label(None)]
     if not recommended:
         say(f"  dpro recommends no change (the script as written is kept): "
@@ -172,14 +199,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--profile", default="10:25")
+    parser.add_argument("--values", default=None, help="the knob's values to predict and run, e.g. 1,100 "
+                                                        "(default: each case's own)")
     parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
     header = (f"{'network':<9} {'case':<11} {'setting':<22} {'predicted ms':>12} {'measured ms':>12} "
-              f"{'jobs ms':<13} {'error %':>8}")
+              f"{'jobs ms':<13} {'error %':>8} {'change err %':>11}")
     lines = [f"2 ranks; each job records steps {args.profile} of {args.steps}; measured = median of "
              f"{args.rounds} jobs, settings alternated", header, "-" * len(header)]
     print("\n".join(lines), flush=True)
     errors: dict[str, list[float]] = {}
+    relative_errors: dict[str, list[float]] = {}
 
     def say(line: str) -> None:
         lines.append(line)
@@ -204,13 +234,16 @@ def main() -> int:
                 cluster = cluster_cm.__enter__() if cluster_cm is not None else None
                 try:
                     port += 10
-                    check_case(name, network, cluster, Path(tmp) / f"{network}-{name}", args, port, say, errors)
+                    check_case(name, network, cluster, Path(tmp) / f"{network}-{name}", args, port, say, errors,
+                               relative_errors)
                 finally:
                     if cluster_cm is not None:
                         cluster_cm.__exit__(None, None, None)
     for engine, errs in errors.items():
+        changes = relative_errors[engine]
         say(f"{engine}: |error| median {statistics.median(errs):.1f} %, worst {max(errs):.1f} % over {len(errs)} "
-            "what-ifs")
+            f"what-ifs; of the change (against the script as written, measured and predicted): median "
+            f"{statistics.median(changes):.1f} %, worst {max(changes):.1f} %")
     if args.doc:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=ROOT).stdout.strip()
