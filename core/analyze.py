@@ -20,7 +20,7 @@ from dpro.dag.align import Alignment, align
 from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model
 from dpro.io.load import Run, load_run, overhead_of
 from dpro.sim.interference import fit_interference
-from dpro.sim.replay import Schedule, critical_path, plan_levels, replay
+from dpro.sim.replay import Schedule, critical_path, plan_levels, predicted_step_us, replay
 from dpro.sim.steps import one_step_models, replay_recorded
 
 __all__ = [
@@ -67,16 +67,6 @@ class Analysis:
 def error_pct(predicted: float, measured: float) -> float:
     """Signed prediction error in percent of the measured value."""
     return 100.0 * (predicted - measured) / measured if measured else float("nan")
-
-
-def predicted_step_us(g: Graph, sched: Schedule) -> dict[int, float]:
-    """Per rank: the replayed duration of the last iteration (steady state, after the first ones)."""
-    last = max(it for _, it in g.step_end)
-    out = {}
-    for (rank, it), node in g.step_end.items():
-        if it == last and (rank, it - 1) in g.step_end:
-            out[rank] = float(sched.end[node] - sched.end[g.step_end[(rank, it - 1)]])
-    return out
 
 
 def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

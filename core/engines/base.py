@@ -40,12 +40,6 @@ def _server_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"server{int(k)}" for k in servers if isinstance(k, int) and not isinstance(k, bool))
 
 
-def _common_search(ctx: Any, **options: Any) -> Any:
-    from dpro.optimize.search import optimize_common
-
-    return optimize_common(ctx, **options)
-
-
 @dataclass(frozen=True)
 class Engine:
     """One communication engine.
@@ -56,7 +50,8 @@ class Engine:
         knobs: the engine's own knobs (``dpro.config.Knob``, with ``engine`` set).
         groups: ``(ctx, knobs) -> list of gradient-name groups or None``: how the engine would group the
             gradients into collectives under ``knobs`` (what-if); None when ``knobs`` change no grouping.
-        optimize: ``(ctx, memory_budget_bytes=, allow_compression=) -> OptimizeResult``: the engine's search.
+        optimize: ``(ctx, memory_budget_bytes=, allow_compression=) -> OptimizeResult``: the engine's search; None:
+            only the searches every engine shares (``dpro.optimize.search.optimize_common``).
         prepare_run: ``(run) -> None``, at load time: complete the run from the engine's own traces.
         apply: how a config reaches the job, in words (for docs and tables).
         comm_knobs: the knobs that regroup the collectives (what-if rebuilds the communication for them).
@@ -92,7 +87,7 @@ class Engine:
     doc: str
     knobs: tuple = ()
     groups: Callable[[Any, dict[str, Any]], list[list[str]] | None] = _no_groups
-    optimize: Callable[..., Any] = _common_search
+    optimize: Callable[..., Any] | None = None
     prepare_run: Callable[[Any], None] = _nothing
     apply: str = ""
     comm_knobs: tuple[str, ...] = field(default=())  # knob names that regroup the collectives

@@ -198,14 +198,13 @@ def optimize(ctx: Context, *, memory_budget_bytes: int | None = None, allow_comp
         progress: advanced once per configuration replayed (``dpro.progress.Progress``; its total is
             unknown ahead: each engine's search decides how many candidates it prices), closed at the end.
     """
+    search = get_engine(ctx.engine).optimize or optimize_common  # an engine without a search of its own
     if progress is None:
-        return get_engine(ctx.engine).optimize(ctx, memory_budget_bytes=memory_budget_bytes,
-                                               allow_compression=allow_compression)
+        return search(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
     before = ctx.on_predict
     ctx.on_predict = lambda knobs: progress.advance(note=_knobs_note(knobs))
     try:
-        return get_engine(ctx.engine).optimize(ctx, memory_budget_bytes=memory_budget_bytes,
-                                               allow_compression=allow_compression)
+        return search(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
     finally:
         ctx.on_predict = before
         progress.close()

@@ -16,6 +16,7 @@ from dpro.dag.graph import Graph
 from dpro.errors import GraphError
 
 __all__ = [
+    "predicted_step_us",
     "LevelPlan",
     "Schedule",
     "critical_path",
@@ -133,3 +134,13 @@ def critical_path(g: Graph, sched: Schedule, last: int | None = None) -> list[in
         path.append(node)
     path.reverse()
     return path
+
+
+def predicted_step_us(g: Graph, sched: Schedule) -> dict[int, float]:
+    """Per rank: the replayed duration of the last iteration (steady state, after the first ones)."""
+    last = max(it for _, it in g.step_end)
+    out = {}
+    for (rank, it), node in g.step_end.items():
+        if it == last and (rank, it - 1) in g.step_end:
+            out[rank] = float(sched.end[node] - sched.end[g.step_end[(rank, it - 1)]])
+    return out

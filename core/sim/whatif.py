@@ -38,7 +38,7 @@ from dpro.io.load import Run
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
 from dpro.sim.interference import NONE as NO_INTERFERENCE
 from dpro.sim.interference import Interference, fit_interference, op_overlap, scale_for_overlap
-from dpro.sim.replay import plan_levels, replay
+from dpro.sim.replay import plan_levels, predicted_step_us, replay
 
 __all__ = [
     "MB",
@@ -415,8 +415,6 @@ def scale_out(ctx: Context, model: StepModel, knobs: dict[str, Any], seeds: int 
     for seed in range(seeds):
         g = graph_from_steps(ranks_drawn(model, world_size, seed), iterations=SCALE_OUT_ITERATIONS)
         sched = replay(g, plan_levels(g))
-        from dpro.analyze import predicted_step_us
-
         steps.append(statistics.median(predicted_step_us(g, sched).values()) / 1000.0)
         nodes = g.size
     ordered = sorted(steps)
@@ -442,8 +440,6 @@ def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iteratio
         for _ in range(INTERFERENCE_ROUNDS):
             scale_for_overlap(g, sched, recorded, ctx.interference.slowdown, base)
             sched = replay(g, plan)
-    from dpro.analyze import predicted_step_us
-
     per_rank = predicted_step_us(g, sched)
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
                       predicted_peak_memory_bytes=ctx.memory.peak_bytes(knobs.get("recompute") or ()),
