@@ -472,7 +472,7 @@ def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compressio
     """dPRO's tensor partition for a parameter server: every server count and partition bound replayed; the best
     is recommended when its predicted gain clears the prediction's uncertainty (``optimize.search.clears``; written
     as the config's ``env``), then the common searches."""
-    from dpro.optimize.search import clears, optimize_common
+    from dpro.sim.choices import clears, optimize_common
     from dpro.sim.whatif import predict as whatif_predict
     from dpro.sim.whatif import replay_model
 

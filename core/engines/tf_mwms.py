@@ -78,7 +78,7 @@ def sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
 
 def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> Any:
     """MWMS's ``bytes_per_pack`` (every distinct packing replayed), then the common searches."""
-    from dpro.optimize.search import clears, optimize_common
+    from dpro.sim.choices import clears, optimize_common
     from dpro.sim.whatif import predict
 
     began = time.perf_counter()

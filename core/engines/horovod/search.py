@@ -18,7 +18,7 @@ from typing import Any
 
 from dpro.dag.graph import graph_from_steps
 from dpro.engines.horovod.knobs import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
-from dpro.optimize.search import OptimizeResult, best_grouping, best_recompute, clears, gradient_ready_us
+from dpro.sim.choices import OptimizeResult, best_grouping, best_recompute, clears, gradient_ready_us
 from dpro.sim.cost import CommModel, fit_comm_model, robust_line
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.whatif import MB, Context, Prediction, predict

@@ -22,7 +22,7 @@ from dpro.engines.torch_ddp.buckets import (
     bucket_groups,
     ddp_buckets,
 )
-from dpro.optimize.search import OptimizeResult, best_grouping, clears, optimize_common
+from dpro.sim.choices import OptimizeResult, best_grouping, clears, optimize_common
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
 __all__ = ["BUCKET_CAP", "CAP_CANDIDATES_MB", "ENGINE", "FIRST_BUCKET_CAP", "best_bucket_cap", "ddp_buckets"]

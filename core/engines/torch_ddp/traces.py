@@ -267,7 +267,7 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
     import hashlib
 
     from dpro.io.kineto import mean_step_graph, measured_step_ms, replayed_step_ms
-    from dpro.optimize.search import MIN_GAIN
+    from dpro.sim.choices import MIN_GAIN
 
     base, info, its = mean_step_graph(traces)
     ddp = ddp_steps(traces, info)

@@ -1,0 +1,224 @@
+"""Choosing among configurations by replay: the building blocks every engine's search uses (``dpro.engines``) and
+the searches every engine shares.
+
+- ``clears`` / ``uncertainty_ms``: a change is recommended only when its predicted gain clears the prediction's
+  uncertainty (the recorded steps' spread plus what a what-if misses by).
+- ``best_grouping``: the grouping of the ordered gradients into allreduce groups that finishes communication first,
+  by dynamic programming over the gradient list against the fitted cost model (exact for that model), then
+  confirmed by a full replay.
+- ``best_recompute``: the modules to checkpoint that meet a memory budget with the least replayed step time; when no
+  choice meets the budget it says so and gives the smallest reachable peak.
+- ``optimize_common``: the searches every engine shares, after its own (gradient compression, priced and applied
+  only when the caller allows it, since it changes numerics; recomputation under a budget).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpro.io.load import run_step_times_ms
+from dpro.sim.whatif import MB, Context, Prediction, predict
+
+__all__ = [
+    "MIN_GAIN",
+    "WHATIF_ERROR",
+    "OptimizeResult",
+    "RecomputeChoice",
+    "best_grouping",
+    "best_recompute",
+    "clears",
+    "gradient_ready_us",
+    "optimize_common",
+    "recompute_candidates",
+    "uncertainty_ms",
+]
+
+
+MIN_GAIN = 0.03  # a change must be predicted to save 3% to be recommended: smaller gains are within what-if error
+WHATIF_ERROR = 0.05  # what a what-if on a job not tuned on misses by (median, issue 35's measurements): every
+# prediction carries it beside the spread of the recorded steps
+
+
+def uncertainty_ms(ctx: Context, predicted_ms: float) -> float:
+    """How far a predicted step of ``predicted_ms`` may be off: the standard error of the recorded steps' median
+    (from their interquartile range; the slowest rank's step, step by step) plus ``WHATIF_ERROR`` of it."""
+    steps = sorted(run_step_times_ms(ctx.run))
+    spread = 0.0
+    if len(steps) >= 4:
+        iqr = steps[(3 * len(steps)) // 4] - steps[len(steps) // 4]
+        spread = 1.253 * (iqr / 1.349) / math.sqrt(len(steps))  # the median's standard error, normal steps
+    return spread + WHATIF_ERROR * predicted_ms
+
+
+def clears(ctx: Context, gain_ms: float, predicted_ms: float, floor: float = MIN_GAIN) -> tuple[bool, str]:
+    """Whether a predicted gain is worth recommending (beyond ``floor`` of the step and the prediction's
+    uncertainty), and the gain as people read it: ``+4.6 ms +/- 6.0 ms``."""
+    margin = uncertainty_ms(ctx, predicted_ms)
+    return gain_ms > max(floor * predicted_ms, margin), f"{gain_ms:+.2f} ms +/- {margin:.2f} ms"
+
+
+def gradient_ready_us(ctx: Context) -> dict[str, float]:
+    """When each gradient is ready, relative to the step start: the end of the BW op that produces it,
+    on the slowest rank (a collective waits for the last rank)."""
+    ready: dict[str, float] = {}
+    for ops in ctx.base.ops.values():
+        for op in ops:
+            if op.category == "BW":
+                for g in op.args.get("grads", []):
+                    ready[g] = max(ready.get(g, 0.0), op.order + op.duration)
+    fallback = max(ready.values(), default=0.0)
+    return {name: ready.get(name, fallback) for name, _ in ctx.gradients}
+
+
+def best_grouping(ctx: Context, ready: dict[str, float] | None = None) -> tuple[list[list[str]], float]:
+    """Exact DP: split the ready-ordered gradients into contiguous groups minimising the time the last
+    allreduce ends, when group k starts at max(its last gradient ready, group k-1 done).
+
+    Returns the groups and the modelled end of communication (µs from step start).
+    """
+    ready = ready or gradient_ready_us(ctx)
+    names = [n for n, _ in ctx.gradients]
+    sizes = [b for _, b in ctx.gradients]
+    n = len(names)
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    cost = ctx.comm.allreduce_us
+    launch = _launch_gap(ctx)
+    ready_at = [0.0] + [max(ready[names[i]] for i in range(k)) for k in range(1, n + 1)]
+    done = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i):
+            t = max(ready_at[i] + launch, done[j]) + cost(prefix[i] - prefix[j])
+            if t < done[i]:
+                done[i], cut[i] = t, j
+    groups = []
+    i = n
+    while i > 0:
+        groups.append(names[cut[i]:i])
+        i = cut[i]
+    return groups[::-1], done[n]
+
+
+def _launch_gap(ctx: Context) -> float:
+    gaps = [op.gap for ops in ctx.base.ops.values() for op in ops if op.category == "COMM" and op.gap is not None]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def recompute_candidates(ctx: Context) -> list[str]:
+    """Modules worth checkpointing: those at depth 1-2 of the module tree holding saved activations."""
+    acts = ctx.memory.activation_bytes
+    out = set()
+    for name in acts:
+        parts = name.split(".")
+        for depth in (1, 2):
+            if len(parts) >= depth:
+                out.add(".".join(parts[:depth]))
+    return sorted(m for m in out if sum(acts[s] for s in ctx.memory.subtree(m) if s != m) > 0)
+
+
+@dataclass
+class RecomputeChoice:
+    modules: list[str]
+    prediction: Prediction | None
+    feasible: bool
+    smallest_peak_bytes: int
+    note: str = ""
+
+
+def best_recompute(ctx: Context, budget_bytes: int, base_knobs: dict[str, Any], keep: int = 5) -> RecomputeChoice:
+    """Modules to checkpoint so the peak fits ``budget_bytes`` with the least replayed step time."""
+    mem = ctx.memory
+    base_peak = mem.peak_bytes(())
+    if base_peak <= budget_bytes:
+        return RecomputeChoice([], None, True, base_peak, "the run already fits the budget")
+    cands = recompute_candidates(ctx)
+    fw_cost = {m: _forward_cost(ctx, m) for m in cands}
+    feasible: list[tuple[float, list[str]]] = []
+    smallest = base_peak
+    subsets: list[tuple[str, ...]]
+    if len(cands) <= 12:
+        subsets = [s for k in range(1, len(cands) + 1) for s in itertools.combinations(cands, k)]
+    else:  # greedy by bytes freed per µs of extra forward
+        order = sorted(cands, key=lambda m: -_freed(mem, m) / max(fw_cost[m], 1.0))
+        subsets = [tuple(order[:k]) for k in range(1, len(order) + 1)]
+    for subset in subsets:
+        if any(a != b and b.startswith(a + ".") for a in subset for b in subset):
+            continue  # nested choices
+        peak = mem.peak_bytes(subset)
+        smallest = min(smallest, peak)
+        if peak <= budget_bytes:
+            feasible.append((sum(fw_cost[m] for m in subset), list(subset)))
+    if not feasible:
+        return RecomputeChoice([], None, False, smallest,
+                               f"no choice of modules to recompute meets the budget; the smallest reachable "
+                               f"peak is {smallest / MB:.1f} MiB")
+    feasible.sort(key=lambda cm: cm[0])
+    confirmed = [(predict(ctx, {**base_knobs, "recompute": mods}), mods) for _, mods in feasible[:keep]]
+    prediction, modules = min(confirmed, key=lambda pm: pm[0].predicted_step_ms)
+    return RecomputeChoice(modules, prediction, True, smallest)
+
+
+def _forward_cost(ctx: Context, module: str) -> float:
+    names = {f"FW.{m}" for m in ctx.memory.subtree(module)} | {f"FW.{module}"}
+    return max(sum(op.duration for op in ops if op.name in names) for ops in ctx.base.ops.values())
+
+
+def _freed(mem: Any, module: str) -> int:
+    return sum(mem.activation_bytes[s] for s in mem.subtree(module) if s != module)
+
+
+@dataclass
+class OptimizeResult:
+    knobs: dict[str, Any]
+    baseline: Prediction
+    predicted: Prediction
+    explain: list[dict[str, Any]] = field(default_factory=list)
+    search_seconds: float = 0.0
+    measured_step_ms: float = 0.0
+
+
+def optimize_common(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False,
+                    knobs: dict[str, Any] | None = None, explain: list[dict[str, Any]] | None = None,
+                    baseline: Prediction | None = None, began: float | None = None) -> OptimizeResult:
+    """The searches every engine shares, after the engine's own (``knobs`` and ``explain`` so far):
+    gradient compression (priced, applied only when allowed) and recomputation under a budget."""
+    began = time.perf_counter() if began is None else began
+    baseline = baseline or predict(ctx, {})
+    knobs = dict(knobs or {})
+    explain = list(explain or [])
+    current = predict(ctx, knobs) if knobs else baseline
+    comm_knobs = {k: v for k, v in knobs.items() if k != "tensor_groups"}
+    if ctx.base.transfer:
+        compressed = predict(ctx, {**comm_knobs, "gradient_compression": "fp16"})
+        c_gain = current.predicted_step_ms - compressed.predicted_step_ms
+        worth, shown = clears(ctx, c_gain, current.predicted_step_ms, floor=0.05)
+        if worth and allow_compression:
+            knobs["gradient_compression"] = "fp16"
+            current = compressed
+            explain.append({"knob": "gradient_compression", "predicted_gain_ms": c_gain,
+                            "why": f"fp16 allreduce halves the bytes on the wire: {shown}"})
+        else:
+            explain.append({"knob": "gradient_compression", "predicted_gain_ms": max(0.0, c_gain),
+                            "why": "not applied: " + ("fp16 compression changes numerics; pass --allow-compression"
+                                                      if worth else f"{shown} is within what the prediction can "
+                                                                    "tell (or under 5% of the step)")})
+    if memory_budget_bytes is not None:
+        choice = best_recompute(ctx, memory_budget_bytes, {k: v for k, v in knobs.items() if k != "tensor_groups"})
+        if choice.modules and choice.prediction is not None:
+            knobs["recompute"] = choice.modules
+            explain.append({"knob": "recompute", "predicted_gain_ms": current.predicted_step_ms
+                            - choice.prediction.predicted_step_ms,
+                            "why": f"checkpointing {', '.join(choice.modules)} brings the peak to "
+                                   f"{choice.prediction.predicted_peak_memory_bytes / MB:.1f} MiB "
+                                   f"(budget {memory_budget_bytes / MB:.1f} MiB) at the least replayed cost"})
+        else:
+            explain.append({"knob": "recompute", "predicted_gain_ms": 0.0, "why": choice.note})
+    final = predict(ctx, knobs)
+    return OptimizeResult(knobs=knobs, baseline=baseline, predicted=final, explain=explain,
+                          search_seconds=time.perf_counter() - began,
+                          measured_step_ms=ctx.base.measured_step_us / 1000.0)
