@@ -115,7 +115,7 @@ def record_emulated(cluster: testbed.Cluster, model: str, bucket_mb: float, run_
 
 def kineto_rows() -> list[tuple[str, str, str, float, float, float]]:
     try:
-        from dpro.io.kineto import analyze_kineto
+        from dpro.analyze.traces import analyze_kineto
     except ImportError:
         return []
     rows = []

@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from dpro.analyze import error_pct
-from dpro.io.kineto import analyze_traces, graph_from_kineto, load_kineto, split_prediction
+from dpro.analyze.traces import analyze_traces, split_prediction
+from dpro.dag.kineto import graph_from_kineto
+from dpro.io.kineto import load_kineto
 from dpro.report.tables import format_table
 from dpro.sim.replay import replay
 

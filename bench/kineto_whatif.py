@@ -19,7 +19,8 @@ from pathlib import Path
 
 from dpro import testbed
 from dpro.analyze import error_pct
-from dpro.io.kineto import load_traces, whatif_traces
+from dpro.analyze.traces import whatif_traces
+from dpro.io.kineto import load_traces
 from dpro.report.tables import format_table
 
 DEFAULT_SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "jobs" / "profiled_gloo_ddp.py"

@@ -75,7 +75,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if len(args.run) == 1 and Path(args.run[0]).is_dir():
         analysis = analyze_path(args.run[0], iterations=args.iterations)
     else:
-        from dpro.io.kineto import analyze_kineto
+        from dpro.analyze.traces import analyze_kineto
 
         analysis = analyze_kineto([Path(p) for p in args.run])
     print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
@@ -156,7 +156,8 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
 
 
 def _whatif_traces(paths: list[Any], knobs: dict[str, Any], args: argparse.Namespace) -> int:
-    from dpro.io.kineto import load_traces, whatif_traces
+    from dpro.analyze.traces import whatif_traces
+    from dpro.io.kineto import load_traces
     from dpro.report.tables import format_table
 
     result = whatif_traces(load_traces(paths), knobs)

@@ -434,7 +434,7 @@ def in_process(seed: Seed, seed_path: Path, extra: list[str]) -> None:
 
 def _read_and_compute(seed: Seed, seed_path: Path, extra: list[str]) -> None:
     if seed.kind == "kineto":
-        from dpro.io.kineto import analyze_kineto
+        from dpro.analyze.traces import analyze_kineto
 
         analyze_kineto([seed_path])
     elif seed.kind == "config":

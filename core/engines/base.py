@@ -78,7 +78,7 @@ class Engine:
         sweeps: ``(ctx) -> [(knob, values), ...]``: the engine's main knobs and the values a what-if curve of the
             step time plots (``dpro report``); empty: the engine has no knob of its own to plot.
         trace_whatif: ``(traces, info, graph, knobs) -> (graph, info, facts)``: the engine's grouping knobs on
-            PyTorch profiler traces (``dpro.io.kineto.whatif_traces``); None: the engine cannot regroup traces.
+            PyTorch profiler traces (``dpro.analyze.traces.whatif_traces``); None: the engine cannot regroup traces.
         trace_optimize: ``(traces) -> {"candidates", "recommended", "config", ...}``: the engine's search on
             profiler traces (``dpro optimize TRACE...``); None: none.
     """

@@ -286,7 +286,8 @@ KINETO_CATEGORIES = {"KERNEL": "COMPUTE", "NCCL": "COMM", "MEMSET": "MEMCPY", "C
 def collect_traces(paths: list[str | Path]) -> ReportData:
     """Analyze PyTorch profiler traces (one per rank) and gather the report's data. What-if curves and
     recommendations need a dpro run directory (the traces carry no gradient list): the page says so."""
-    from dpro.io.kineto import load_traces, replay_traces
+    from dpro.analyze.traces import replay_traces
+    from dpro.io.kineto import load_traces
 
     result = replay_traces(load_traces([Path(p) for p in paths]))
     info, a = result.info, result.analysis

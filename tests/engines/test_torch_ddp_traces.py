@@ -36,11 +36,13 @@ def test_bucket_whatif_on_cpu_traces_of_a_real_ddp_job(tmp_path, capsys):
     pytest.importorskip("torch")
     from jobrunner import torchrun
 
+    from dpro.analyze.traces import whatif_traces
     from dpro.cli import main
+    from dpro.dag.kineto import graph_from_kineto
     from dpro.engines.torch_ddp import ddp_buckets
     from dpro.engines.torch_ddp.traces import ddp_steps
     from dpro.errors import UsageError
-    from dpro.io.kineto import graph_from_kineto, load_traces, whatif_traces
+    from dpro.io.kineto import load_traces
 
     torchrun("profiled_gloo_ddp.py", "--out", str(tmp_path), "--bucket-cap-mb", "25", "--record-shapes")
     paths = [tmp_path / f"rank{r}.pt.trace.json" for r in (0, 1)]

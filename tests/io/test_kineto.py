@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpro.analyze.traces import analyze_kineto, analyze_traces
+from dpro.dag.kineto import graph_from_kineto
 from dpro.errors import TraceError
-from dpro.io.kineto import analyze_kineto, analyze_traces, graph_from_kineto, load_kineto, short_name
+from dpro.io.kineto import load_kineto, short_name
 from dpro.sim.replay import replay
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "kineto"
@@ -323,7 +325,7 @@ def test_gloo_collectives_of_a_cpu_ddp_trace_are_communication(tmp_path):
         assert row["idle_ms"] < row["communication_ms"] <= row["replayed_step_ms"]  # waiting is not idle time
     assert any(c["op"] == "gloo:all_reduce" for c in a.critical_path)
     assert any("collectives on CPU backend threads" in n for n in a.notes)
-    from dpro.io.kineto import whatif_traces
+    from dpro.analyze.traces import whatif_traces
 
     faster = whatif_traces(traces, {"bandwidth_scale": 4.0})
     assert faster["predicted_step_ms"] < 0.95 * faster["baseline_predicted_step_ms"]
@@ -336,7 +338,8 @@ def test_gloo_collectives_of_a_cpu_ddp_trace_are_communication(tmp_path):
 def test_the_prediction_is_each_step_from_the_others(tmp_path):
     """The reported step is predicted, not copied: a step made slower than all others is predicted at the others'
     times (leave-one-step-out), while the exact replay of that step reproduces it."""
-    from dpro.io.kineto import held_out_steps, split_prediction
+    from dpro.analyze.traces import split_prediction
+    from dpro.sim.kineto import held_out_steps
 
     trace = load_kineto(SINGLE)
     g, info = graph_from_kineto([trace])
@@ -353,9 +356,9 @@ def test_the_prediction_is_each_step_from_the_others(tmp_path):
 
 
 def test_whatif_on_traces_scales_compute_and_communication(capsys):
+    from dpro.analyze.traces import whatif_traces
     from dpro.cli import main
     from dpro.errors import UsageError
-    from dpro.io.kineto import whatif_traces
 
     single, ddp = load_kineto(SINGLE), load_kineto(DDP)
     gpu_bound = whatif_traces([single], {"compute_scale": 2.0})

@@ -90,9 +90,9 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
 
 def trace_whatif(traces: Any, info: Any, base: Any, grouping: dict[str, Any]) -> Any:
     """Regroup DDP's buckets on profiler traces (``dpro.engines.torch_ddp.traces``: imported when used)."""
-    from dpro.engines.torch_ddp.traces import whatif_traces
+    from dpro.engines.torch_ddp.traces import regrouped_traces
 
-    return whatif_traces(traces, info, base, grouping)
+    return regrouped_traces(traces, info, base, grouping)
 
 
 def trace_optimize(traces: Any) -> dict[str, Any]:

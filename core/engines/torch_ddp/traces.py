@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from dpro.dag.graph import NO_QUEUE, Graph, GraphBuilder
+from dpro.dag.kineto import KinetoGraphInfo
 from dpro.engines.torch_ddp.buckets import BUCKET_CAP, CAP_CANDIDATES_MB, bucket_groups, ddp_buckets
 from dpro.errors import UsageError
-from dpro.io.kineto import KinetoGraphInfo, KinetoTrace
+from dpro.io.kineto import KinetoTrace
 
-__all__ = ["DdpSteps", "TransferFit", "ddp_steps", "fit_transfer", "optimize_traces", "regroup", "whatif_traces"]
+__all__ = ["DdpSteps", "TransferFit", "ddp_steps", "fit_transfer", "optimize_traces", "regroup", "regrouped_traces"]
 
 ACCUMULATE = "torch::autograd::AccumulateGrad"
 LAUNCH = "c10d::allreduce_"
@@ -266,8 +267,8 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
     gradients' shapes: a job records parameter names, traces do not, so applying it needs ``--force``)."""
     import hashlib
 
-    from dpro.io.kineto import mean_step_graph, measured_step_ms, replayed_step_ms
     from dpro.sim.choices import MIN_GAIN
+    from dpro.sim.kineto import mean_step_graph, measured_step_ms, replayed_step_ms
 
     base, info, its = mean_step_graph(traces)
     ddp = ddp_steps(traces, info)
@@ -310,7 +311,7 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
             "config": config}
 
 
-def whatif_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
+def regrouped_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
                   grouping: dict[str, Any]) -> tuple[Graph, KinetoGraphInfo, dict[str, Any]]:
     """The engine's ``trace_whatif``: ``base`` (``info``'s graph, every op at its mean) with DDP's buckets regrouped
     under ``grouping`` (a bucket cap, or ``tensor_groups``), and what the regrouping saw.
@@ -321,7 +322,7 @@ def whatif_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
     """
     from types import SimpleNamespace
 
-    from dpro.io.kineto import _used_iterations, replayed_step_ms
+    from dpro.sim.kineto import replayed_step_ms, used_iterations
 
     ddp = ddp_steps(traces, info)
     transfer = fit_transfer(ddp.transfers)
@@ -338,4 +339,4 @@ def whatif_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Graph,
         "gradients": len(ddp.gradients), "gradient_bytes": sum(b for _, b in ddp.gradients),
         "recorded_buckets": len(ddp.groups), "buckets": len(groups), "comm_model": transfer.describe(),
         "recorded_buckets_modelled_step_ms": replayed_step_ms(*regroup(base, info, ddp, ddp.groups, transfer),
-                                                               _used_iterations(info, []))}
+                                                               used_iterations(info, []))}
