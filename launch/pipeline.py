@@ -118,7 +118,7 @@ def unpack_tar_stream(stream: IO[bytes], into: Path) -> None:
 def measured_step_ms(run_dir: Path) -> float:
     """dpro's measured step time of a run: the median STEP of the slowest rank, in ms."""
     from dpro.dag.align import align
-    from dpro.dag.graph import step_model
+    from dpro.dag.step_model import step_model
     from dpro.io.load import load_run
 
     run = load_run(run_dir)

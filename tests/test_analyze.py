@@ -84,7 +84,7 @@ def test_analyze_a_job_on_the_emulated_network(tmp_path):
 
 
 def _model_with_arrivals(arrivals: dict[tuple[str, int], dict[int, float]], spans: dict[tuple[int, int], tuple]):
-    from dpro.dag.graph import StepModel
+    from dpro.dag.step_model import StepModel
 
     steps = sorted({s for _, s in arrivals})
     return StepModel(ops={}, transfer={}, measured_step_us=10_000.0, step_us_by_rank={}, steps=steps,

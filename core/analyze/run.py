@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 
 from dpro.dag.align import Alignment, align
-from dpro.dag.graph import Graph, StepModel, graph_from_steps, step_model
+from dpro.dag.graph import Graph
+from dpro.dag.step_model import StepModel, step_model
+from dpro.dag.wiring import graph_from_steps
 from dpro.io.load import Run, load_run, overhead_of
 from dpro.sim.interference import fit_interference
 from dpro.sim.replay import Schedule, critical_path, plan_levels, predicted_step_us, replay

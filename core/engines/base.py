@@ -60,7 +60,7 @@ class Engine:
         transfer_calibration: ``"in-step"`` (from median launch and end times within the step, the default:
             right for engines that fuse differently from step to step and for collectives that run concurrently,
             as gloo's do) or ``"per-step"`` (a collective's transfer is the median of each step's transfer,
-            collectives one after another); see ``dpro.dag.graph.step_model``.
+            collectives one after another); see ``dpro.dag.step_model.step_model``.
         chained_launch: each collective is launched only once the one before it has completed (TensorFlow's
             collectives are chained by ordering tokens); the DAG then makes each arrival wait for the previous
             transfer.
@@ -91,11 +91,11 @@ class Engine:
     prepare_run: Callable[[Any], None] = _nothing
     apply: str = ""
     comm_knobs: tuple[str, ...] = field(default=())  # knob names that regroup the collectives
-    transfer_calibration: str = "in-step"  # how dag.graph.step_model calibrates collective transfers
+    transfer_calibration: str = "in-step"  # how dag.step_model calibrates collective transfers
     notes: Callable[[Any], list[str]] = _no_notes  # what `dpro analyze` should say about a run of this engine
     predict: Callable[[Any, dict[str, Any]], Any] = _no_prediction  # (ctx, knobs) -> Prediction or None
-    chained_launch: bool = False  # a collective launches only after the previous one completed (dag.graph)
-    comm_after_backward: bool = False  # gradient collectives start after the whole backward (dag.graph, whatif)
+    chained_launch: bool = False  # a collective launches only after the previous one completed (dag.wiring)
+    comm_after_backward: bool = False  # gradient collectives start after the whole backward (dag.wiring, whatif)
     transfer_queues: Callable[[Any, dict[str, Any]], tuple[str, ...]] = _server_queues  # (run, COMM args) -> queues
     describe_model: Callable[[Any], str | None] = _no_model  # (ctx) -> the engine's cost model in words
     env_variables: tuple[str, ...] = ()  # what a config's env may set (the variables the engine's knobs own)

@@ -290,10 +290,10 @@ def link_rate(run: Any) -> float | None:
 
 def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
     """The mean step with every key re-placed on the servers (``key_servers`` under the knobs' server count and
-    bound) as exchanges (``dpro.dag.graph.ExchangePart``): each part pushed by every worker over the links
+    bound) as exchanges (``dpro.dag.step_model.ExchangePart``): each part pushed by every worker over the links
     between their hosts, the server's work (on its host's CPUs where they are known, else on its host's queue),
     the answers back, priced by ``server``."""
-    from dpro.dag.graph import ExchangePart
+    from dpro.dag.step_model import ExchangePart
 
     servers = int(knobs.get(NUM_SERVERS) or ctx.knobs.get(NUM_SERVERS) or 1)
     bound = int(knobs.get(BIGARRAY_BOUND) or ctx.knobs.get(BIGARRAY_BOUND) or DEFAULT_BIGARRAY_BOUND)

@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_RUN_ROOT",
     "LocalTransport",
     "PINGPONG_ROUNDS",
+    "INTERFERENCE_PAIRS",
     "PROBE_BYTES",
     "PROBE_REPEAT",
     "RUN_DIR_ENV",
@@ -389,35 +390,46 @@ def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = P
 
 
 INTERFERENCE_TARGET = 3.0  # the probe's allreduce is sized to last this many times the compute it overlaps
+INTERFERENCE_PAIRS = 11  # (alone, overlapped) pairs: a neighbour taking the CPU for one pair moves the median little
 
 
 def interference_probe(transport: Transport, clock: Clock, compute: Callable[[], None],
-                       samples: list[list[float]], repeat: int = PROBE_REPEAT) -> dict[str, Any] | None:
-    """How much slower ``compute`` (a fixed kernel of the framework) runs while an allreduce is in flight: timed
-    ``repeat`` times alone, then ``repeat`` times overlapped by an allreduce sized from the allreduce probe's
-    ``samples`` ([bytes, µs]) to outlast it. Only transports with ``overlapped_compute`` can; None otherwise.
-    ``slowdown`` is the median, over the runs the allreduce outlasted, of compute overlapped / alone - 1 (the
-    ``k`` of ``dpro.sim.interference``). Every rank calls it at the same point (collectives)."""
+                       samples: list[list[float]], pairs: int = INTERFERENCE_PAIRS) -> dict[str, Any] | None:
+    """How much slower ``compute`` (a fixed kernel of the framework) runs while an allreduce is in flight: ``pairs``
+    times, the kernel timed alone and right after while an allreduce (sized from the allreduce probe's ``samples``,
+    [bytes, µs], to outlast it) is in flight; pairs, so that the machine's drift moves both halves alike. Only
+    transports with ``overlapped_compute`` can; None otherwise. ``slowdown`` is the median, over the pairs whose
+    allreduce outlasted the kernel, of overlapped / alone - 1 (the ``k`` of ``dpro.sim.interference``); ``stderr``
+    is that median's standard error from the pairs' median absolute deviation (robust to the odd pair a neighbour
+    slowed). Every rank calls it at the same point (collectives)."""
     overlapped = getattr(transport, "overlapped_compute", None)
     if overlapped is None or not samples:
         return None
-    alone = []
-    for _ in range(repeat):
+    warm = []
+    for _ in range(2):  # the kernel's first runs allocate; their times size the allreduce
+        t0 = clock.now()
+        compute()
+        warm.append(clock.now() - t0)
+    nbytes_us = max(samples, key=lambda s: s[0])
+    us_per_byte = max(nbytes_us[1], 1.0) / max(nbytes_us[0], 1.0)
+    wanted = int(INTERFERENCE_TARGET * min(warm) / us_per_byte)
+    nbytes = int(transport.broadcast_text(str(min(max(wanted, 64 * 1024), 64 * 2**20) // 4 * 4)))  # rank 0's
+    alone, runs = [], []
+    for i in range(pairs):
         t0 = clock.now()
         compute()
         alone.append(clock.now() - t0)
-    nbytes_us = max(samples, key=lambda s: s[0])
-    us_per_byte = max(nbytes_us[1], 1.0) / max(nbytes_us[0], 1.0)
-    wanted = int(INTERFERENCE_TARGET * statistics.median(alone) / us_per_byte)
-    nbytes = int(transport.broadcast_text(str(min(max(wanted, 64 * 1024), 64 * 2**20) // 4 * 4)))  # rank 0's
-    runs = [overlapped(nbytes, f"dpro.interference.{i}", compute, clock) for i in range(repeat)]
-    base = statistics.median(alone)
-    outlasted = [c / base - 1.0 for c, left in runs if left > 0.05 * c]
+        runs.append(overlapped(nbytes, f"dpro.interference.{i}", compute, clock))
+    ratios = [c / a - 1.0 for a, (c, left) in zip(alone, runs, strict=True) if left > 0.05 * c and a > 0]
+    slowdown = statistics.median(ratios) if ratios else None
+    stderr = None
+    if len(ratios) > 2:
+        mad = statistics.median(abs(r - slowdown) for r in ratios)
+        stderr = 1.2533 * 1.4826 * mad / math.sqrt(len(ratios))
     return {"nbytes": nbytes, "compute_alone_us": alone, "compute_overlapped_us": [c for c, _ in runs],
-            "allreduce_left_us": [left for _, left in runs],
-            "slowdown": statistics.median(outlasted) if outlasted else None,
-            "stderr": (statistics.stdev(outlasted) / math.sqrt(len(outlasted))) if len(outlasted) > 1 else None,
-            "note": "a fixed kernel timed alone and while an allreduce of nbytes was in flight (after the window)"}
+            "allreduce_left_us": [left for _, left in runs], "slowdown": slowdown, "stderr": stderr,
+            "note": "a fixed kernel timed alone and, right after, while an allreduce of nbytes was in flight, in "
+                    "pairs (after the window)"}
 
 
 def step_ended(ends: dict[int, tuple[float, float]], iteration: int, window: list[int]) -> None:

@@ -18,7 +18,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from dpro.dag.align import Alignment
-from dpro.dag.graph import Graph, StepModel, graph_from_step_sequence, step_model
+from dpro.dag.graph import Graph
+from dpro.dag.step_model import StepModel, step_model
+from dpro.dag.wiring import graph_from_step_sequence
 from dpro.io.load import Run
 from dpro.sim.replay import Schedule, plan_levels, replay
 

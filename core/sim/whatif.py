@@ -1,6 +1,6 @@
 """What-if: rebuild the step under changed knobs and replay it.
 
-Each knob is a transformation of the mean step (``dpro.dag.graph.StepModel``), priced by the cost
+Each knob is a transformation of the mean step (``dpro.dag.step_model.StepModel``), priced by the cost
 models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``. The knobs are those of
 ``dpro.config.knob_table()`` that what-if can predict (``whatif_knobs()``):
 
@@ -30,7 +30,8 @@ from typing import Any
 
 from dpro.config import knob_table
 from dpro.dag.align import align
-from dpro.dag.graph import OpStats, StepModel, graph_from_steps, occurrence_name, step_model
+from dpro.dag.step_model import OpStats, StepModel, occurrence_name, step_model
+from dpro.dag.wiring import graph_from_steps
 from dpro.engines import get_engine
 from dpro.errors import ConfigError, UsageError
 from dpro.io.limits import parse_bounded_json

@@ -209,7 +209,8 @@ def test_every_step_is_kept_when_fusion_differs_and_tensors_end_with_their_buffe
 def test_a_median_step_of_steps_fused_differently_replays_to_the_measured_step(tmp_path: Path) -> None:
     from dpro.analyze import analyze_run, predicted_step_us
     from dpro.dag.align import align
-    from dpro.dag.graph import graph_from_steps, step_model
+    from dpro.dag.step_model import step_model
+    from dpro.dag.wiring import graph_from_steps
     from dpro.sim.replay import plan_levels, replay
 
     run = load_run(_fusion_run(tmp_path / "run"))

@@ -243,7 +243,7 @@ def test_a_hosts_pushes_and_its_servers_answers_share_the_link_they_both_take(tm
     server on A and server B's answers to worker A both leave host B. They are messages on two connections sharing
     link-out@hostB, so they run at once, not one after the other."""
     ctx = _on_two_hosts(tmp_path)
-    from dpro.dag.graph import graph_from_steps
+    from dpro.dag.wiring import graph_from_steps
     from dpro.engines.mxnet_ps import ps_model, server_model
     from dpro.sim.replay import replay
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from run_builder import make_run_of, write_json, x_event
 
-from dpro.dag.graph import graph_from_steps
+from dpro.dag.wiring import graph_from_steps
 from dpro.io.load import load_run
 from dpro.sim.replay import replay
 from dpro.sim.whatif import context, predict, transformed_model

@@ -9,7 +9,7 @@ import sys
 import pytest
 from jobrunner import run_job, torchrun
 
-from dpro.dag.graph import OpStats, StepModel
+from dpro.dag.step_model import OpStats, StepModel
 from dpro.engines.torch_ddp import ddp_buckets
 from dpro.errors import UsageError
 from dpro.io.load import load_run

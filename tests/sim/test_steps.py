@@ -6,7 +6,8 @@ from run_builder import make_run_of, x_event
 
 from dpro.analyze import analyze_path
 from dpro.dag.align import align
-from dpro.dag.graph import far_out_steps, graph_from_steps, step_model
+from dpro.dag.step_model import far_out_steps, step_model
+from dpro.dag.wiring import graph_from_steps
 from dpro.io.load import load_run
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.steps import one_step_models, replay_recorded, typical_step_us

@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from dpro.dag.graph import graph_from_steps
+from dpro.dag.wiring import graph_from_steps
 from dpro.engines.horovod.knobs import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
 from dpro.sim.choices import OptimizeResult, best_grouping, best_recompute, clears, gradient_ready_us
 from dpro.sim.cost import CommModel, fit_comm_model, robust_line

@@ -546,7 +546,7 @@ def merge_horovod_timeline(run: Any, path: str | Path | None = None) -> dict[str
 
     The names do not depend on fusion, which Horovod decides from timing and which may differ from
     step to step: tensors fused with the one before them complete with it, so in the DAG their
-    transfer is empty, and every profiled step takes part in the mean step (``dpro.dag.graph``).
+    transfer is empty, and every profiled step takes part in the mean step (``dpro.dag.step_model``).
 
     The summary (also ``run.meta["horovod"]["merged"]``) lists every fused buffer (``buffers``: step,
     tensors, bytes, the last launch over ranks, start and end on rank 0's aligned clock, phases) and
