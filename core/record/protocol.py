@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -390,7 +390,7 @@ def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = P
 
 
 INTERFERENCE_TARGET = 3.0  # the probe's allreduce is sized to last this many times the compute it overlaps
-INTERFERENCE_PAIRS = 11  # (alone, overlapped) pairs: a neighbour taking the CPU for one pair moves the median little
+INTERFERENCE_PAIRS = 21  # (alone, overlapped) pairs: a neighbour taking the CPU for one pair moves the median little
 
 
 def interference_probe(transport: Transport, clock: Clock, compute: Callable[[], None],
@@ -398,10 +398,9 @@ def interference_probe(transport: Transport, clock: Clock, compute: Callable[[],
     """How much slower ``compute`` (a fixed kernel of the framework) runs while an allreduce is in flight: ``pairs``
     times, the kernel timed alone and right after while an allreduce (sized from the allreduce probe's ``samples``,
     [bytes, µs], to outlast it) is in flight; pairs, so that the machine's drift moves both halves alike. Only
-    transports with ``overlapped_compute`` can; None otherwise. ``slowdown`` is the median, over the pairs whose
-    allreduce outlasted the kernel, of overlapped / alone - 1 (the ``k`` of ``dpro.sim.interference``); ``stderr``
-    is that median's standard error from the pairs' median absolute deviation (robust to the odd pair a neighbour
-    slowed). Every rank calls it at the same point (collectives)."""
+    transports with ``overlapped_compute`` can; None otherwise. ``slowdown`` (the ``k`` of ``dpro.sim.interference``)
+    and ``stderr`` come from the pairs whose allreduce outlasted the kernel (``_slowdown``). Every rank calls it at
+    the same point (collectives)."""
     overlapped = getattr(transport, "overlapped_compute", None)
     if overlapped is None or not samples:
         return None
@@ -420,16 +419,39 @@ def interference_probe(transport: Transport, clock: Clock, compute: Callable[[],
         compute()
         alone.append(clock.now() - t0)
         runs.append(overlapped(nbytes, f"dpro.interference.{i}", compute, clock))
-    ratios = [c / a - 1.0 for a, (c, left) in zip(alone, runs, strict=True) if left > 0.05 * c and a > 0]
-    slowdown = statistics.median(ratios) if ratios else None
-    stderr = None
-    if len(ratios) > 2:
-        mad = statistics.median(abs(r - slowdown) for r in ratios)
-        stderr = 1.2533 * 1.4826 * mad / math.sqrt(len(ratios))
+    kept = [(a, c) for a, (c, left) in zip(alone, runs, strict=True) if left > 0.05 * c and a > 0]
+    slowdown, stderr = _slowdown(kept)
     return {"nbytes": nbytes, "compute_alone_us": alone, "compute_overlapped_us": [c for c, _ in runs],
             "allreduce_left_us": [left for _, left in runs], "slowdown": slowdown, "stderr": stderr,
             "note": "a fixed kernel timed alone and, right after, while an allreduce of nbytes was in flight, in "
                     "pairs (after the window)"}
+
+
+TRIM = 0.2  # the share of each end of the probe's times left out: a neighbour that takes the core for one run
+
+
+def _trimmed_mean(values: list[float]) -> float:
+    ordered = sorted(values)
+    cut = int(TRIM * len(ordered))
+    return statistics.fmean(ordered[cut:len(ordered) - cut] or ordered)
+
+
+def _slowdown(pairs: list[tuple[float, float]], resamples: int = 200) -> tuple[float | None, float | None]:
+    """(k, its standard error) from (alone, overlapped) kernel times: the trimmed mean overlapped over the trimmed
+    mean alone, less 1. A mean, not a median of ratios: a step is a sum of its ops, and overlap slows some runs a lot
+    and others not at all (a core shared or not), which a median of ratios reads as no slowdown. The error is the
+    spread over pairs resampled with replacement (a fixed seed: the same pairs give the same answer)."""
+    if not pairs:
+        return None, None
+
+    def k(chosen: list[tuple[float, float]]) -> float:
+        return _trimmed_mean([c for _, c in chosen]) / _trimmed_mean([a for a, _ in chosen]) - 1.0
+
+    if len(pairs) < 3:
+        return k(pairs), None
+    rng = random.Random(0)
+    spread = [k([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(resamples)]
+    return k(pairs), statistics.stdev(spread)
 
 
 def step_ended(ends: dict[int, tuple[float, float]], iteration: int, window: list[int]) -> None:

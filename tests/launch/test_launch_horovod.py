@@ -292,7 +292,8 @@ def test_horovod_timeline_runs_in_the_last_block_and_the_step_model_is_the_other
         comm = [e for e in run.ranks[rank].events if e["cat"] == "COMM" and e["args"]["step"] < 30]
         assert comm and all("buffer" not in e["args"] for e in comm)  # as the recorder saw them
     analyzed = analyze_run(run)
-    assert analyzed.model.steps == [*range(10, 15), *range(20, 25)]
+    # the steps without the timeline, less any far outside the others (left out, and named, as always)
+    assert sorted([*analyzed.model.steps, *analyzed.model.left_out_steps]) == [*range(10, 15), *range(20, 25)]
     assert any("timeline ran in 5 of the recorded steps" in n and "built from the others" in n
                for n in analyzed.analysis.notes), analyzed.analysis.notes
     assert abs(analyzed.analysis.error_pct) < 5.0, analyzed.analysis.error_pct

@@ -12,6 +12,7 @@ from jobrunner import JOBS, job_env, run_job
 from run_builder import make_run_of, x_event
 
 from dpro.io.load import load_run
+from dpro.record.protocol import INTERFERENCE_PAIRS
 from dpro.sim.interference import NONE, fit_interference
 from dpro.sim.whatif import context, predict
 
@@ -70,7 +71,7 @@ def test_a_real_ddp_job_measures_its_interference_and_the_what_if_uses_it(tmp_pa
             env=job_env(PATH=venv + os.pathsep + os.environ.get("PATH", "")), cwd=tmp_path, timeout=240)
     run = load_run(tmp_path / "run")
     probe = run.meta["interference_probe"]
-    assert len(probe["compute_alone_us"]) == len(probe["compute_overlapped_us"]) == 5
+    assert len(probe["compute_alone_us"]) == len(probe["compute_overlapped_us"]) == INTERFERENCE_PAIRS
     assert probe["slowdown"] > 0, probe
     ctx = context(run)
     assert ctx.interference.slowdown > 0
