@@ -13,6 +13,7 @@ MXNET_STAMP := $(MXNET_VENV)/.dpro-installed
 RUNS := dpro-runs
 # the core's tests, also run in the MXNet venv (numpy 1.23, no torch or TensorFlow), and the MXNet plugin's own
 CORE_TESTS := tests/dag tests/sim tests/optimize tests/record tests/io tests/test_config.py tests/test_core_imports.py \
+	tests/test_import_layers.py \
 	tests/engines/test_mxnet_ps.py tests/plugins/mxnet/test_mxnet_units.py tests/report
 
 .PHONY: example test test-fast fuzz lint venv horovod mxnet sshd chromium
