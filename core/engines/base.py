@@ -4,36 +4,43 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dpro.config import Knob
+    from dpro.io.kineto import KinetoTrace
+    from dpro.io.load import Run
+    from dpro.sim.choices import OptimizeResult
+    from dpro.sim.whatif import Context, Prediction
 
 __all__ = ["GENERIC", "Engine"]
 
 
-def _no_groups(ctx: Any, knobs: dict[str, Any]) -> None:
+def _no_groups(ctx: Context, knobs: dict[str, Any]) -> None:
     return None
 
 
-def _nothing(run: Any) -> None:
+def _nothing(run: Run) -> None:
     return None
 
 
-def _no_prediction(ctx: Any, knobs: dict[str, Any]) -> None:
+def _no_prediction(ctx: Context, knobs: dict[str, Any]) -> None:
     return None
 
 
-def _no_notes(run: Any) -> list[str]:
+def _no_notes(run: Run) -> list[str]:
     return []
 
 
-def _no_model(ctx: Any) -> None:
+def _no_model(ctx: Context) -> None:
     return None
 
 
-def _no_sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
+def _no_sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
     return []
 
 
-def _server_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
+def _server_queues(run: Run, args: dict[str, Any]) -> tuple[str, ...]:
     servers = args.get("servers")
     if not isinstance(servers, list):
         return ()
@@ -85,23 +92,23 @@ class Engine:
 
     name: str
     doc: str
-    knobs: tuple = ()
-    groups: Callable[[Any, dict[str, Any]], list[list[str]] | None] = _no_groups
-    optimize: Callable[..., Any] | None = None
-    prepare_run: Callable[[Any], None] = _nothing
+    knobs: tuple[Knob, ...] = ()
+    groups: Callable[[Context, dict[str, Any]], list[list[str]] | None] = _no_groups
+    optimize: Callable[..., OptimizeResult] | None = None
+    prepare_run: Callable[[Run], None] = _nothing
     apply: str = ""
     comm_knobs: tuple[str, ...] = field(default=())  # knob names that regroup the collectives
     transfer_calibration: str = "in-step"  # how dag.step_model calibrates collective transfers
-    notes: Callable[[Any], list[str]] = _no_notes  # what `dpro analyze` should say about a run of this engine
-    predict: Callable[[Any, dict[str, Any]], Any] = _no_prediction  # (ctx, knobs) -> Prediction or None
+    notes: Callable[[Run], list[str]] = _no_notes  # what `dpro analyze` should say about a run of this engine
+    predict: Callable[[Context, dict[str, Any]], Prediction | None] = _no_prediction  # the engine's own what-if
     chained_launch: bool = False  # a collective launches only after the previous one completed (dag.wiring)
     comm_after_backward: bool = False  # gradient collectives start after the whole backward (dag.wiring, whatif)
-    transfer_queues: Callable[[Any, dict[str, Any]], tuple[str, ...]] = _server_queues  # (run, COMM args) -> queues
-    describe_model: Callable[[Any], str | None] = _no_model  # (ctx) -> the engine's cost model in words
+    transfer_queues: Callable[[Run, dict[str, Any]], tuple[str, ...]] = _server_queues  # (run, COMM args) -> queues
+    describe_model: Callable[[Context], str | None] = _no_model  # (ctx) -> the engine's cost model in words
     env_variables: tuple[str, ...] = ()  # what a config's env may set (the variables the engine's knobs own)
-    sweeps: Callable[[Any], list[tuple[str, list[Any]]]] = _no_sweeps  # (ctx) -> knobs and values to plot
+    sweeps: Callable[[Context], list[tuple[str, list[Any]]]] = _no_sweeps  # (ctx) -> knobs and values to plot
     trace_whatif: Callable[..., Any] | None = None     # (traces, info, graph, knobs) -> (graph, info, facts)
-    trace_optimize: Callable[[Any], dict[str, Any]] | None = None  # (traces) -> candidates, recommendation, config
+    trace_optimize: Callable[[list[KinetoTrace]], dict[str, Any]] | None = None  # (traces) -> candidates, config
 
 
     def knob_names(self) -> list[str]:

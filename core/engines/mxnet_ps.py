@@ -18,13 +18,23 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpro.config import Knob, _count
+from dpro.dag.step_model import ExchangePart
 from dpro.engines.base import Engine
 from dpro.errors import UsageError
 from dpro.io.load import is_finite_number
+from dpro.sim.choices import clears, optimize_common
 from dpro.sim.cost import robust_line
+from dpro.sim.whatif import add_recompute, replay_model, scaled_compute
+from dpro.sim.whatif import predict as whatif_predict
+
+if TYPE_CHECKING:
+    from dpro.dag.step_model import StepModel
+    from dpro.io.load import Run
+    from dpro.sim.choices import OptimizeResult
+    from dpro.sim.whatif import Context, Prediction
 
 __all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "NAME", "NUM_SERVERS", "ServerModel",
            "bigarray_bound", "cpu_link", "fit_server_model", "host_cpus", "key_servers", "link_queues",
@@ -101,19 +111,19 @@ SERVER_HOSTS_ENV = "DPRO_MXNET_SERVER_HOSTS"  # the host of each server, by serv
 MAX_HOST_CPUS = 1 << 16  # a host's CPU count beyond this is not believed (run.json is input)
 
 
-def server_hosts(run: Any) -> list[str]:
+def server_hosts(run: Run) -> list[str]:
     """The host of each recorded server, by server rank (run.json's ``mxnet.server_hosts``); empty when not
     known."""
     hosts = _section(run).get("server_hosts")
     return [h for h in hosts if isinstance(h, str)] if isinstance(hosts, list) else []
 
 
-def _section(run: Any) -> dict[str, Any]:
+def _section(run: Run) -> dict[str, Any]:
     section = ((run.meta or {}) if run is not None else {}).get("mxnet")
     return section if isinstance(section, dict) else {}
 
 
-def worker_hosts(run: Any) -> list[str]:
+def worker_hosts(run: Run) -> list[str]:
     """The host of each worker, by rank (run.json's ``mxnet.worker_hosts``, else its ``hosts``)."""
     meta = (run.meta or {}) if run is not None else {}
     hosts = _section(run).get("worker_hosts") or meta.get("hosts") or []
@@ -135,7 +145,7 @@ def server_host(server: int, recorded: list[str], workers: list[str]) -> str | N
     return placed[server]
 
 
-def host_cpus(run: Any) -> dict[str, int]:
+def host_cpus(run: Run) -> dict[str, int]:
     """The CPUs each recorded host lets the job use (run.json's ``mxnet.host_cpus``); empty when not known."""
     cpus = _section(run).get("host_cpus")
     if not isinstance(cpus, dict):
@@ -161,7 +171,7 @@ def server_queue(server: int, hosts: list[str], workers: list[str] | None = None
     return f"server@{host}#{before % lanes}"
 
 
-def _transfer_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
+def _transfer_queues(run: Run, args: dict[str, Any]) -> tuple[str, ...]:
     servers = args.get("servers")
     if not isinstance(servers, list):
         return ()
@@ -170,7 +180,7 @@ def _transfer_queues(run: Any, args: dict[str, Any]) -> tuple[str, ...]:
                                if isinstance(k, int) and not isinstance(k, bool)))
 
 
-def _key_ops(ctx: Any) -> dict[str, dict[str, Any]]:
+def _key_ops(ctx: Context) -> dict[str, dict[str, Any]]:
     """The recorded push_pull collectives: name -> args (key, bytes, servers, part_bytes, tensors)."""
     out: dict[str, dict[str, Any]] = {}
     for ops in ctx.base.ops.values():
@@ -180,7 +190,7 @@ def _key_ops(ctx: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _elements(ctx: Any) -> dict[str, int]:
+def _elements(ctx: Context) -> dict[str, int]:
     out = {}
     for g in (ctx.run.model or {}).get("gradients", []):
         shape = g.get("shape") or []
@@ -194,7 +204,7 @@ def _recorded_parts(args: dict[str, Any]) -> list[tuple[int, float]]:
     return list(zip(args.get("servers") or [0], shares or [1.0], strict=False))
 
 
-def _crosses_hosts(ctx: Any) -> bool:
+def _crosses_hosts(ctx: Context) -> bool:
     """Whether a recorded push or answer went from one host to another (servers and workers on known hosts)."""
     hosts, workers = server_hosts(ctx.run), worker_hosts(ctx.run)
     if not hosts or not workers:
@@ -203,7 +213,7 @@ def _crosses_hosts(ctx: Any) -> bool:
                for k, _ in _recorded_parts(args) for w in workers)
 
 
-def fit_server_model(ctx: Any) -> ServerModel:
+def fit_server_model(ctx: Context) -> ServerModel:
     """The shape of ``ServerModel`` from the recorded requests, as each server queue answered them one after
     another.
 
@@ -251,7 +261,7 @@ def cpu_link(host: str) -> str:
 PROBE_MIN_US = 80_000  # a probe shorter than this spans too few of /proc/stat's 10 ms ticks per CPU
 
 
-def server_cpus(run: Any) -> dict[str, float]:
+def server_cpus(run: Run) -> dict[str, float]:
     """Per host of known CPUs: how many of them a server's work takes while it runs, from the recorder's probe
     (run.json's ``mxnet.server_probe``: one server working alone, the workers waiting; the busy CPUs of the probed
     server's machine, as its workers read them), between 1 and the host's CPUs; empty when not probed. Every
@@ -275,7 +285,7 @@ def server_cpus(run: Any) -> dict[str, float]:
     return {host: min(float(n), max(1.0, taken)) for host, n in cpus.items()}
 
 
-def link_rate(run: Any) -> float | None:
+def link_rate(run: Run) -> float | None:
     """What a link between two of the job's machines carries, bytes/µs: the median of the recorder's link probe
     (run.json's ``mxnet.link_probe``: one TCP stream per machine to worker 0's, nothing else running); None when
     not probed (one machine, an older recorder)."""
@@ -288,12 +298,11 @@ def link_rate(run: Any) -> float | None:
     return statistics.median(rates) / 1e6 if rates else None
 
 
-def ps_model(ctx: Any, knobs: dict[str, Any], server: ServerModel) -> Any:
+def ps_model(ctx: Context, knobs: dict[str, Any], server: ServerModel) -> StepModel:
     """The mean step with every key re-placed on the servers (``key_servers`` under the knobs' server count and
     bound) as exchanges (``dpro.dag.step_model.ExchangePart``): each part pushed by every worker over the links
     between their hosts, the server's work (on its host's CPUs where they are known, else on its host's queue),
     the answers back, priced by ``server``."""
-    from dpro.dag.step_model import ExchangePart
 
     servers = int(knobs.get(NUM_SERVERS) or ctx.knobs.get(NUM_SERVERS) or 1)
     bound = int(knobs.get(BIGARRAY_BOUND) or ctx.knobs.get(BIGARRAY_BOUND) or DEFAULT_BIGARRAY_BOUND)
@@ -337,7 +346,7 @@ def link_queues(source: str, destination: str) -> tuple[str, str]:
     return f"link-out@{source}", f"link-in@{destination}"
 
 
-def server_model(ctx: Any) -> ServerModel:
+def server_model(ctx: Context) -> ServerModel:
     """``fit_server_model``, fitted so the recorded layout replays to the measured requests' replay (cached).
 
     When the recorded pushes crossed hosts, the links take the difference. Where the recorder probed the links'
@@ -363,7 +372,7 @@ def server_model(ctx: Any) -> ServerModel:
     return model
 
 
-def rate_scaled_model(ctx: Any) -> ServerModel:
+def rate_scaled_model(ctx: Context) -> ServerModel:
     """The other fit a recording with probed links allows (cached): no wait per message, the links' cost per byte
     scaled to replay the recorded step, as without a probe. The recorded step alone cannot tell the two apart, so the
     search recommends a change only when both predict its gain."""
@@ -374,17 +383,16 @@ def rate_scaled_model(ctx: Any) -> ServerModel:
     return ctx.cache[key]
 
 
-def _fit_inputs(ctx: Any) -> tuple[ServerModel, Any, float]:
+def _fit_inputs(ctx: Context) -> tuple[ServerModel, Any, float]:
     """The fitted shape, the replayed step (ms) of the recorded layout under a model, and the step it must replay
     to (the measured requests' replay)."""
-    from dpro.sim.whatif import predict, replay_model
 
     fitted = dataclasses.replace(fit_server_model(ctx), server_cpus=server_cpus(ctx.run))
 
     def step_of(model: ServerModel) -> float:
         return replay_model(ctx, ps_model(ctx, {}, model), {}).predicted_step_ms
 
-    return fitted, step_of, predict(ctx, {}).predicted_step_ms
+    return fitted, step_of, whatif_predict(ctx, {}).predicted_step_ms
 
 
 def _fit_latency(model: ServerModel, step_of: Any, target_ms: float) -> ServerModel:
@@ -439,7 +447,7 @@ def knobs_from_env(env: Mapping[str, Any]) -> dict[str, int]:
 PS_KNOBS = (NUM_SERVERS, BIGARRAY_BOUND, "world_size", "bandwidth_scale", "gradient_compression")
 
 
-def predict(ctx: Any, knobs: dict[str, Any]) -> Any:
+def predict(ctx: Context, knobs: dict[str, Any]) -> Prediction | None:
     """What-if of the parameter server's knobs (and the common world_size, bandwidth_scale, compression): every
     key's request re-placed and priced by the server model, replayed; None when ``knobs`` hold none of them."""
     if "tensor_groups" in knobs:
@@ -448,7 +456,6 @@ def predict(ctx: Any, knobs: dict[str, Any]) -> Any:
     knobs = {**knobs, **knobs_from_env(knobs.get("env") or {})}  # a config's env knobs (what the search writes)
     if not any(k in knobs for k in PS_KNOBS):
         return None
-    from dpro.sim.whatif import add_recompute, replay_model, scaled_compute
 
     model = ps_model(ctx, knobs, server_model(ctx))
     if knobs.get("recompute"):
@@ -462,19 +469,16 @@ SERVER_CANDIDATES = (1, 2, 3, 4, 6, 8)
 BOUND_CANDIDATES = (10**5, 2 * 10**5, 5 * 10**5, 10**6, 4 * 10**6, 10**9)  # 10**9: no key is split
 
 
-def sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
+def sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
     """Server count and partition bound over the values the search tries (``dpro report``'s curves)."""
     return [(NUM_SERVERS, sorted({*SERVER_CANDIDATES, int(ctx.knobs.get(NUM_SERVERS) or 1)})),
             (BIGARRAY_BOUND, list(BOUND_CANDIDATES))]
 
 
-def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> Any:
+def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> OptimizeResult:
     """dPRO's tensor partition for a parameter server: every server count and partition bound replayed; the best
     is recommended when its predicted gain clears the prediction's uncertainty (``optimize.search.clears``; written
     as the config's ``env``), then the common searches."""
-    from dpro.sim.choices import clears, optimize_common
-    from dpro.sim.whatif import predict as whatif_predict
-    from dpro.sim.whatif import replay_model
 
     began = time.perf_counter()
     baseline = whatif_predict(ctx, {})
@@ -521,7 +525,7 @@ def _bound(value: Any, source: str, key: str) -> int:
     return _count(value, source, key, positive=True)
 
 
-def _describe(ctx: Any) -> str:
+def _describe(ctx: Context) -> str:
     model = server_model(ctx)
 
     def rate(per_byte: float) -> str:
@@ -535,7 +539,7 @@ def _describe(ctx: Any) -> str:
             f"links between hosts {rate(model.link_us_per_byte)}{wait} ({model.source})")
 
 
-def _notes(run: Any) -> list[str]:
+def _notes(run: Run) -> list[str]:
     knobs = (run.meta or {}).get("knobs", {})
     return [f"parameter server: {knobs.get(NUM_SERVERS, '?')} servers, keys of "
             f"{knobs.get(BIGARRAY_BOUND, DEFAULT_BIGARRAY_BOUND):,} elements or more split over all of them; each "
@@ -543,7 +547,7 @@ def _notes(run: Any) -> list[str]:
             ] + _probe_notes(run) + _link_notes(run)
 
 
-def _link_notes(run: Any) -> list[str]:
+def _link_notes(run: Run) -> list[str]:
     rate = link_rate(run)
     if rate is None:
         return []
@@ -552,7 +556,7 @@ def _link_notes(run: Any) -> list[str]:
             "rate allows; dpro whatif prints the model)"]
 
 
-def _probe_notes(run: Any) -> list[str]:
+def _probe_notes(run: Run) -> list[str]:
     cpus, machines = server_cpus(run), host_cpus(run)
     if cpus:
         taken = ", ".join(f"{n:.1f} of {host}'s {machines[host]}" for host, n in sorted(cpus.items()))

@@ -16,11 +16,17 @@ both to the strategy's ``CommunicationOptions`` at the start of ``fit`` (``dpro.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpro.config import Knob, _count
 from dpro.engines.base import Engine
 from dpro.errors import ConfigError
+from dpro.sim.choices import clears, optimize_common
+from dpro.sim.whatif import predict
+
+if TYPE_CHECKING:
+    from dpro.sim.choices import OptimizeResult
+    from dpro.sim.whatif import Context
 
 __all__ = ["BYTES_PER_PACK", "ENGINE", "IMPLEMENTATION", "mwms_packs"]
 
@@ -46,7 +52,7 @@ def mwms_packs(gradients_ready_order: list[tuple[str, int]], bytes_per_pack: int
     return packs
 
 
-def groups(ctx: Any, knobs: dict[str, Any]) -> list[list[str]] | None:
+def groups(ctx: Context, knobs: dict[str, Any]) -> list[list[str]] | None:
     if BYTES_PER_PACK not in knobs:
         return None
     return mwms_packs(ctx.gradients, int(knobs[BYTES_PER_PACK]))
@@ -55,10 +61,9 @@ def groups(ctx: Any, knobs: dict[str, Any]) -> list[list[str]] | None:
 PACK_CANDIDATES = (0, *(2**k for k in range(14, 29, 2)))  # one pack, then 16 KiB .. 256 MiB
 
 
-def best_bytes_per_pack(ctx: Any) -> list[tuple[int, Any]]:
+def best_bytes_per_pack(ctx: Context) -> list[tuple[int, Any]]:
     """Replay every candidate ``bytes_per_pack`` (one per distinct packing, the smallest value that gives it);
     best first."""
-    from dpro.sim.whatif import predict
 
     seen: set[tuple[int, ...]] = set()
     results = []
@@ -71,15 +76,13 @@ def best_bytes_per_pack(ctx: Any) -> list[tuple[int, Any]]:
     return sorted(results, key=lambda sp: (sp[1].predicted_step_ms, sp[0]))
 
 
-def sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
+def sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
     """``bytes_per_pack`` over the sizes the search tries and the one in force (``dpro report``'s curves)."""
     return [(BYTES_PER_PACK, sorted({*PACK_CANDIDATES, int(ctx.knobs.get(BYTES_PER_PACK) or 0)}))]
 
 
-def search(ctx: Any, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> Any:
+def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> OptimizeResult:
     """MWMS's ``bytes_per_pack`` (every distinct packing replayed), then the common searches."""
-    from dpro.sim.choices import clears, optimize_common
-    from dpro.sim.whatif import predict
 
     began = time.perf_counter()
     baseline = predict(ctx, {})

@@ -33,7 +33,7 @@ from typing import Any
 import tensorflow as tf
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
-from dpro.engines.horovod import NAME as HOROVOD_ENGINE  # hvd.keras jobs
+from dpro.engines.horovod.knobs import NAME as HOROVOD_ENGINE  # hvd.keras jobs
 from dpro.errors import ConfigError, UsageError
 from dpro.plugins.tf.recorder import gradient_fingerprint, is_mwms, layer_paths, model_layout
 from dpro.plugins.tf.transport import horovod_running, horovod_size, tf_config

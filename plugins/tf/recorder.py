@@ -26,8 +26,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from dpro.engines.horovod import NAME as ENGINE_HOROVOD
-from dpro.engines.horovod import knobs_from_environment
+from dpro.engines.horovod.knobs import NAME as ENGINE_HOROVOD
+from dpro.engines.horovod.knobs import knobs_from_environment
 from dpro.engines.horovod.timeline import TIMELINE_FILE
 from dpro.errors import DproError
 from dpro.plugins.tf.ops import HOROVOD_KERNEL, Layout, Pack, horovod_rows, pack_gradients, step_rows

@@ -58,7 +58,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
-from dpro.engines.horovod import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, knobs_from_environment
+from dpro.engines.horovod.knobs import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, knobs_from_environment
 from dpro.engines.horovod.timeline import TIMELINE_FILE
 from dpro.errors import UsageError
 from dpro.plugins.torch.recorder import COMM, COMPUTE, MECHANISMS, TorchRecorder, timed_closure

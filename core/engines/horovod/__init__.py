@@ -5,7 +5,7 @@ loop, written as the config's ``env`` knobs)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpro.config import Knob, _count, _number
 from dpro.engines.base import Engine
@@ -18,13 +18,20 @@ from dpro.engines.horovod.knobs import (
     THRESHOLD,
     knobs_from_environment,
 )
+from dpro.engines.horovod.search import HVD_THRESHOLDS_MB, horovod_predict, knobs_in_force, search
+from dpro.engines.horovod.timeline import find_timeline, merge_horovod_timeline
+from dpro.sim.whatif import Prediction, predict
+
+if TYPE_CHECKING:
+    from dpro.io.load import Run
+    from dpro.sim.choices import OptimizeResult
+    from dpro.sim.whatif import Context
 
 __all__ = ["CACHE", "CYCLE", "DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "ENGINE", "NAME", "THRESHOLD",
            "knobs_from_environment"]
 
-def _prepare_run(run: Any) -> None:
+def _prepare_run(run: Run) -> None:
     """Merge ``horovod-timeline.json`` (fused buffers) into the run when it holds one."""
-    from dpro.engines.horovod.timeline import find_timeline, merge_horovod_timeline
 
     path = find_timeline(run)
     if path is None:
@@ -35,7 +42,7 @@ def _prepare_run(run: Any) -> None:
         run.set_aside.update({step: "ran with Horovod's timeline" for step in merged.get("steps", [])})
 
 
-def _notes(run: Any) -> list[str]:
+def _notes(run: Run) -> list[str]:
     merged = ((run.meta or {}).get("horovod") or {}).get("merged") or {}
     notes = []
     if merged.get("steps_without_timeline"):
@@ -60,13 +67,11 @@ def _cycle_ms(value: Any, source: str, key: str) -> float:
     return _number(value, source, key, positive=True, what="a positive number of milliseconds")
 
 
-def _predict(ctx: Any, knobs: dict[str, Any]) -> Any:
+def _predict(ctx: Context, knobs: dict[str, Any]) -> Prediction | None:
     """What-if of Horovod's own knobs: the loop model's difference from the setting in force, added to the replay
     (as the search prices them); other knobs are left to what-if's replay."""
     if not any(k in knobs for k in (THRESHOLD, CYCLE, CACHE)):
         return None
-    from dpro.engines.horovod.search import horovod_predict, knobs_in_force
-    from dpro.sim.whatif import Prediction, predict
 
     others = {k: v for k, v in knobs.items() if k not in (THRESHOLD, CYCLE, CACHE)}
     base = predict(ctx, others)
@@ -79,16 +84,14 @@ def _predict(ctx: Any, knobs: dict[str, Any]) -> Any:
                           per_rank_ms={})
 
 
-def _sweeps(ctx: Any) -> list[tuple[str, list[Any]]]:
+def _sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
     """The fusion threshold over the thresholds the search tries and the one in force (``dpro report``'s curves)."""
-    from dpro.engines.horovod.search import HVD_THRESHOLDS_MB, knobs_in_force
 
     threshold = int(knobs_in_force(ctx)[0])
     return [(THRESHOLD, sorted({*(int(mb * 2**20) for mb in HVD_THRESHOLDS_MB), threshold}))]
 
 
-def _search(ctx: Any, **options: Any) -> Any:
-    from dpro.engines.horovod.search import search
+def _search(ctx: Context, **options: Any) -> OptimizeResult:
 
     return search(ctx, **options)
 

@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from dpro.dag.align import align
 from dpro.dag.wiring import graph_from_steps
 from dpro.engines.horovod.knobs import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
 from dpro.sim.choices import OptimizeResult, best_grouping, best_recompute, clears, gradient_ready_us
@@ -170,7 +171,6 @@ def recorded_launches(ctx: Context) -> list[dict[str, float]]:
     buffers = _hvd_buffers(ctx)
     if ctx.run is None or not buffers:
         return [replayed]
-    from dpro.dag.align import align
 
     shifts = align(ctx.run).offset_us
     ends: dict[int, float] = {}

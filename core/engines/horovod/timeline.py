@@ -44,10 +44,14 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dpro.dag.align import align
 from dpro.errors import TraceError
 from dpro.io.limits import parse_bounded_json, read_bounded
+
+if TYPE_CHECKING:
+    from dpro.io.load import Run
 
 __all__ = [
     "TIMELINE_FILE",
@@ -424,7 +428,7 @@ def _shifted(op: TensorOp, shift: float) -> TensorOp:
 # ---- merging into a run --------------------------------------------------------------------------
 
 
-def find_timeline(run: Any) -> Path | None:
+def find_timeline(run: Run) -> Path | None:
     """The run's Horovod timeline: ``<run>/horovod-timeline.json``, else the path run.json names."""
     local = Path(run.path) / TIMELINE_FILE
     if local.is_file():
@@ -449,7 +453,7 @@ class _Launch:
     event: dict[str, Any]
 
 
-def _launches(run: Any) -> dict[int, list[_Launch]]:
+def _launches(run: Run) -> dict[int, list[_Launch]]:
     out: dict[int, list[_Launch]] = defaultdict(list)
     for rank, trace in run.ranks.items():
         for ev in trace.events:
@@ -531,7 +535,7 @@ def _offset(timeline: Timeline, launches: list[_Launch],
     return offset, method, _match(ops_by_key, launches, offset)
 
 
-def merge_horovod_timeline(run: Any, path: str | Path | None = None) -> dict[str, Any] | None:
+def merge_horovod_timeline(run: Run, path: str | Path | None = None) -> dict[str, Any] | None:
     """Merge the run's Horovod timeline into its traces (in memory); return a summary, or None.
 
     Every rank keeps one ``COMM.<tensor>.allreduce`` event per launched tensor (per explicit group
@@ -615,9 +619,8 @@ def merge_horovod_timeline(run: Any, path: str | Path | None = None) -> dict[str
     return summary
 
 
-def _rank_shifts(run: Any) -> dict[int, float]:
+def _rank_shifts(run: Run) -> dict[int, float]:
     """Each rank's clock minus rank 0's (µs), from the clock exchange (ranks of one host: 0)."""
-    from dpro.dag.align import align
 
     try:
         return dict(align(run).offset_us)
@@ -625,7 +628,7 @@ def _rank_shifts(run: Any) -> dict[int, float]:
         return {}
 
 
-def _annotate_group(run: Any, group: FusedGroup, k: int, step: int, offset: float,
+def _annotate_group(run: Run, group: FusedGroup, k: int, step: int, offset: float,
                     index: dict[tuple[int, int, str], _Launch], step_of_op: dict[int, _Launch],
                     shifts: dict[int, float]) -> dict[str, Any] | None:
     """Give each rank's events of the group's tensors the group's end and fusion (see the merge)."""
@@ -668,7 +671,7 @@ def _annotate_group(run: Any, group: FusedGroup, k: int, step: int, offset: floa
     return out
 
 
-def _probe_from_timeline(run: Any, timeline: Timeline, summary: dict[str, Any]) -> None:
+def _probe_from_timeline(run: Run, timeline: Timeline, summary: dict[str, Any]) -> None:
     samples = []
     for op in timeline.ops:
         if op.key.startswith(PROBE_PREFIX) and op.op == "ALLREDUCE":
@@ -684,6 +687,6 @@ def _probe_from_timeline(run: Any, timeline: Timeline, summary: dict[str, Any]) 
         summary["probe_samples"] = len(samples)
 
 
-def _store(run: Any, summary: dict[str, Any]) -> None:
+def _store(run: Run, summary: dict[str, Any]) -> None:
     if run.meta is not None:
         run.meta.setdefault("horovod", {})["merged"] = summary

@@ -22,6 +22,7 @@ from dpro.engines.torch_ddp.buckets import (
     bucket_groups,
     ddp_buckets,
 )
+from dpro.engines.torch_ddp.traces import optimize_traces, regrouped_traces
 from dpro.sim.choices import OptimizeResult, best_grouping, clears, optimize_common
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
@@ -88,20 +89,6 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
                            knobs=knobs, explain=explain, baseline=baseline, began=began)
 
 
-def trace_whatif(traces: Any, info: Any, base: Any, grouping: dict[str, Any]) -> Any:
-    """Regroup DDP's buckets on profiler traces (``dpro.engines.torch_ddp.traces``: imported when used)."""
-    from dpro.engines.torch_ddp.traces import regrouped_traces
-
-    return regrouped_traces(traces, info, base, grouping)
-
-
-def trace_optimize(traces: Any) -> dict[str, Any]:
-    """Search DDP's bucket cap on profiler traces (``dpro.engines.torch_ddp.traces.optimize_traces``)."""
-    from dpro.engines.torch_ddp.traces import optimize_traces
-
-    return optimize_traces(traces)
-
-
 def sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
     """The bucket cap, over the caps the search tries and the one in force (what-if curves of ``dpro report``)."""
     in_force = float(ctx.knobs.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
@@ -123,6 +110,6 @@ ENGINE = Engine(
           "dpro-launch's auto-attach, dpro.plugins.torch.apply)",
     comm_knobs=(BUCKET_CAP, FIRST_BUCKET_CAP),
     sweeps=sweeps,
-    trace_whatif=trace_whatif,
-    trace_optimize=trace_optimize,
+    trace_whatif=regrouped_traces,
+    trace_optimize=optimize_traces,
 )

@@ -31,6 +31,8 @@ from dpro.dag.kineto import KinetoGraphInfo
 from dpro.engines.torch_ddp.buckets import BUCKET_CAP, CAP_CANDIDATES_MB, bucket_groups, ddp_buckets
 from dpro.errors import UsageError
 from dpro.io.kineto import KinetoTrace
+from dpro.sim.choices import MIN_GAIN
+from dpro.sim.kineto import mean_step_graph, measured_step_ms, replayed_step_ms, used_iterations
 
 __all__ = ["DdpSteps", "TransferFit", "ddp_steps", "fit_transfer", "optimize_traces", "regroup", "regrouped_traces"]
 
@@ -267,8 +269,6 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
     gradients' shapes: a job records parameter names, traces do not, so applying it needs ``--force``)."""
     import hashlib
 
-    from dpro.sim.choices import MIN_GAIN
-    from dpro.sim.kineto import mean_step_graph, measured_step_ms, replayed_step_ms
 
     base, info, its = mean_step_graph(traces)
     ddp = ddp_steps(traces, info)
@@ -322,7 +322,6 @@ def regrouped_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Gra
     """
     from types import SimpleNamespace
 
-    from dpro.sim.kineto import replayed_step_ms, used_iterations
 
     ddp = ddp_steps(traces, info)
     transfer = fit_transfer(ddp.transfers)
