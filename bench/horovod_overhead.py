@@ -42,11 +42,12 @@ import contextlib
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_doc import write_bench_doc
 
 import launch as hvd_bench  # bench/launch.py: running a Horovod job on loopback or in the testbed's namespaces
 from dpro import testbed as tb
@@ -202,17 +203,9 @@ def main() -> int:
     print("\n" + "\n".join(table))
     print(json.dumps(runs))
     if args.doc:
-        write_doc(Path(args.doc), " ".join(sys.argv[1:]), table)
+        write_bench_doc(args.doc, "What recording costs a Horovod job", table,
+                        note="2 cores; see the bench's docstring for the configurations")
     return 0
-
-
-def write_doc(path: Path, argv: str, table: list[str]) -> None:
-    """The table as a markdown page, stamped with the date, the commit and the command."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# What recording costs a Horovod job\n\nWritten by `python bench/horovod_overhead.py {argv}` on "
-                    f"{time.strftime('%Y-%m-%d')} at commit {commit.strip() or '?'} (2 cores; see the bench's "
-                    f"docstring for the configurations).\n\n```\n" + "\n".join(table) + "\n```\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy import record_emulated, record_loopback  # noqa: E402
+from bench_doc import write_bench_doc  # noqa: E402
 
 from dpro import testbed  # noqa: E402
 from dpro.io.load import load_run  # noqa: E402
@@ -105,12 +104,7 @@ def main() -> int:
             f"predictions; overlap priced as free: median {statistics.median(free_errors):.2f} %, max "
             f"{max(free_errors):.2f} %")
     if args.doc:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip()
-        Path(args.doc).write_text(f"# What-if accuracy: DDP bucket sizes, with and without interference\n\nWritten by "
-                                  f"`python bench/whatif_accuracy.py {' '.join(sys.argv[1:])}` on "
-                                  f"{time.strftime('%Y-%m-%d')} at commit {commit or '?'} (2 cores).\n\n```\n"
-                                  + "\n".join(lines) + "\n```\n", encoding="utf-8")
+        write_bench_doc(args.doc, "What-if accuracy: DDP bucket sizes, with and without interference", lines)
     return 0
 
 

@@ -37,10 +37,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench_doc import write_bench_doc
 
 from dpro import testbed
 from dpro.io.load import load_run
@@ -245,12 +246,7 @@ def main() -> int:
             f"what-ifs; of the change (against the script as written, measured and predicted): median "
             f"{statistics.median(changes):.1f} %, worst {max(changes):.1f} %")
     if args.doc:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT).stdout.strip()
-        Path(args.doc).write_text(f"# What-ifs on unseen scripts against real runs\n\nWritten by "
-                                  f"`python bench/whatif_matrix.py {' '.join(sys.argv[1:])}` on "
-                                  f"{time.strftime('%Y-%m-%d')} at commit {commit or '?'} (2 cores).\n\n```\n"
-                                  + "\n".join(lines) + "\n```\n", encoding="utf-8")
+        write_bench_doc(args.doc, "What-ifs on unseen scripts against real runs", lines)
     return 0
 
 
