@@ -145,7 +145,7 @@ if any). After the job, RUN/launch.json records the command, hosts,
 settings and exit status.
 
 Python API: ``config_from_args(build_parser().parse_args(argv))`` or ``LaunchConfig(...)`` directly, then
-``dpro.launch.pipeline.run(config)``; engines are ``dpro.launch.engines.ENGINES``.
+``dpro.launch.pipeline.run(config)``; launchers are ``dpro.launch.launchers.LAUNCHERS``.
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ from typing import IO, Any
 from dpro.config import CONFIG_FILE, Config, read_config, write_config
 from dpro.errors import DproError, UsageError
 from dpro.io.load import interrupted_calls
-from dpro.launch.engines import ENGINES, ssh_options
 from dpro.launch.env import applied_env, horovod_env
+from dpro.launch.launchers import LAUNCHERS
+from dpro.launch.process import ssh_options
 from dpro.launch.settings import LaunchConfig
 from dpro.logs import get_logger
 from dpro.progress import Progress
@@ -185,12 +186,12 @@ def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
     """
     config = _claim(config)
     _note_overrides(config)
-    engine = ENGINES[config.engine]()
+    launcher = LAUNCHERS[config.engine]()
     if config.run_dir is not None:
         _say(f"{config.engine} engine, {config.np} processes on "
              f"{', '.join(f'{h.name}:{n}' for h, n in config.placement())}; recording steps "
              f"{_window_text(config.profile)} into {config.run_dir}")
-    status = engine.launch(config)
+    status = launcher.launch(config)
     if config.run_dir is None:
         return status, config, None
     if any(not h.local for h, _ in config.placement()):

@@ -24,11 +24,11 @@ from jobrunner import JOBS, job_env, run_job
 from dpro.config import read_config
 from dpro.errors import UsageError
 from dpro.io.load import load_run
-from dpro.launch import engines
+from dpro.launch import horovod_run, process
 from dpro.launch.cli import build_parser, config_from_args
-from dpro.launch.engines import HorovodEngine, TorchEngine
 from dpro.launch.env import AUTOATTACH_DIR, HOROVOD_KNOBS, horovod_env, horovodrun_flags
 from dpro.launch.env import job_env as launch_env
+from dpro.launch.launchers import HorovodLauncher, TorchLauncher
 from dpro.launch.settings import LaunchConfig, detect_engine, is_local_host, parse_hosts
 from dpro.record.protocol import Window
 
@@ -254,7 +254,7 @@ def test_local_host_names_are_exact():
 def test_remote_command_is_quoted_word_by_word(tmp_path):
     config = parse("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", "2200", "--engine", "torch",
                    "python", "train.py", "--name", "a b; rm -rf /", "--q", "it's", cwd=tmp_path)
-    remote, local = TorchEngine().command(config, master_port=1234)
+    remote, local = TorchLauncher().command(config, master_port=1234)
     assert local[:3] == [sys.executable, "-m", "dpro.launch.node"]
     assert remote[0] == "ssh" and remote[remote.index("--") + 1] == "127.0.0.2" and "2200" in remote
     words = shlex.split(remote[-1])
@@ -268,11 +268,11 @@ def test_remote_command_is_quoted_word_by_word(tmp_path):
 def test_horovod_engine_passes_flags_or_says_how_to_install(tmp_path, monkeypatch):
     config = parse("-np", "2", "-H", "a:1,b:1", "-p", "2222", "--engine", "horovod", "--fusion-threshold-mb", "32",
                    "--cycle-time-ms", "2", "--autotune", "--log-level", "INFO", "python", "t.py", cwd=tmp_path)
-    monkeypatch.setattr(engines, "find_horovodrun", lambda: None)
+    monkeypatch.setattr(horovod_run, "find_horovodrun", lambda: None)
     with pytest.raises(UsageError, match="horovodrun is not installed.*pip install"):
-        HorovodEngine().command(config)
-    monkeypatch.setattr(engines, "find_horovodrun", lambda: "/opt/bin/horovodrun")
-    (argv,) = HorovodEngine().command(config)
+        HorovodLauncher().command(config)
+    monkeypatch.setattr(horovod_run, "find_horovodrun", lambda: "/opt/bin/horovodrun")
+    (argv,) = HorovodLauncher().command(config)
     assert argv[:3] == ["/opt/bin/horovodrun", "-np", "2"] and argv[-2:] == ["python", "t.py"]
     assert argv[argv.index("-H") + 1] == "a:1,b:1" and argv[argv.index("-p") + 1] == "2222"
     assert argv[argv.index("--fusion-threshold-mb") + 1] == "32"  # horovodrun's option takes whole MB
@@ -529,7 +529,7 @@ def test_a_host_over_ssh_records_and_is_collected(tmp_path, sshd):
 
 
 def _options(config: LaunchConfig) -> dict[str, str]:
-    opts = engines.ssh_options(config)
+    opts = process.ssh_options(config)
     return dict(opts[i + 1].split("=", 1) for i in range(len(opts) - 1) if opts[i] == "-o")
 
 
@@ -581,19 +581,19 @@ def test_a_new_host_key_is_recorded_and_a_changed_one_refused(tmp_path, sshd):
     known = tmp_path / "known_hosts"
     config = parse("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", str(port), "-i", str(key),
                    "--ssh-known-hosts", str(known), "python", "x.py")
-    engines.check_host_keys(config)  # first contact: accepted and written down
+    process.check_host_keys(config)  # first contact: accepted and written down
     assert (key.parent / "host_key.pub").read_text().split()[1] in known.read_text() and _known(known, port)
-    engines.check_host_keys(config)  # the same key again: fine
+    process.check_host_keys(config)  # the same key again: fine
     other = tmp_path / "other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
     known.write_text(f"[127.0.0.2]:{port} {' '.join(other.with_suffix('.pub').read_text().split()[:2])}\n")
     with pytest.raises(UsageError, match=r"host 127\.0\.0\.2: ssh refused .*ssh-keygen -R 127\.0\.0\.2"):
-        engines.check_host_keys(config)
+        process.check_host_keys(config)
     unchecked = parse("-np", "2", "-H", "127.0.0.2:1,localhost:1", "-p", str(port), "-i", str(key),
                       "--ssh-no-host-key-check", "python", "x.py")
-    engines.check_host_keys(unchecked)  # checking off: nothing is asked
-    assert engines.ssh_options(unchecked)  # and the job's own ssh would log in
-    probe = ["ssh", "-p", str(port), *engines.ssh_options(unchecked), "--", "127.0.0.2", "true"]
+    process.check_host_keys(unchecked)  # checking off: nothing is asked
+    assert process.ssh_options(unchecked)  # and the job's own ssh would log in
+    probe = ["ssh", "-p", str(port), *process.ssh_options(unchecked), "--", "127.0.0.2", "true"]
     assert subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
 
 

@@ -20,7 +20,7 @@ from jobrunner import JOBS, job_env, run_job
 from dpro.analyze import analyze_run
 from dpro.engines.horovod.timeline import TIMELINE_FILE, timeline_file
 from dpro.io.load import load_run
-from dpro.launch import engines
+from dpro.launch import horovod_run
 from dpro.launch.cli import build_parser, config_from_args
 from dpro.launch.env import AUTOATTACH_DIR
 
@@ -73,9 +73,9 @@ def test_horovodrun_gets_dpros_environment(tmp_path, monkeypatch):
         def poll(self):
             return 0
 
-    monkeypatch.setattr(engines, "find_horovodrun", lambda: "/opt/bin/horovodrun")
-    monkeypatch.setattr(engines.subprocess, "Popen", Popen)
-    assert engines.HorovodEngine().launch(config) == 0
+    monkeypatch.setattr(horovod_run, "find_horovodrun", lambda: "/opt/bin/horovodrun")
+    monkeypatch.setattr(horovod_run.subprocess, "Popen", Popen)
+    assert horovod_run.HorovodLauncher().launch(config) == 0
     env, argv = seen["env"], seen["argv"]
     assert env["DPRO_AUTO_RECORD"] == "1" and env["DPRO_PROFILE"] == "2:8"
     assert env["DPRO_RUN_DIR"] == str(config.run_dir)

@@ -19,7 +19,7 @@ from jobrunner import JOBS, job_env, run_job
 
 from dpro.errors import UsageError
 from dpro.launch.cli import build_parser, config_from_args
-from dpro.launch.engines import MXNetEngine
+from dpro.launch.launchers import MXNetLauncher
 
 ROOT = Path(__file__).resolve().parents[2]
 MXNET_PYTHON = ROOT / ".venv-mxnet" / "bin" / "python"
@@ -38,14 +38,14 @@ def launcher(*argv: str) -> list[str]:
 # ---- the processes and their environment (no job) ------------------------------------------------------
 
 def test_a_scheduler_servers_and_workers_with_the_ps_lite_environment(tmp_path):
-    roles = MXNetEngine().roles(config("--engine", "mxnet", "-np", "3", "--num-servers", "2", "python", "t.py",
+    roles = MXNetLauncher().roles(config("--engine", "mxnet", "-np", "3", "--num-servers", "2", "python", "t.py",
                                        cwd=tmp_path), port=9123)
     assert [label for label, _ in roles] == ["scheduler", "server 0", "server 1", "worker 0", "worker 1", "worker 2"]
     assert [env["DMLC_ROLE"] for _, env in roles] == ["scheduler", "server", "server", "worker", "worker", "worker"]
     for _, env in roles:
         assert env["DMLC_PS_ROOT_URI"] == "127.0.0.1" and env["DMLC_PS_ROOT_PORT"] == "9123"
         assert env["DMLC_NUM_SERVER"] == "2" and env["DMLC_NUM_WORKER"] == "3"
-    default = MXNetEngine().roles(config("--engine", "mxnet", "-np", "2", "python", "t.py", cwd=tmp_path), port=1)
+    default = MXNetLauncher().roles(config("--engine", "mxnet", "-np", "2", "python", "t.py", cwd=tmp_path), port=1)
     assert sum(env["DMLC_ROLE"] == "server" for _, env in default) == 2  # one per worker, as MXNet's launcher
 
 
@@ -55,7 +55,7 @@ def test_an_applied_config_chooses_the_number_of_servers(tmp_path):
                                 "fingerprint": {"framework": "mxnet", "engine": "mxnet-ps", "world_size": 2,
                                                 "model": "0" * 16},
                                 "knobs": {"env": {"DMLC_NUM_SERVER": "3", "MXNET_KVSTORE_BIGARRAY_BOUND": "5000"}}}))
-    roles = MXNetEngine().roles(config("--engine", "mxnet", "-np", "2", "--num-servers", "1", "--apply", str(made),
+    roles = MXNetLauncher().roles(config("--engine", "mxnet", "-np", "2", "--num-servers", "1", "--apply", str(made),
                                        "python", "t.py", cwd=tmp_path), port=9123)
     assert sum(env["DMLC_ROLE"] == "server" for _, env in roles) == 3
     assert {env["DMLC_NUM_SERVER"] for _, env in roles} == {"3"}

@@ -19,11 +19,12 @@ import pytest
 from jobrunner import JOBS, job_env, run_job, run_recorded
 
 from dpro.errors import UsageError
-from dpro.launch import engines
+from dpro.launch import process
 from dpro.launch.cli import build_parser, config_from_args
-from dpro.launch.engines import ENGINES, TFEngine, free_ports
 from dpro.launch.env import AUTOATTACH_DIR
 from dpro.launch.env import job_env as launch_env
+from dpro.launch.launchers import LAUNCHERS, TFLauncher
+from dpro.launch.process import free_ports
 from dpro.launch.settings import LaunchConfig
 
 VENV_BIN = str(Path(sys.executable).parent)
@@ -58,7 +59,7 @@ def tf_configs(argvs: list[list[str]]) -> list[dict]:
 
 
 def test_the_engine_is_offered_and_registered():
-    assert ENGINES["tf"] is TFEngine
+    assert LAUNCHERS["tf"] is TFLauncher
     assert parse("-np", "2", "--engine", "tf", "python", "t.py").engine == "tf"
     assert "tf" in build_parser().format_help()
     import dpro.launch.cli as cli
@@ -69,12 +70,12 @@ def test_the_engine_is_offered_and_registered():
 def test_command_gives_each_worker_its_tf_config_in_rank_order(tmp_path):
     config = parse("-np", "3", "-H", "localhost:1,127.0.0.1:4", "--engine", "tf", "python", "train.py", "--lr", "0.1",
                    cwd=tmp_path)
-    argvs = TFEngine().command(config, ports=[1111, 2222, 3333])
+    argvs = TFLauncher().command(config, ports=[1111, 2222, 3333])
     assert len(argvs) == 3 and all(argv[2:] == ["python", "train.py", "--lr", "0.1"] for argv in argvs)
     cluster = ["localhost:1111", "127.0.0.1:2222", "127.0.0.1:3333"]  # host 1's slots after host 0's
     assert tf_configs(argvs) == [{"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}}
                                  for i in range(3)]
-    argvs = TFEngine().command(config)  # free ports of this machine, one per worker and one for dpro's channel
+    argvs = TFLauncher().command(config)  # free ports of this machine, one per worker and one for dpro's channel
     picked = tf_configs(argvs)
     ports = [int(a.rsplit(":", 1)[1]) for a in picked[0]["cluster"]["worker"]]
     assert len(set(ports)) == 3 and all(p["cluster"] == picked[0]["cluster"] for p in picked)
@@ -82,7 +83,7 @@ def test_command_gives_each_worker_its_tf_config_in_rank_order(tmp_path):
     assert len(sides) == 1 and sides.pop().startswith("DPRO_TF_PORT=")
     assert int(argvs[0][2].split("=")[1]) not in ports
     with pytest.raises(UsageError, match="3 workers need 3 ports"):
-        TFEngine().command(config, ports=[1, 2])
+        TFLauncher().command(config, ports=[1, 2])
 
 
 def test_free_ports_are_distinct():
@@ -145,9 +146,9 @@ def test_launch_runs_the_command_with_dpros_environment(tmp_path, monkeypatch, c
         started.append(_FakeProc(argv, env))
         return started[-1], []
 
-    monkeypatch.setattr(engines, "start_worker", start_worker)
+    monkeypatch.setattr(process, "start_worker", start_worker)
     with caplog.at_level("INFO", logger="dpro.launch"):
-        assert TFEngine().launch(config) == 0
+        assert TFLauncher().launch(config) == 0
     assert "TF_CONFIG is set in this environment" in caplog.text
     configs = tf_configs([p.argv for p in started])
     assert [c["task"]["index"] for c in configs] == [0, 1] and configs[0]["cluster"] == configs[1]["cluster"]
