@@ -11,35 +11,12 @@ from typing import Any
 from dpro.engines import get_engine
 from dpro.progress import Progress
 from dpro.sim.choices import (
-    MIN_GAIN,
-    WHATIF_ERROR,
     OptimizeResult,
-    RecomputeChoice,
-    best_grouping,
-    best_recompute,
-    clears,
-    gradient_ready_us,
     optimize_common,
-    recompute_candidates,
-    uncertainty_ms,
 )
 from dpro.sim.whatif import Context
 
-__all__ = [
-    "MIN_GAIN",
-    "WHATIF_ERROR",
-    "OptimizeResult",
-    "RecomputeChoice",
-    "best_grouping",
-    "best_recompute",
-    "clears",
-    "config_document",
-    "gradient_ready_us",
-    "optimize",
-    "optimize_common",
-    "recompute_candidates",
-    "uncertainty_ms",
-]
+__all__ = ["config_document", "optimize"]
 
 
 def optimize(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False,

@@ -232,7 +232,7 @@ def whatif_curves(ctx: Any, *, quiet: bool | None = None) -> tuple[list[Curve], 
     """Step time vs the engine's own knobs (``Engine.sweeps``), vs bandwidth and vs world size, and peak memory
     vs recomputing each candidate module, every point a replay."""
     from dpro.engines import get_engine
-    from dpro.optimize.search import recompute_candidates
+    from dpro.sim.choices import recompute_candidates
     from dpro.sim.whatif import predict
 
     sweeps = [(knob, list(values)) for knob, values in get_engine(ctx.engine).sweeps(ctx)]
