@@ -40,6 +40,7 @@ from typing import Any
 
 from dpro.errors import ConfigError, kind_of, shown
 from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
+from dpro.record import job_env
 from dpro.record.trace import write_json_atomic
 
 __all__ = [
@@ -64,7 +65,7 @@ __all__ = [
 
 CONFIG_SCHEMA = "dpro.config/1"
 CONFIG_FILE = "config.json"
-DPRO_CONFIG = "DPRO_CONFIG"
+DPRO_CONFIG = job_env.CONFIG
 """The environment variable holding the path of the config a job applies (set by ``dpro-launch``)."""
 
 COMPRESSIONS = (None, "fp16", "bf16")

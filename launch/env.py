@@ -21,6 +21,7 @@ from typing import Any
 
 from dpro.config import DPRO_CONFIG
 from dpro.launch.settings import HorovodSettings, LaunchConfig
+from dpro.record import job_env
 from dpro.record.protocol import RUN_DIR_ENV
 
 __all__ = [
@@ -43,13 +44,9 @@ __all__ = [
 AUTOATTACH_DIR = Path(__file__).resolve().parent / "autoattach"
 """Holds the ``sitecustomize.py`` that attaches dpro to an unmodified script (prepended to PYTHONPATH)."""
 
-DPRO_LAUNCH = "DPRO_LAUNCH"              # "1" in every process dpro-launch starts
-DPRO_AUTO_RECORD = "DPRO_AUTO_RECORD"    # "1": attach a recorder to the script's DDP model / Horovod optimizer
-DPRO_PROFILE = "DPRO_PROFILE"            # the window, "START:STOP"
-DPRO_FORCE = "DPRO_FORCE"                # "1": apply a config made for another job anyway
-DPRO_APPLY_SEARCH = "DPRO_APPLY_SEARCH"  # --apply auto: the ranks pick the newest config made for their model here
-DPRO_BACKWARD_MARKS = "DPRO_BACKWARD_MARKS"  # --backward-marks tensors: the torch recorder times BW per module
-# DPRO_RUN_DIR (dpro.record.protocol.RUN_DIR_ENV): the run directory; DPRO_CONFIG (dpro.config.DPRO_CONFIG): the config
+# dpro's own variables: dpro.record.job_env names them for the launcher and the plugins alike
+DPRO_LAUNCH, DPRO_AUTO_RECORD, DPRO_PROFILE = job_env.LAUNCH, job_env.AUTO_RECORD, job_env.PROFILE
+DPRO_FORCE, DPRO_APPLY_SEARCH, DPRO_BACKWARD_MARKS = job_env.FORCE, job_env.APPLY_SEARCH, job_env.BACKWARD_MARKS
 
 
 def _int_bytes(mb: Any) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dpro.errors import RecordingRefused, UsageError
+from dpro.record import job_env
 
 __all__ = [
     "BASELINE_STEPS",
@@ -70,12 +71,12 @@ __all__ = [
 
 
 PINGPONG_ROUNDS = 16
-STEP_TIMES_ENV = "DPRO_STEP_TIMES"  # a file where rank 0 of an unrecorded job writes when each step ended
+STEP_TIMES_ENV = job_env.STEP_TIMES
 BASELINE_STEPS = 5  # unrecorded steps just before the window that a recorder's overhead is measured against
 PROBE_BYTES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
 PROBE_REPEAT = 5
-SKEW_ENV = "DPRO_CLOCK_SKEW_US"
-RUN_DIR_ENV = "DPRO_RUN_DIR"
+SKEW_ENV = job_env.CLOCK_SKEW
+RUN_DIR_ENV = job_env.RUN_DIR
 DEFAULT_RUN_ROOT = "dpro-runs"
 
 
@@ -166,7 +167,7 @@ def parse_window(text: str, *, first: int = 0) -> Window:
     return Window(start, stop, block)
 
 
-def window_from_text(text: str | None, variable: str = "DPRO_PROFILE") -> tuple[Window, str | None]:
+def window_from_text(text: str | None, variable: str = job_env.PROFILE) -> tuple[Window, str | None]:
     """The window a launcher passed in ``variable`` (unset or empty: 10:20), and what was wrong with it when it
     could not be read (the default is used then: an auto-attached recorder never stops the job)."""
     if not text:

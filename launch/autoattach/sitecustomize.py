@@ -38,8 +38,10 @@ def _plugin_autoattach(folder: str):  # noqa: ANN202 - a module
 
 
 def _dpro_attach() -> None:
-    wanted = os.environ.get("DPRO_AUTO_RECORD") == "1" or os.environ.get("DPRO_CONFIG") or os.environ.get(
-        "DPRO_APPLY_SEARCH") or os.environ.get("DPRO_STEP_TIMES")
+    from dpro.record import job_env  # a module of constants: cheap in every process of the job
+
+    wanted = os.environ.get(job_env.AUTO_RECORD) == "1" or os.environ.get(job_env.CONFIG) or os.environ.get(
+        job_env.APPLY_SEARCH) or os.environ.get(job_env.STEP_TIMES)
     if not wanted:
         return
     from dpro.launch.post_import import finder

@@ -26,9 +26,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from dpro.record import job_env
+
 __all__ = ["PATCHES", "install"]
 
-AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
+AUTO_RECORD, PROFILE, RUN_DIR = job_env.AUTO_RECORD, job_env.PROFILE, job_env.RUN_DIR
 _STATE: dict[str, Any] = {"installed": False, "attached": False, "root": None, "depth": 0}
 
 

@@ -25,11 +25,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from dpro.record import job_env
+
 __all__ = ["PATCHES", "install"]
 
-AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
-CONFIG, APPLY_SEARCH, FORCE = "DPRO_CONFIG", "DPRO_APPLY_SEARCH", "DPRO_FORCE"
-STEP_TIMES = "DPRO_STEP_TIMES"
+AUTO_RECORD, PROFILE, RUN_DIR = job_env.AUTO_RECORD, job_env.PROFILE, job_env.RUN_DIR
+CONFIG, APPLY_SEARCH, FORCE = job_env.CONFIG, job_env.APPLY_SEARCH, job_env.FORCE
+STEP_TIMES = job_env.STEP_TIMES
 _STATE = {"installed": False, "attached": False, "configured": False, "clocked": False}
 
 

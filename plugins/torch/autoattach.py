@@ -61,14 +61,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dpro.record import job_env
+
 __all__ = ["install", "installed", "owning_model"]
 
 # The variables dpro-launch sets (dpro.launch.env names them too; a plugin does not import the launcher).
-AUTO_RECORD, PROFILE, RUN_DIR = "DPRO_AUTO_RECORD", "DPRO_PROFILE", "DPRO_RUN_DIR"
-CONFIG, APPLY_SEARCH, FORCE = "DPRO_CONFIG", "DPRO_APPLY_SEARCH", "DPRO_FORCE"
-BACKWARD_MARKS = "DPRO_BACKWARD_MARKS"
-MECHANISMS_VAR = "DPRO_MECHANISMS"
-STEP_TIMES = "DPRO_STEP_TIMES"
+AUTO_RECORD, PROFILE, RUN_DIR = job_env.AUTO_RECORD, job_env.PROFILE, job_env.RUN_DIR
+CONFIG, APPLY_SEARCH, FORCE = job_env.CONFIG, job_env.APPLY_SEARCH, job_env.FORCE
+BACKWARD_MARKS = job_env.BACKWARD_MARKS
+MECHANISMS_VAR = job_env.MECHANISMS
+STEP_TIMES = job_env.STEP_TIMES
 ELSEWHERE_FILE = "recorded-elsewhere.json"
 WHO = "dpro-launch"
 HVD_ENGINE = "horovod"  # the engine dpro.plugins.torch.horovod records (a config's fingerprint names it)
