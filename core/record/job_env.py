@@ -3,8 +3,10 @@ plugin reads, named here once (the launcher, the plugins' auto-attach and the co
 
 from __future__ import annotations
 
+import sys
+
 __all__ = ["APPLY_SEARCH", "AUTO_RECORD", "BACKWARD_MARKS", "CLOCK_SKEW", "CONFIG", "FORCE", "LAUNCH", "MECHANISMS",
-           "PROFILE", "RUN_DIR", "STEP_TIMES"]
+           "PROFILE", "RUN_DIR", "STEP_TIMES", "say"]
 
 LAUNCH = "DPRO_LAUNCH"                  # "1" in every process dpro-launch starts
 AUTO_RECORD = "DPRO_AUTO_RECORD"        # "1": the plugins attach a recorder to the script (its model or optimizer)
@@ -17,3 +19,8 @@ BACKWARD_MARKS = "DPRO_BACKWARD_MARKS"  # "tensors": the torch recorder times BW
 MECHANISMS = "DPRO_MECHANISMS"          # the torch recorder's mechanisms, comma-separated (the overhead benches)
 STEP_TIMES = "DPRO_STEP_TIMES"          # a file where rank 0 of an unrecorded job writes when each step ended
 CLOCK_SKEW = "DPRO_CLOCK_SKEW_US"       # tests: a skew added to the ranks' clocks, to check the alignment
+
+
+def say(text: str) -> None:
+    """What an auto-attached plugin tells the user: one line on stderr, marked as dpro's."""
+    print(f"[dpro] {text}", file=sys.stderr, flush=True)

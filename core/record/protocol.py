@@ -67,6 +67,7 @@ __all__ = [
     "usable_cpus",
     "wall_minus_clock_ns",
     "window_from_text",
+    "window_steps",
 ]
 
 
@@ -176,6 +177,15 @@ def window_from_text(text: str | None, variable: str = job_env.PROFILE) -> tuple
         return parse_window(text), None
     except UsageError as err:
         return Window(10, 20), f"{variable}={err}; recording 10:20"
+
+
+def window_steps(text: str | None, say: Callable[[str], None]) -> list[int]:
+    """The iterations an auto-attached recorder records: the window in ``text`` (``$DPRO_PROFILE``, START:STOP or
+    START:STOP:BLOCK; 10:20 when unset), with what was wrong with it told through ``say``."""
+    window, problem = window_from_text(text)
+    if problem:
+        say(problem)
+    return window.steps
 
 
 def last_block_start(steps: Iterable[int]) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import functools
 import os
-import sys
 import weakref
 from collections.abc import Callable
 from types import ModuleType
@@ -34,18 +33,10 @@ AUTO_RECORD, PROFILE, RUN_DIR = job_env.AUTO_RECORD, job_env.PROFILE, job_env.RU
 _STATE: dict[str, Any] = {"installed": False, "attached": False, "root": None, "depth": 0}
 
 
-def _say(text: str) -> None:
-    print(f"[dpro] {text}", file=sys.stderr, flush=True)
-
-
 def _window(text: str | None) -> list[int]:
-    """The recorded iterations (``$DPRO_PROFILE``, START:STOP or START:STOP:BLOCK)."""
-    from dpro.record.protocol import window_from_text
+    from dpro.record.protocol import window_steps
 
-    window, problem = window_from_text(text, PROFILE)
-    if problem:
-        _say(problem)
-    return window.steps
+    return window_steps(text, job_env.say)
 
 
 def _wrap_call(block_class: type) -> None:
@@ -82,7 +73,7 @@ def _attach(trainer: Any) -> Any:
     root = _STATE["root"]() if _STATE["root"] is not None else None
     trained = {id(p) for p in getattr(trainer, "_params", [])}
     if root is None or not trained & {id(p) for p in root.collect_params().values()}:
-        _say("not recording: no network holding this trainer's parameters was called before trainer.step()")
+        job_env.say("not recording: no network holding this trainer's parameters was called before trainer.step()")
         return None
     from dpro.plugins.mxnet.recorder import GluonRecorder, active_recorders
 
@@ -101,7 +92,7 @@ def _close_at_exit(ref: Any) -> None:
         try:
             recorder.close(error=None)
         except Exception as err:  # noqa: BLE001 - at exit: report, do not raise
-            _say(f"could not finish the recording: {type(err).__name__}: {err}")
+            job_env.say(f"could not finish the recording: {type(err).__name__}: {err}")
 
 
 def _wrap_step(trainer_class: type) -> None:
@@ -119,7 +110,7 @@ def _wrap_step(trainer_class: type) -> None:
                     self._dpro_recorder = recorder
                     recorder.begin_step()
             except Exception as err:  # noqa: BLE001 - recording must never stop the user's training
-                _say(f"not recording: {type(err).__name__}: {err}")
+                job_env.say(f"not recording: {type(err).__name__}: {err}")
                 recorder = None
         out = original(self, *args, **kwargs)
         if recorder is not None:
@@ -127,7 +118,7 @@ def _wrap_step(trainer_class: type) -> None:
                 recorder.end_step()
                 recorder.begin_step()
             except Exception as err:  # noqa: BLE001 - recording must never stop the user's training
-                _say(f"recording stopped: {type(err).__name__}: {err}")
+                job_env.say(f"recording stopped: {type(err).__name__}: {err}")
                 self._dpro_recorder = None
                 try:
                     recorder.close(error=err)

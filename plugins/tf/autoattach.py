@@ -20,7 +20,6 @@ import functools
 import inspect
 import json
 import os
-import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -35,18 +34,10 @@ STEP_TIMES = job_env.STEP_TIMES
 _STATE = {"installed": False, "attached": False, "configured": False, "clocked": False}
 
 
-def _say(text: str) -> None:
-    print(f"[dpro] {text}", file=sys.stderr, flush=True)
-
-
 def _window(text: str | None) -> list[int]:
-    """The recorded iterations (``$DPRO_PROFILE``, START:STOP or START:STOP:BLOCK)."""
-    from dpro.record.protocol import window_from_text
+    from dpro.record.protocol import window_steps
 
-    window, problem = window_from_text(text, PROFILE)
-    if problem:
-        _say(problem)
-    return window.steps
+    return window_steps(text, job_env.say)
 
 
 def _config_path(model: Any) -> str | None:
@@ -63,7 +54,7 @@ def _config_path(model: Any) -> str | None:
               "model": fingerprint(model)}
     found = find_config(search, wanted)
     if found is None:
-        _say(f"--apply auto: no config made for this job ({wanted['world_size']} workers, model "
+        job_env.say(f"--apply auto: no config made for this job ({wanted['world_size']} workers, model "
              f"{wanted['model'][:12]}) under {search}; running without one")
         return None
     return str(found)
@@ -85,7 +76,8 @@ def _apply_config(model: Any) -> None:
 
     first = os.environ.get("HOROVOD_RANK", "0") == "0" if horovod_running() else tf_config()[1] == 0
     if first:  # users hear it from worker 0
-        _say(f"applying {path}: " + (", ".join(f"{k}={v}" for k, v in applied.items()) or "nothing for TensorFlow"))
+        job_env.say(f"applying {path}: "
+                    + (", ".join(f"{k}={v}" for k, v in applied.items()) or "nothing for TensorFlow"))
 
 
 def fit_batch_size(arguments: dict[str, Any]) -> int | None:
@@ -164,7 +156,7 @@ def _wrap_fit(owner: type) -> None:
             bound.arguments["callbacks"] = _with_step_clock(_with_recorder(bound.arguments.get("callbacks"), batch))
             args, kwargs = bound.args[1:], bound.kwargs
         except Exception as err:  # noqa: BLE001 - recording must never stop the user's fit
-            _say(f"not recording this fit: {type(err).__name__}: {err}")
+            job_env.say(f"not recording this fit: {type(err).__name__}: {err}")
         return original(self, *args, **kwargs)
 
     fit._dpro_patched = True  # type: ignore[attr-defined]

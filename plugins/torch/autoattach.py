@@ -357,13 +357,9 @@ def installed() -> bool:
 
 
 def _window(text: str | None) -> list[int]:
-    """The recorded iterations (``$DPRO_PROFILE``, START:STOP or START:STOP:BLOCK)."""
-    from dpro.record.protocol import window_from_text
+    from dpro.record.protocol import window_steps
 
-    window, problem = window_from_text(text, PROFILE)
-    if problem:
-        _say(problem)
-    return window.steps
+    return window_steps(text, _say)
 
 
 # ---- patches -----------------------------------------------------------------------------------------
