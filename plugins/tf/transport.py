@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from dpro.errors import UsageError
-from dpro.record.protocol import Clock
+from dpro.record.collective_transport import CollectiveTransport
 from dpro.record.socket_transport import PORT_OFFSET, SocketTransport, side_port_of
 
 __all__ = ["PORT_OFFSET", "HorovodTransport", "SocketTransport", "default_transport", "horovod_running",
@@ -75,7 +75,6 @@ def tf_socket_transport(environ: dict[str, str] | None = None) -> SocketTranspor
                                    port_variable=PORT_VARIABLE)
 
 
-TEXT_BYTES = 4096  # a run directory path, an error message
 
 
 def horovod_running(environ: dict[str, str] | os._Environ | None = None) -> bool:
@@ -91,9 +90,9 @@ def horovod_running(environ: dict[str, str] | os._Environ | None = None) -> bool
         return False
 
 
-class HorovodTransport:
-    """Horovod's ranks as a ``dpro.record.protocol.Transport``, over ``horovod.tensorflow`` collectives (eager,
-    between steps): Horovod has no point-to-point messages, so a ping is three broadcasts."""
+class HorovodCollectives:
+    """``horovod.tensorflow``'s collectives (eager, between steps) as
+    ``dpro.record.collective_transport.Collectives`` (numpy in and out)."""
 
     def __init__(self) -> None:
         import horovod.tensorflow as hvd
@@ -102,26 +101,15 @@ class HorovodTransport:
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.backend = "gloo" if hvd.gloo_enabled() else ("mpi" if hvd.mpi_enabled() else "horovod")
 
-    @staticmethod
-    def _encode(text: str, size: int) -> Any:
+    def broadcast(self, data: Any, root: int, name: str) -> Any:
         import tensorflow as tf
 
-        data = text.encode()[:size]
-        return tf.constant(list(data) + [0] * (size - len(data)), dtype=tf.uint8)
+        return self._hvd.broadcast(tf.constant(data), root_rank=root, name=name).numpy()
 
-    @staticmethod
-    def _decode(row: Any) -> str:
-        return bytes(row.numpy().tolist()).rstrip(b"\0").decode(errors="replace")
-
-    def broadcast_text(self, text: str, root: int = 0) -> str:
-        sent = self._encode(text if self.rank == root else "", TEXT_BYTES)
-        return self._decode(self._hvd.broadcast(sent, root_rank=root, name="dpro.text"))
-
-    def gather_texts(self, text: str) -> list[str]:
+    def allgather(self, data: Any, name: str) -> Any:
         import tensorflow as tf
 
-        rows = self._hvd.allgather(tf.expand_dims(self._encode(text, 256), 0), name="dpro.texts")
-        return [self._decode(row) for row in rows]
+        return self._hvd.allgather(tf.constant(data), name=name).numpy()
 
     def barrier(self) -> None:
         import tensorflow as tf
@@ -129,32 +117,17 @@ class HorovodTransport:
         # horovod.tensorflow 0.28 has no barrier: a small allreduce completes only once every rank joined it
         self._hvd.allreduce(tf.zeros(1), op=self._hvd.Sum, name="dpro.barrier").numpy()
 
-    def ping(self, peer: int, clock: Clock) -> list[float] | None:
-        """Rank 0 broadcasts at t0, ``peer`` reads t1 when it arrives; ``peer`` broadcasts, rank 0 reads t3; a third
-        broadcast carries t1 to rank 0. Each waits for Horovod's next cycle: alignment keeps the shortest."""
+    def allreduce(self, nbytes: int, name: str) -> None:
         import tensorflow as tf
 
-        zero = tf.zeros(1, dtype=tf.float64)
-        t0 = clock.now()
-        self._hvd.broadcast(zero, root_rank=0, name=f"dpro.clock.{peer}.a").numpy()
-        t1 = clock.now()
-        self._hvd.broadcast(zero, root_rank=peer, name=f"dpro.clock.{peer}.b").numpy()
-        t3 = clock.now()
-        times = self._hvd.broadcast(tf.constant([t1, t1], dtype=tf.float64), root_rank=peer,
-                                    name=f"dpro.clock.{peer}.c").numpy()
-        if self.rank != 0:
-            return None
-        return [t0, float(times[0]), float(times[1]), t3]
+        self._hvd.allreduce(tf.zeros(max(1, nbytes // 4), dtype=tf.float32), op=self._hvd.Sum, name=name).numpy()
 
-    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
-        """Includes waiting for Horovod's cycle; the run's Horovod timeline gives the allreduce phases."""
-        import tensorflow as tf
 
-        tensor = tf.zeros(max(1, nbytes // 4), dtype=tf.float32)
-        self.barrier()
-        t0 = clock.now()
-        self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name).numpy()
-        return clock.now() - t0
+class HorovodTransport(CollectiveTransport):
+    """Horovod's ranks as the recording protocol's transport: ``CollectiveTransport`` over ``horovod.tensorflow``."""
+
+    def __init__(self) -> None:
+        super().__init__(HorovodCollectives())
 
 
 def default_transport() -> Any:

@@ -55,6 +55,7 @@ from typing import Any
 
 import horovod
 import horovod.torch as hvd
+import numpy as np
 import torch
 from torch import nn
 
@@ -62,7 +63,7 @@ from dpro.engines.horovod.knobs import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THR
 from dpro.engines.horovod.timeline import TIMELINE_FILE
 from dpro.errors import UsageError
 from dpro.plugins.torch.recorder import COMM, COMPUTE, MECHANISMS, TorchRecorder, timed_closure
-from dpro.plugins.torch.transport import TEXT_BYTES, bytes_tensor, tensor_text
+from dpro.record.collective_transport import CollectiveTransport
 from dpro.record.protocol import Clock, claim_run_dir, last_block_start
 
 __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE", "HorovodRecorder",
@@ -76,62 +77,33 @@ def horovod_knobs(environ: dict[str, str] | None = None) -> dict[str, Any]:
     return knobs_from_environment(dict(os.environ if environ is None else environ))
 
 
-class HorovodTransport:
-    """Horovod's process group as a ``dpro.record.protocol.Transport`` (collectives only: Horovod has no
-    point-to-point messages, so a ping is three broadcasts)."""
+class HorovodCollectives:
+    """``horovod.torch``'s collectives as ``dpro.record.collective_transport.Collectives`` (numpy in and out)."""
 
     def __init__(self) -> None:
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.backend = "gloo" if hvd.gloo_enabled() else ("mpi" if hvd.mpi_enabled() else "horovod")
 
-    def broadcast_text(self, text: str, root: int = 0) -> str:
-        buf = bytes_tensor(text if self.rank == root else "", TEXT_BYTES)
-        return tensor_text(hvd.broadcast(buf, root_rank=root, name="dpro.text"))
+    def broadcast(self, data: np.ndarray, root: int, name: str) -> np.ndarray:
+        return hvd.broadcast(torch.from_numpy(np.ascontiguousarray(data)), root_rank=root, name=name).numpy()
 
-    def gather_texts(self, text: str) -> list[str]:
-        gathered = hvd.allgather(bytes_tensor(text, 256).unsqueeze(0), name="dpro.texts")
-        return [tensor_text(row) for row in gathered]
+    def allgather(self, data: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allgather(torch.from_numpy(np.ascontiguousarray(data)), name=name).numpy()
 
     def barrier(self) -> None:
         hvd.barrier()
 
-    def ping(self, peer: int, clock: Clock) -> list[float] | None:
-        """Rank 0 broadcasts at t0, ``peer`` reads t1 when it arrives; ``peer`` broadcasts, rank 0 reads t3;
-        a third broadcast carries t1 to rank 0. Each broadcast waits for Horovod's next cycle, so round
-        trips are long; alignment keeps the shortest."""
-        t0 = clock.now()
-        hvd.broadcast(torch.zeros(1, dtype=torch.float64), root_rank=0, name=f"dpro.clock.{peer}.a")
-        t1 = clock.now()
-        hvd.broadcast(torch.zeros(1, dtype=torch.float64), root_rank=peer, name=f"dpro.clock.{peer}.b")
-        t3 = clock.now()
-        times = hvd.broadcast(torch.tensor([t1, t1], dtype=torch.float64), root_rank=peer,
-                              name=f"dpro.clock.{peer}.c")
-        if self.rank != 0:
-            return None
-        peer_t1, peer_t2 = times.tolist()
-        return [t0, peer_t1, peer_t2, t3]
+    def allreduce(self, nbytes: int, name: str) -> None:
+        hvd.allreduce(torch.zeros(max(1, nbytes // 4), dtype=torch.float32), op=hvd.Sum, name=name)
 
-    def overlapped_compute(self, nbytes: int, name: str, compute: Callable[[], None],
-                           clock: Clock) -> tuple[float, float]:
-        """Run ``compute`` while an allreduce of ``nbytes`` is in flight: (compute µs, µs the allreduce ran on
-        after it)."""
-        tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
-        hvd.barrier()
-        handle = hvd.allreduce_async(tensor, op=hvd.Sum, name=name)
+    def allreduce_during(self, nbytes: int, name: str, compute: Callable[[], None],
+                         clock: Clock) -> tuple[float, float]:
+        handle = hvd.allreduce_async(torch.zeros(max(1, nbytes // 4), dtype=torch.float32), op=hvd.Sum, name=name)
         t0 = clock.now()
         compute()
         t1 = clock.now()
         hvd.synchronize(handle)
         return t1 - t0, clock.now() - t1
-
-    def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
-        """Includes waiting for Horovod's cycle; the timeline's ALLREDUCE phases of these tensors
-        (``dpro.probe.*``) replace the samples at load time when the run has a timeline."""
-        tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
-        hvd.barrier()
-        t0 = clock.now()
-        hvd.allreduce(tensor, op=hvd.Sum, name=name)
-        return clock.now() - t0
 
 
 def _claim_beside_timeline(run_dir: str | Path | None) -> Path:
@@ -165,7 +137,8 @@ class HorovodRecorder(TorchRecorder):
         # optimizer=None: TorchRecorder's UPDATE hooks would fire twice under Horovod (see _install_hooks)
         super().__init__(model, None, run_dir, steps, total_steps=total_steps, extra_knobs=extra,
                          versions={"horovod": horovod.__version__}, engine=ENGINE, who=who,
-                         transport=HorovodTransport(), claim=_claim_beside_timeline, backward_marks=backward_marks,
+                         transport=CollectiveTransport(HorovodCollectives()), claim=_claim_beside_timeline,
+                         backward_marks=backward_marks,
                          mechanisms=mechanisms)
         self._pending: dict[Any, tuple[str, str, list[str], int, Any, int, dict]] = {}
         self._update_start: Any = None

@@ -10,24 +10,19 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from dpro.record.collective_transport import GATHER_BYTES, TEXT_BYTES, decode_text, encode_text
 from dpro.record.protocol import Clock
 
-__all__ = ["TEXT_BYTES", "TorchDistTransport", "bytes_tensor", "tensor_text"]
-
-TEXT_BYTES = 4096
+__all__ = ["TorchDistTransport", "bytes_tensor", "tensor_text"]
 
 
 def bytes_tensor(text: str, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``text`` UTF-8 encoded into a zero-padded uint8 tensor of ``size`` bytes (cut if longer)."""
-    raw = text.encode()[:size]
-    buf = torch.zeros(size, dtype=torch.uint8, device=device)
-    if raw:
-        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
-    return buf
+    return torch.from_numpy(encode_text(text, size)).to(device)
 
 
 def tensor_text(buf: torch.Tensor) -> str:
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    return decode_text(buf.cpu().numpy())
 
 
 class TorchDistTransport:
@@ -45,7 +40,7 @@ class TorchDistTransport:
         return tensor_text(buf)
 
     def gather_texts(self, text: str) -> list[str]:
-        mine = bytes_tensor(text, 256, self.device)
+        mine = bytes_tensor(text, GATHER_BYTES, self.device)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine)
         return [tensor_text(t) for t in out]
