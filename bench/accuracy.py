@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_doc import printed_lines, write_bench_doc
+
 from dpro import testbed
 from dpro.analyze import analyze_path
 from dpro.io.load import interrupted_calls
@@ -125,18 +127,8 @@ def kineto_rows() -> list[tuple[str, str, str, float, float, float]]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="mlp,transformer,wide_mlp")
-    parser.add_argument("--buckets", default="1,25", help="DDP bucket_cap_mb values")
-    parser.add_argument("--networks", default="loopback,1gbit", help="loopback and/or tc rates such as 1gbit")
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--profile", default="8:20")
-    parser.add_argument("--frameworks", default="ddp,lightning,horovod,keras,mxnet")
-    parser.add_argument("--repeat", type=int, default=3, help="recordings of each Lightning and Horovod case")
-    parser.add_argument("--lightning-steps", type=int, default=40, help="steps of each Lightning / Horovod job")
-    parser.add_argument("--lightning-profile", default="10:30", help="the window dpro-launch records (A:B)")
-    args = parser.parse_args()
+def measure(args: argparse.Namespace) -> None:
+    """Record and analyze every case of ``args``, printing the tables."""
     frameworks = args.frameworks.split(",")
     models, buckets = args.models.split(","), [float(b) for b in args.buckets.split(",")]
     rows: list[tuple[str, str, str, float, float, float]] = []
@@ -203,6 +195,25 @@ def main() -> int:
         print(f"\n|error| over the recorded runs: median {statistics.median(errors):.2f} %, max {max(errors):.2f} % "
               f"({len(errors)} runs). Kineto rows are left out of it: their same-config replay keeps every measured "
               f"duration and gap, so it checks the DAG's wiring rather than a prediction.")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,transformer,wide_mlp")
+    parser.add_argument("--buckets", default="1,25", help="DDP bucket_cap_mb values")
+    parser.add_argument("--networks", default="loopback,1gbit", help="loopback and/or tc rates such as 1gbit")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--profile", default="8:20")
+    parser.add_argument("--frameworks", default="ddp,lightning,horovod,keras,mxnet")
+    parser.add_argument("--repeat", type=int, default=3, help="recordings of each Lightning and Horovod case")
+    parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
+    parser.add_argument("--lightning-steps", type=int, default=40, help="steps of each Lightning / Horovod job")
+    parser.add_argument("--lightning-profile", default="10:30", help="the window dpro-launch records (A:B)")
+    args = parser.parse_args()
+    with printed_lines() as lines:
+        measure(args)
+    if args.doc:
+        write_bench_doc(args.doc, "Replay accuracy: measured against predicted step, same configuration", lines)
     return 0
 
 
