@@ -60,8 +60,8 @@ ONE_SYNC = {"cudaStreamSynchronize", "cudaEventSynchronize", "cuStreamSynchroniz
 EPS_US = 2.0            # CPU and GPU clocks in one trace agree to about this much
 LONG_CALL_US = 50.0     # a launch call this long may be blocked on a full launch queue
 HANDOFF_US = 50.0       # a host thread idle this long may be waiting for another thread
-# a CPU backend's collective annotation closes after it has woken the thread waiting for it (gloo: seen up to 4 ms,
-# 1.6% of a 250 ms allreduce): by this much, or this share of the collective, whichever is more
+# a CPU backend's collective annotation closes after it has woken the thread waiting for it (gloo: up to a few ms
+# late): by this much, or this share of the collective, whichever is more
 COMM_CLOSES_LATE_US, COMM_CLOSES_LATE_SHARE = 3000.0, 0.05
 XSTREAM_GAP_US = 5.0    # a GPU op this late after its own predecessors may wait for another stream ...
 XSTREAM_NEAR_US = 10.0  # ... when an op on another stream ended at most this long before it started

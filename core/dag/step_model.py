@@ -288,8 +288,8 @@ def _median_ready_offsets(samples: list[tuple[float, float, float, dict]]) -> di
 
 def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
     """Summarise the profiled steps of every rank (aligned clocks) into one mean step: each op's mean start and
-    duration (means, not medians: a step is a sum of its ops, and the medians of skewed parts add up to no step;
-    hvd.keras on 2 CPU ranks replayed 2-11% short with medians). Steps far outside the others are left out first
+    duration (means, not medians: a step is a sum of its ops; medians of skewed parts add up to no step, and
+    replay short). Steps far outside the others are left out first
     (``far_out_steps``), so that one stall does not move every op's mean; the measured step is the mean of the
     same steps. Steps the engine set aside (``Run.set_aside``) are not used while ``MIN_MODEL_STEPS`` others are.
 

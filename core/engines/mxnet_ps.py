@@ -85,9 +85,8 @@ class ServerModel:
     incoming link to itself (``link_queues``). Links are full duplex and shared: the replay sends each
     worker/server connection's messages in turn and shares a link evenly between the connections on it
     (``dpro.sim.links``), so a host's pushes and its server's answers going the same way slow each other. Between
-    processes of one host: nothing beyond the server's work. (Re-pricing the same emulated 1 Gbit/s recordings
-    with ``bench/mxnet_ps.py --from``, the what-ifs' median error was 12-14% with links that take their transfers
-    in turn, pushes first, and 8-11% with shared links.)"""
+    processes of one host: nothing beyond the server's work. (Shared links predict the what-ifs better than links
+    that take their transfers in turn, pushes first: docs/measurements.md.)"""
 
     fixed_us: float
     us_per_byte: float
@@ -157,8 +156,8 @@ def host_cpus(run: Run) -> dict[str, int]:
 def server_queue(server: int, hosts: list[str], workers: list[str] | None = None,
                  cpus: Mapping[str, int] | None = None) -> str:
     """The queue a server's work takes. A server answers its requests one after another on one thread; servers
-    on one host run side by side on its CPUs (``cpus``: per host; 2 servers on a 2-CPU machine answered 10-18%
-    sooner than 1 in ``bench/mxnet_ps.py``), so a host's servers take turns on as many lanes as it has CPUs
+    on one host run side by side on its CPUs (``cpus``: per host; 2 servers on a 2-CPU machine answer sooner than
+    1), so a host's servers take turns on as many lanes as it has CPUs
     (``server@host#lane``; one lane, ``server@host``, where its CPUs are not known). Unknown hosts: its own."""
     workers = workers or []
     host = server_host(server, hosts, workers)

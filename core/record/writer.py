@@ -102,8 +102,8 @@ def write_model_json(run_dir: Path, doc: dict[str, Any]) -> Path:
 def _collector_paused() -> Iterator[None]:
     """Python's garbage collector off while the block runs (as it was before, after). Writing a rank's trace makes a
     few objects per event, all alive until the file is written: the collections they set off promote them, until a
-    full collection of the whole process runs (measured: 125-165 ms with torch's ~290,000 objects, in the step that
-    closed a 1,200-step window). They hold no cycles, so reference counting frees them all once the file is written."""
+    full collection of the whole process runs (over torch's many objects: a long stall in the step that closes a
+    long window). They hold no cycles, so reference counting frees them all once the file is written."""
     enabled = gc.isenabled()
     gc.disable()
     try:

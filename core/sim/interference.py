@@ -8,8 +8,8 @@ An op's duration is modelled as ``d0 * (1 + k * f)``, ``f`` the fraction of it t
 rank. ``k`` is measured by the recorder's interference probe (``interference_probe`` in run.json: a fixed kernel
 timed alone and while an allreduce is in flight, after the window): a controlled experiment. Without a probe, the
 steps' own ``k`` is shown but not applied: regressing each op's relative duration on its overlap, step to step,
-reads cause and effect both ways (a step slowed for another reason also overlaps more), and on a wide MLP it read
-+276% where the probe read a few percent.
+reads cause and effect both ways (a step slowed for another reason also overlaps more), so it can read many times
+what the probe does.
 
 A what-if applies it relative to the recorded configuration (whose durations already hold the recorded
 slowdown): each compute node's duration is scaled by ``(1 + k * f_new) / (1 + k * f_recorded)``, ``f`` read from
@@ -56,8 +56,7 @@ class Interference:
     def applies(self) -> bool:
         """Whether what-ifs use it: measured by the probe, significantly above zero and believable. The steps' fit
         is shown, never applied: a step slowed for another reason also overlaps more (its allreduce waits longer),
-        so duration and overlap correlate without the one causing the other (on a wide MLP the steps read +276%
-        where the probe read a few %)."""
+        so duration and overlap correlate without the one causing the other."""
         return self.probed and 0.0 < self.slowdown <= MAX_SLOWDOWN and self.slowdown > SIGNIFICANCE * self.stderr
 
     def describe(self) -> str:

@@ -65,8 +65,7 @@ def op_keys(g: Graph) -> list[tuple[int, int, str, int]]:
 def mean_graph(g: Graph, keys: list[tuple[int, int, str, int]], fit: set[int]) -> Graph:
     """``g`` with every op's duration and gap the mean of that op over the iterations in ``fit`` (an op that none
     of them ran keeps its own). Means, not medians: a step is a sum of its ops, and the medians of skewed parts
-    (a gloo allreduce that takes 4 ms in one step and 18 in the next) add up to no step (-11% on a 2-rank gloo
-    trace where the means give +0.9%)."""
+    (a gloo allreduce that takes a few ms in one step and several times that in the next) add up to no step."""
     durations: dict[tuple, list[float]] = defaultdict(list)
     gaps: dict[tuple, list[float]] = defaultdict(list)
     for node in np.flatnonzero(np.isin(g.iteration, list(fit))):

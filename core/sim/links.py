@@ -4,10 +4,8 @@ Pushes and answers are messages on connections (one per worker/server pair and d
 messages one after another, in the order they became ready; connections crossing one link share it evenly, and a
 connection crossing several links (a host's outgoing link, then the other host's incoming one) moves at its share of
 the busiest. A link that instead took its transfers strictly in turn, a step's pushes before its answers, let a
-worker's pushes run ahead of the answers its host's server sends the same way, which TCP connections do not do.
-Re-pricing the same emulated 1 Gbit/s recordings (``bench/mxnet_ps.py --from``), the server-count and partition
-what-ifs' median error went from 12-14% with links taken in turn to 8-11% with shared links, and on a net not
-tuned on from 8-11% to 1.5-4.7%.
+worker's pushes run ahead of the answers its host's server sends the same way, which TCP connections do not do,
+and predicted the server-count and partition what-ifs worse (docs/measurements.md).
 
 A host's CPUs are a link of this kind with several lanes (``Flows.capacity``: a message alone moves at full rate
 while what is on the link asks for no more than its lanes): a parameter server's work is a message on it taking

@@ -342,9 +342,9 @@ class GluonRecorder:
         pingpong = clock_samples(self.transport, self.clock)
         self.server_probe = self._probe_server(kv)
         # the link probe wants quiet links: the previous step's push_pulls may still be on the wire (a stream beside
-        # them read 45-73 MB/s of a 1 Gbit/s link's 120). The server probe stays before the wait, as it was measured
-        # against real jobs: after the wait its rounds took a third of the time on loopback, read fewer CPUs
-        # (1.2-1.5 against 1.5-1.7) and priced one server 15-42% too slow
+        # them reads well under the link's rate). The server probe stays before the wait, where it sees the server
+        # as a running job does: after the wait its rounds run faster than in a job, read fewer CPUs and price
+        # servers too slow
         mx.nd.waitall()
         self.transport.barrier()
         self.link_probe = self._probe_links()

@@ -219,7 +219,7 @@ class TFRecorder:
         self._step_ends: dict[int, tuple[float, float]] = {}  # iteration -> (wall, thread CPU) at its end
         if self.horovod and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
             # Horovod turns a DYNAMIC timeline's per-cycle coordination on in hvd.init(), with no file open, until
-            # the first stop (it measured 6-13% on a Keras step): stopped here, the steps before the window and
+            # the first stop (a cost on every step): stopped here, the steps before the window and
             # the gaps run as the unrecorded job does
             self._timeline_started = True
             self._stop_timeline()

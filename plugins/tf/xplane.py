@@ -186,7 +186,7 @@ def parse_xspace(space: Any, path: str | Path = "<xspace>") -> Profile:
                 stats = _stats(host, event)
                 if isinstance(stats.get("_c"), int):
                     # its start: the event goes on while the executor runs the ops the result made ready, inline on
-                    # this thread (up to ~2 ms measured), after the value was delivered
+                    # this thread (up to a few ms), after the value was delivered
                     done[stats["_c"]] = t0
             elif on_collective and ":" in meta.name and "::" not in meta.name:
                 stats = _stats(host, event)

@@ -230,9 +230,8 @@ class HorovodRecorder(TorchRecorder):
     def _poll(self, *, until_done: bool) -> None:
         """Mark the completion of every launched allreduce that has finished (all of them if ``until_done``).
 
-        Waiting polls and yields the CPU between polls. Sleeping a millisecond between polls, as Horovod's own
-        ``WaitAndClear`` does, measured further from the unrecorded job on a GRU job (docs/measurements.md: 57.9
-        against 50.5 ms, 48.3 unrecorded); bench/horovod_overhead.py's conv1d rounds could not tell the two apart."""
+        Waiting polls and yields the CPU between polls: sleeping a millisecond between polls, as Horovod's own
+        ``WaitAndClear`` does, keeps the recorded steps further from the unrecorded job (docs/measurements.md)."""
         while self._pending:
             for handle in list(self._pending):
                 if hvd.poll(handle):

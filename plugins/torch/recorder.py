@@ -828,8 +828,8 @@ class TorchRecorder:
 
     def _probe_after_window(self) -> None:
         """Time allreduces of a few sizes on the job's process group (run.json's ``comm_probe``), after the window:
-        megabyte allreduces before it made the recorded steps of a Horovod job on an emulated link about 12% faster
-        than the same job unrecorded (the connections stay warmed up), and the model is of the job as it runs.
+        megabyte allreduces before it made the recorded steps of a Horovod job on an emulated link faster than the
+        same job unrecorded (the connections stay warmed up), and the model is of the job as it runs.
         A probe that fails is logged; the job goes on."""
         try:
             probe = allreduce_probe(self.transport, self.clock)

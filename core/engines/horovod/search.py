@@ -50,17 +50,14 @@ __all__ = [
     "simulate_loop",
 ]
 
-# A Horovod setting is recommended for a predicted 1% (every other engine: optimize.search.MIN_GAIN, 3%). The 3%
-# rule was set when the loop priced extra buffers from the probe's slope: no fusion was predicted 1.8-2.2% faster
-# on a latency-bound GRU job and ran 10-12% slower. With the fixed cost and bandwidth fitted through the step's own
-# buffers (horovod_comm_model) that job's no-fusion settings price as losses, while on wide_mlp the settings
-# autotune finds measured 4% faster than the defaults and the model prices them 1-2.5% faster: a 3% rule left
-# them all on the table (bench/launch.py).
+# A Horovod setting is recommended for a predicted 1% (every other engine: optimize.search.MIN_GAIN, 3%): the loop
+# model prices buffers from the fixed cost and bandwidth fitted through the step's own buffers (horovod_comm_model),
+# not the probe's slope, so smaller gains are resolvable; it also prices the settings Horovod's autotune finds below
+# what they save, and a 3% rule would turn them all down (docs/measurements.md).
 HOROVOD_MIN_GAIN = 0.01
 # A buffer's allreduce phase in the timeline also holds any wait for the other rank's data (a late rank only
 # lengthens it): the fixed cost of one more buffer is the lower quartile of what the buffers took beyond their bytes,
-# not the median. On wide_mlp half the 80 KB buffers waited 2-10 ms, and the median priced every extra buffer at
-# 1-2 ms (the probe says about 0): the settings autotune finds (measured 3-4% faster) priced as losses or 1-1.5%.
+# not the median: when many buffers wait for a late rank, the median prices every extra buffer far too dear.
 HVD_FIXED_COST_QUANTILE = 0.25
 
 
@@ -138,8 +135,8 @@ def horovod_comm_model(ctx: Context) -> CommModel:
     if line is not None:
         intercept, slope = line
         # the smallest buffers' bytes cost next to nothing, so what they took is the fixed cost of a buffer; the
-        # line can put it lower (a token-bucket link passes mid-sized buffers at several times its rate: on a GRU
-        # job the line priced a buffer at 0 and no fusion, 9 buffers instead of 4, ran 35% slower than predicted)
+        # line can put it lower (a token-bucket link passes mid-sized buffers at several times its rate), and a
+        # buffer priced at 0 makes no fusion look free
         smallest = min(b for b, _ in transfers)
         small = sorted(us - slope * b for b, us in transfers if b <= 2 * smallest)
         intercept = max(intercept, small[int(HVD_FIXED_COST_QUANTILE * (len(small) - 1))])
