@@ -1,7 +1,7 @@
-"""The recording protocol's ``Transport`` over a framework's collectives alone (Horovod has no point-to-point
-messages): texts as byte arrays, a ping as three broadcasts, the probes as blocking allreduces. A plugin gives it
+"""The recording protocol's ``Transport`` over a framework's collectives alone, for engines with no point-to-point
+messages: texts as byte arrays, a ping as three broadcasts, the probes as blocking allreduces. A plugin gives it
 its framework's collectives (``Collectives``: numpy arrays in and out), so the protocol is written once for every
-framework that runs Horovod."""
+framework such an engine runs on."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class CollectiveTransport:
 
     def ping(self, peer: int, clock: Clock) -> list[float] | None:
         """Rank 0 broadcasts at t0, ``peer`` reads t1 when it arrives; ``peer`` broadcasts, rank 0 reads t3; a third
-        broadcast carries t1 to rank 0. Each broadcast waits for the framework's next cycle (Horovod's), so round
+        broadcast carries t1 to rank 0. Each broadcast may wait for the engine's next background cycle, so round
         trips are long; alignment keeps the shortest."""
         zero = np.zeros(1, dtype=np.float64)
         t0 = clock.now()
@@ -102,7 +102,7 @@ class CollectiveTransport:
         return run
 
     def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
-        """Includes waiting for the framework's cycle; a Horovod timeline's ALLREDUCE phases of these tensors
+        """Includes waiting for the engine's cycle; an engine timeline's allreduce phases of these tensors
         (``dpro.probe.*``) replace the samples at load time when the run has one."""
         self.collectives.barrier()
         t0 = clock.now()
