@@ -265,7 +265,9 @@ def test_the_default_window_records_horovod_in_blocks_without_a_timeline(tmp_pat
     assert not run.problems and "merged" not in run.meta["horovod"]
     for rank in (0, 1):
         overhead = run.ranks[rank].header["recording_overhead"]
-        assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 8  # 15..18 and 25..28
+        # 16..18 and 26..28: each gap less its first step (another rank may still be closing its block) and its
+        # last (it installs the next block's hooks)
+        assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 6
         assert {e["args"]["step"] for e in run.ranks[rank].events if e["cat"] == "COMM"} == \
             {*range(10, 15), *range(20, 25), *range(30, 35)}
     info = run_job([sys.executable, "-m", "dpro", "info", str(run_dir)], timeout=60).stdout
@@ -468,7 +470,7 @@ def test_a_hvd_keras_window_in_blocks_profiles_each_block_and_runs_the_timeline_
             assert any(e["cat"] == "FW" and e["args"]["step"] == step for e in trace.events), (rank, step)
         assert not any(e["args"].get("step") in (7, 8, 9) for e in trace.events)
         overhead = trace.header["recording_overhead"]
-        assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 2  # 7 and 8
+        assert overhead["baseline"] == "gaps" and overhead["unrecorded_steps"] == 1  # 8 (7 follows a block)
     merged = run.meta["horovod"]["merged"]
     if merged.get("steps"):  # Horovod wrote the timeline (DYNAMIC honoured)
         assert merged["steps"] == [10, 11, 12] and merged["steps_without_timeline"] == [4, 5, 6]

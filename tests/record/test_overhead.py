@@ -35,7 +35,9 @@ def test_a_window_with_gaps_compares_against_the_unrecorded_steps_between_its_bl
     steps.update({i: (0.020, 0.020) for i in range(14, 17)})  # the machine slowed down between the blocks
     steps.update({i: (0.021, 0.021) for i in (18, 19, 20, 21)})
     o = recording_overhead(ends_of(steps), window)
-    assert o["unrecorded_steps"] == 3 and o["recorded_steps"] == 7  # the gaps only, not the steps before
+    # the gaps only, not the steps before; 14 follows a block (another rank may still be closing it), 17 installs
+    # the next block's hooks: 15 and 16
+    assert o["unrecorded_steps"] == 2 and o["recorded_steps"] == 7
     assert o["thread_cpu_ms"][0] == pytest.approx(20.0)
 
 

@@ -41,6 +41,8 @@ def test_a_gapped_window_measures_its_overhead_against_its_gaps():
         ends[i] = (t, t / 2)
     overhead = recording_overhead(ends, window)
     assert overhead["recorded_steps"] == len(window) - 1
-    assert overhead["unrecorded_steps"] == 4  # 15..18 (not 19: its end installs the next block's hooks)
+    # 16..18: not 15 (just after a block: another rank may still be closing it), not 19 (its end installs the
+    # next block's hooks)
+    assert overhead["unrecorded_steps"] == 3
     assert overhead["wall_ms"] == pytest.approx([10.0, 12.0])
     assert overhead["wall_pct"] == pytest.approx(20.0)
