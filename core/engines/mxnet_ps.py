@@ -302,7 +302,6 @@ def ps_model(ctx: Context, knobs: dict[str, Any], server: ServerModel) -> StepMo
     bound) as exchanges (``dpro.dag.step_model.ExchangePart``): each part pushed by every worker over the links
     between their hosts, the server's work (on its host's CPUs where they are known, else on its host's queue),
     the answers back, priced by ``server``."""
-
     servers = int(knobs.get(NUM_SERVERS) or ctx.knobs.get(NUM_SERVERS) or 1)
     bound = int(knobs.get(BIGARRAY_BOUND) or ctx.knobs.get(BIGARRAY_BOUND) or DEFAULT_BIGARRAY_BOUND)
     compression = knobs.get("gradient_compression")
@@ -385,7 +384,6 @@ def rate_scaled_model(ctx: Context) -> ServerModel:
 def _fit_inputs(ctx: Context) -> tuple[ServerModel, Any, float]:
     """The fitted shape, the replayed step (ms) of the recorded layout under a model, and the step it must replay
     to (the measured requests' replay)."""
-
     fitted = dataclasses.replace(fit_server_model(ctx), server_cpus=server_cpus(ctx.run))
 
     def step_of(model: ServerModel) -> float:
@@ -478,7 +476,6 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
     """dPRO's tensor partition for a parameter server: every server count and partition bound replayed; the best
     is recommended when its predicted gain clears the prediction's uncertainty (``optimize.search.clears``; written
     as the config's ``env``), then the common searches."""
-
     began = time.perf_counter()
     baseline = whatif_predict(ctx, {})
     servers0 = int(ctx.knobs.get(NUM_SERVERS) or 1)

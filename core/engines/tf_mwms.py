@@ -64,7 +64,6 @@ PACK_CANDIDATES = (0, *(2**k for k in range(14, 29, 2)))  # one pack, then 16 Ki
 def best_bytes_per_pack(ctx: Context) -> list[tuple[int, Any]]:
     """Replay every candidate ``bytes_per_pack`` (one per distinct packing, the smallest value that gives it);
     best first."""
-
     seen: set[tuple[int, ...]] = set()
     results = []
     for size in sorted(set(PACK_CANDIDATES) | {int(ctx.knobs.get(BYTES_PER_PACK) or 0)}):
@@ -83,7 +82,6 @@ def sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
 
 def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False) -> OptimizeResult:
     """MWMS's ``bytes_per_pack`` (every distinct packing replayed), then the common searches."""
-
     began = time.perf_counter()
     baseline = predict(ctx, {})
     in_force = int(ctx.knobs.get(BYTES_PER_PACK) or 0)

@@ -401,7 +401,7 @@ def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = P
 
 
 INTERFERENCE_TARGET = 3.0  # the probe's allreduce is sized to last this many times the compute it overlaps
-INTERFERENCE_PAIRS = 21  # (alone, overlapped) pairs: a neighbour taking the CPU for one pair moves the median little
+INTERFERENCE_PAIRS = 21  # (alone, overlapped) pairs: enough that the few a neighbour slows are trimmed off
 
 
 def interference_probe(transport: Transport, clock: Clock, compute: Callable[[], None],

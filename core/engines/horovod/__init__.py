@@ -24,7 +24,6 @@ from dpro.sim.whatif import Prediction, predict
 
 if TYPE_CHECKING:
     from dpro.io.load import Run
-    from dpro.sim.choices import OptimizeResult
     from dpro.sim.whatif import Context
 
 __all__ = ["CACHE", "CYCLE", "DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "ENGINE", "NAME", "THRESHOLD",
@@ -32,7 +31,6 @@ __all__ = ["CACHE", "CYCLE", "DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD"
 
 def _prepare_run(run: Run) -> None:
     """Merge ``horovod-timeline.json`` (fused buffers) into the run when it holds one."""
-
     path = find_timeline(run)
     if path is None:
         return
@@ -86,20 +84,14 @@ def _predict(ctx: Context, knobs: dict[str, Any]) -> Prediction | None:
 
 def _sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
     """The fusion threshold over the thresholds the search tries and the one in force (``dpro report``'s curves)."""
-
     threshold = int(knobs_in_force(ctx)[0])
     return [(THRESHOLD, sorted({*(int(mb * 2**20) for mb in HVD_THRESHOLDS_MB), threshold}))]
-
-
-def _search(ctx: Context, **options: Any) -> OptimizeResult:
-
-    return search(ctx, **options)
 
 
 ENGINE = Engine(
     name=NAME,
     doc="Horovod (PyTorch, Gloo/MPI): tensors fused by Horovod's background loop, one allreduce per buffer",
-    optimize=_search,
+    optimize=search,
     knobs=(
         Knob(THRESHOLD, "Horovod's fusion buffer in bytes (0: no fusion); applied through the config's env",
              _bytes, default=128 * 2**20, config=False, engine=NAME),

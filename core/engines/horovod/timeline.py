@@ -621,7 +621,6 @@ def merge_horovod_timeline(run: Run, path: str | Path | None = None) -> dict[str
 
 def _rank_shifts(run: Run) -> dict[int, float]:
     """Each rank's clock minus rank 0's (µs), from the clock exchange (ranks of one host: 0)."""
-
     try:
         return dict(align(run).offset_us)
     except (KeyError, TypeError, ValueError):
