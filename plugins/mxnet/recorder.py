@@ -14,7 +14,8 @@ array's pending writes are done.
   block's backward runs from the previous block's gradients to its own. MXNet bulks backward operators into
   segments (``MXNET_EXEC_BULK_EXEC_*``) and writes a segment's gradients together; the blocks of one segment share
   its time in proportion to their forward times (``args.estimated``), and the segment's gradients are ready at its
-  end (the last block's ``grads``).
+  end (the last block's ``grads``). A hybridized block's cached graph writes its blocks' gradients one by one too:
+  each inner block with parameters gets a backward of its own, ending when its gradients are written.
 - **COMM**: ``gluon.Trainer.step`` on a ``dist_*`` kvstore issues one ``pushpull`` per parameter (key = its index
   in the trainer): one ps-lite request carrying the gradient to the key's server(s) and the servers' answer, sent
   once every worker's push of that key has arrived (and, with ``update_on_kvstore``, the optimizer has run on the
@@ -114,16 +115,28 @@ class Unit:
     block: Any
     path: str
     params: list[Any] = field(default_factory=list)
-    # a hybridized unit's blocks with parameters: (path, parameter bytes); its time is split over them
+    # a hybridized unit's blocks with parameters: (path, parameter bytes); its forward time is split over them
     parts: list[tuple[str, int]] = field(default_factory=list)
+    part_params: list[list[Any]] = field(default_factory=list)  # each part's trained parameters (as ``parts``)
 
     def pieces(self) -> list[tuple[str, float]]:
         """(path, share of the unit's time) in forward order: the unit itself, or a hybridized unit's blocks
-        by parameter bytes (MXNet runs its cached graph as one bulk: the blocks' own times are not observable)."""
+        by parameter bytes (MXNet runs its cached graph's forward as one bulk: the blocks' own times are not
+        observable)."""
         if len(self.parts) <= 1:
             return [(self.path, 1.0)]
         total = sum(max(b, 1) for _, b in self.parts)
         return [(path, max(b, 1) / total) for path, b in self.parts]
+
+    def backward_pieces(self) -> list[tuple[str, list[Any]]]:
+        """(path, parameters) in backward order: a hybridized unit's blocks, each ending when its own gradients
+        are written (the engine writes them one by one, as the cached graph's backward reaches them), or the
+        unit as one."""
+        if len(self.parts) <= 1 or len(self.part_params) != len(self.parts):
+            return [(self.path, self.params)]
+        mine = {id(p) for p in self.params}
+        return [(path, [p for p in params if id(p) in mine])
+                for (path, _), params in zip(reversed(self.parts), reversed(self.part_params), strict=True)]
 
 
 def spread(start: float, stop: float, pieces: list[tuple[str, float]]) -> list[tuple[str, float, float]]:
@@ -154,6 +167,7 @@ def recorded_units(net: Any, trained: list[Any]) -> list[Unit]:
             continue
         hybrid = bool(getattr(block, "_active", False))
         parts: list[tuple[str, int]] = []
+        part_params: list[list[Any]] = []
         if hybrid:
             inner = block_paths(block)
             covered |= {id(b) for b, _, _ in inner}
@@ -163,12 +177,13 @@ def recorded_units(net: Any, trained: list[Any]) -> list[Unit]:
                 if own:
                     full = ".".join(x for x in (path, sub) if x) or getattr(net, "name", "net")
                     parts.append((full, sum(_param_bytes(p) for p in own)))
+                    part_params.append(own)
         else:
             params = _own_params(block)
         params = [p for p in params if id(p) in trained_ids and id(p) not in owner]
         if not params:
             continue
-        unit = Unit(block, path or (getattr(block, "name", "") if block is net else path), params, parts)
+        unit = Unit(block, path or (getattr(block, "name", "") if block is net else path), params, parts, part_params)
         units.append(unit)
         for p in params:
             owner[id(p)] = unit
@@ -522,9 +537,9 @@ class GluonRecorder:
             if span is None or span[1] != span[1]:  # not run, or its hook did not finish (NaN)
                 continue
             start, stop = span
-            fw_us[unit.path] = stop - start
             pieces = unit.pieces()
             for path, at, end in spread(start, stop, pieces):
+                fw_us[path] = end - at
                 args: dict[str, Any] = {"step": step.step}
                 if len(pieces) > 1:
                     args["estimated"] = f"inside hybridized {unit.path or 'net'}: its time split by parameter bytes"
@@ -534,29 +549,29 @@ class GluonRecorder:
             last_fw = max((s for _, s in step.forward.values() if s == s), default=step.backward_issued)
             order = []
             grads_of: dict[str, list[int]] = {}
+            inside: dict[str, str] = {}  # a hybridized unit's block -> the unit
             for unit in reversed(self._units):
-                idx = [self._index[id(p)] for p in reversed(unit.params) if self._index[id(p)] in step.grad_ready]
-                if not idx:
-                    continue
-                grads_of[unit.path] = idx
-                order.append((unit.path, max(step.grad_ready[i] for i in idx), fw_us.get(unit.path, 0.0)))
+                for path, params in unit.backward_pieces():
+                    idx = [self._index[id(p)] for p in reversed(params) if self._index[id(p)] in step.grad_ready]
+                    if not idx:
+                        continue
+                    grads_of[path] = idx
+                    if path != unit.path:
+                        inside[path] = unit.path or "net"
+                    order.append((path, max(step.grad_ready[i] for i in idx), fw_us.get(path, 0.0)))
             spans = split_backward(order, max(step.backward_issued, last_fw), SEGMENT_US)
             sizes = Counter(seg for *_, seg in spans)
-            by_path = {u.path: u for u in self._units}
             for k, (path, start, stop, seg) in enumerate(spans):
                 # a bulked segment's gradients are all ready at its end: its last unit carries them
                 last = k + 1 == len(spans) or spans[k + 1][3] != seg
                 carried = [i for p, *_, s in spans if s == seg for i in grads_of[p]] if last else []
-                pieces = list(reversed(by_path[path].pieces()))  # backward runs the blocks in reverse
-                for j, (piece, at, end) in enumerate(spread(start, stop, pieces)):
-                    mine = carried if j == len(pieces) - 1 else []
-                    args = {"step": step.step, "grads": [names[i] for i in mine],
-                            "grads_ready_us": [end for _ in mine]}
-                    if len(pieces) > 1:
-                        args["estimated"] = f"inside hybridized {path or 'net'}: its time split by parameter bytes"
-                    elif sizes[seg] > 1:
-                        args["estimated"] = "bulked backward segment, shared in proportion to forward time"
-                    rows.append(event_row(f"BW.{piece}", "BW", COMPUTE, at, end - at, args))
+                args = {"step": step.step, "grads": [names[i] for i in carried],
+                        "grads_ready_us": [stop for _ in carried]}
+                if sizes[seg] > 1:
+                    shared = ("by parameter bytes (blocks inside hybridized " + inside[path] + ")"
+                              if path in inside else "in proportion to forward time")
+                    args["estimated"] = f"bulked backward segment, shared {shared}"
+                rows.append(event_row(f"BW.{path}", "BW", COMPUTE, start, stop - start, args))
         if step.step_called is not None and step.pulled:
             servers, bound = self._servers(), bigarray_bound(dict(os.environ))
             for i in sorted(step.pulled):

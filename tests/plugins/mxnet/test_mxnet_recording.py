@@ -110,7 +110,16 @@ def test_a_hybridized_block_is_split_into_its_blocks_with_parameters(tmp_path):
     evs = events(run, 0)
     inside = [e for e in evs if e["cat"] in ("FW", "BW") and e["name"].split(".", 1)[1].startswith("0.")]
     assert {e["name"] for e in inside} == {"FW.0.0", "FW.0.2", "BW.0.0", "BW.0.2"}
-    assert all("hybridized" in e["args"]["estimated"] for e in inside)  # said to be estimates
+    # the cached graph's forward is one bulk: its blocks' shares are estimates, said so
+    assert all("hybridized" in e["args"]["estimated"] for e in inside if e["cat"] == "FW")
+    # its backward writes each block's gradients as it reaches them: a block's backward ends with its own gradients,
+    # unless the engine wrote both together (one bulked segment, said so)
+    for e in (e for e in inside if e["cat"] == "BW"):
+        own = {g.rpartition(".")[0] for g in e["args"]["grads"]}
+        assert own == {e["name"][3:]} or "hybridized" in e["args"].get("estimated", ""), e
+    for step in {e["args"]["step"] for e in evs}:  # every gradient ready once per step, at some block's backward
+        carried = [g for e in evs if e["cat"] == "BW" and e["args"]["step"] == step for g in e["args"]["grads"]]
+        assert sorted(carried) == sorted(gradients(run))
 
 
 def test_a_worker_dying_in_the_window_leaves_the_steps_it_finished(tmp_path):

@@ -27,6 +27,9 @@ def test_units_are_blocks_with_parameters_and_hybridized_blocks_as_a_whole():
     params = list(gluon.Trainer(net.collect_params(), "sgd")._params)
     units = recorded_units(net, params)
     assert [u.path for u in units] == ["0", "1"]
-    assert [p for p, _ in units[0].pieces()] == ["0.0", "0.1"]  # its blocks share its time
+    assert [p for p, _ in units[0].pieces()] == ["0.0", "0.1"]  # its blocks share its forward time
+    # its backward: block by block in reverse, each with its own parameters
+    assert [(path, len(ps)) for path, ps in units[0].backward_pieces()] == [("0.1", 2), ("0.0", 2)]
+    assert [path for path, _ in units[1].backward_pieces()] == ["1"]
     names = gradient_names(net, params)
     assert sorted(names.values()) == ["0.0.bias", "0.0.weight", "0.1.bias", "0.1.weight", "1.bias", "1.weight"]
