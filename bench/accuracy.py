@@ -50,6 +50,8 @@ KERAS_CASES = {
 MXNET_CASES = {  # dist_sync on ps-lite, 2 workers and 2 servers; run by .venv-mxnet's interpreter
     "mxnet-ps mlp (gluon_train)": (SCRIPTS / "gluon_train.py", ["--model", "mlp"]),
     "mxnet-ps cnn (gluon_train)": (SCRIPTS / "gluon_train.py", ["--model", "cnn"]),
+    "mxnet-ps resnet18 hybridized": (SCRIPTS / "gluon_train.py", ["--model", "resnet18", "--batch", "16",
+                                                                  "--hybridize"]),
 }
 MXNET_PYTHON = Path(__file__).resolve().parents[1] / ".venv-mxnet" / "bin" / "python"
 HOROVOD_CASES = {

@@ -282,6 +282,27 @@ def test_the_loop_runs_on_from_step_to_step_so_a_long_cycle_quantises_the_step()
     assert [round(t) for t, _ in long[1:]] == [80_000] * 3
 
 
+def test_allreduces_that_overlap_more_of_the_backward_slow_it_by_the_measured_slowdown() -> None:
+    from dpro.engines.horovod.search import HorovodLoop, interfered_loop, simulate_loop
+    from dpro.sim.cost import CommModel
+
+    five_ms = HorovodLoop(CommModel(latency_us=2_500.0, us_per_byte=0.0, world_size=2), 0.0, 0.0, 0.0, 0.0)
+    # four gradients launched 10 ms apart through the backward pass, in every step
+    steps = [[([g], 2**20, 10_000.0 * (k + 1)) for k, g in enumerate("abcd")]] * 4
+    # (a 2-rank allreduce: two latencies, 5 ms) recorded: fused buffers after the backward (a long cycle): nothing
+    # overlapped it
+    recorded = simulate_loop(five_ms, steps, 2**30, 50.0, frozenset())
+    assert min(b[2] for b in recorded.buffers) >= 40_000.0
+    # no fusion, a short cycle: three 5 ms allreduces run inside the backward before the last gradient
+    free = simulate_loop(five_ms, steps, 0, 1.0, frozenset())
+    slowed = interfered_loop(five_ms, steps, 0, 1.0, frozenset(), 0.5, recorded)
+    # the last gradient comes 0.5 x 15 ms later; the allreduce after it follows it
+    assert slowed.step_us - free.step_us == pytest.approx(7_500.0, abs=1_000.0)
+    # no slowdown, or the recorded setting itself: the plain simulation
+    assert interfered_loop(five_ms, steps, 0, 1.0, frozenset(), 0.0, recorded).step_us == free.step_us
+    assert interfered_loop(five_ms, steps, 2**30, 50.0, frozenset(), 0.5, recorded).step_us == recorded.step_us
+
+
 def test_the_loop_is_calibrated_from_the_timeline_buffers(tmp_path: Path) -> None:
     from dpro.engines.horovod.search import horovod_loop
 

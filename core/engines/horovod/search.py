@@ -45,6 +45,7 @@ __all__ = [
     "horovod_memcpy_us_per_byte",
     "horovod_predict",
     "horovod_steps",
+    "interfered_loop",
     "recorded_launches",
     "search",
     "simulate_loop",
@@ -71,6 +72,7 @@ HVD_DEFAULT_CACHE = 1024           # HOROVOD_CACHE_CAPACITY
 HVD_STARTS = 2                     # the loop's starting phase and the lag between the ranks' loops: 2 x 2 values
 HVD_WARM_STEPS = 6                 # simulated steps before the loop's steady state is read (at least)
 HVD_TRIM = 0.1                     # simulated step times: mean without the top and bottom 10%
+INTERFERENCE_ROUNDS = 3            # simulations that settle the launches moved by overlap's slowdown
 
 Unit = tuple[list[str], int, float]                    # gradient names, bytes, ready µs
 Buffer = tuple[list[str], float, float, float]         # gradient names, ready µs (last member), start, end
@@ -332,6 +334,37 @@ def simulate_loop(loop: HorovodLoop, steps: list[list[Unit]], threshold: float, 
     return LoopRun(_trimmed_mean(times), statistics.median(delays), typical)
 
 
+def _busy_before(buffers: list[Buffer], t: float) -> float:
+    """µs of the step's first ``t`` µs in which one of ``buffers`` (run one after the other) was being reduced."""
+    return sum(max(0.0, min(end, t) - max(start, 0.0)) for _, _, start, end in buffers if start < t)
+
+
+def interfered_loop(loop: HorovodLoop, steps: list[list[Unit]], threshold: float, cycle_ms: float,
+                    uncached: frozenset[str], slowdown: float, recorded: LoopRun | None) -> LoopRun:
+    """``simulate_loop`` with compute slowed by the allreduces that overlap it (``dpro.sim.interference``).
+
+    The recorded launch times already hold the slowdown of the recorded setting's overlap (``recorded``: that
+    setting simulated). Under another setting a gradient is launched later by ``slowdown`` times the extra
+    allreduce time before it (earlier, when there is less): its backward ran that much more (less) overlapped.
+    The shift moves the buffers, so it is settled over a few rounds."""
+    run = simulate_loop(loop, steps, threshold, cycle_ms, uncached)
+    if slowdown <= 0.0 or recorded is None:
+        return run
+    shifted = steps
+    for _ in range(INTERFERENCE_ROUNDS):
+        shifted = [[(names, nbytes, ready + slowdown * (_busy_before(run.buffers, now) -
+                                                        _busy_before(recorded.buffers, ready)))
+                    for (names, nbytes, ready), (_, _, now) in zip(units, moved, strict=True)]
+                   for units, moved in zip(steps, shifted, strict=True)]
+        run = simulate_loop(loop, shifted, threshold, cycle_ms, uncached)
+    return run
+
+
+def _slowdown(ctx: Context) -> float:
+    """The fitted slowdown of overlapped compute when what-ifs apply it (``Interference.applies``), else 0."""
+    return ctx.interference.slowdown if ctx.interference.applies else 0.0
+
+
 def _unit_steps(ctx: Context, launches: list[dict[str, float]], groups: list[list[str]] | None = None,
                 ) -> list[list[Unit]]:
     return [_units(ctx, groups, ready) for ready in launches]
@@ -478,7 +511,8 @@ def horovod_fusion(ctx: Context, thresholds_mb: tuple[float, ...] = HVD_THRESHOL
     """Search ``HOROVOD_FUSION_THRESHOLD`` x ``HOROVOD_CYCLE_TIME`` with a model of Horovod's loop.
 
     Each candidate is simulated over the recorded steps (``simulate_loop``: the launch times of every
-    recorded step, the loop calibrated by ``horovod_loop``); its value is the simulated step time. The
+    recorded step, the loop calibrated by ``horovod_loop``; ``interfered_loop`` when a measured slowdown of
+    overlapped compute applies); its value is the simulated step time. The
     setting in force is evaluated the same way (``"in_force": True``), so gains compare like with like.
     Returns one dict per candidate, best first: ``threshold_bytes``, ``cycle_time_ms``,
     ``predicted_step_ms`` (the loop model's), ``buffers`` (gradient names per fused buffer of a typical
@@ -492,6 +526,8 @@ def horovod_fusion(ctx: Context, thresholds_mb: tuple[float, ...] = HVD_THRESHOL
     steps = _unit_steps(ctx, launches)
     threshold0, cycle0, cache0 = knobs_in_force(ctx)
     cache = max(cache0, len(ctx.gradients)) if cache0 > 0 else 0
+    slowdown = _slowdown(ctx)
+    recorded = simulate_loop(loop, steps, threshold0, cycle0, _uncached(ctx, cache0)) if slowdown else None
     results: list[dict[str, Any]] = []
     grid = [(t * MB, c) for t in thresholds_mb for c in cycles_ms]
     if not any(abs(t - threshold0) < 1 and abs(c - cycle0) < 1e-9 for t, c in grid):
@@ -499,19 +535,20 @@ def horovod_fusion(ctx: Context, thresholds_mb: tuple[float, ...] = HVD_THRESHOL
     for threshold, cycle in grid:
         in_force = abs(threshold - threshold0) < 1 and abs(cycle - cycle0) < 1e-9
         capacity = cache0 if in_force else cache
-        run = simulate_loop(loop, steps, threshold, cycle, _uncached(ctx, capacity))
+        run = interfered_loop(loop, steps, threshold, cycle, _uncached(ctx, capacity), slowdown, recorded)
         results.append({"threshold_bytes": int(threshold), "threshold_mb": threshold / MB, "cycle_time_ms": cycle,
                         "predicted_step_ms": run.step_us / 1000.0, "buffers": [b[0] for b in run.buffers],
                         "in_force": in_force, "cache_capacity": capacity})
     results.sort(key=lambda r: (round(r["predicted_step_ms"], 6), -r["threshold_bytes"], r["cycle_time_ms"]))
     best = results[0]
     groups, _ = best_grouping(ctx)
-    grouped = simulate_loop(loop, _unit_steps(ctx, launches, groups), best["threshold_bytes"],
-                            best["cycle_time_ms"], _uncached(ctx, best["cache_capacity"]))
+    grouped = interfered_loop(loop, _unit_steps(ctx, launches, groups), best["threshold_bytes"],
+                              best["cycle_time_ms"], _uncached(ctx, best["cache_capacity"]), slowdown, recorded)
     best["tensor_groups"] = groups
     best["tensor_groups_predicted_step_ms"] = grouped.step_us / 1000.0
     best["comm_model"] = loop.describe()
-    off = simulate_loop(loop, steps, best["threshold_bytes"], best["cycle_time_ms"], _uncached(ctx, 0))
+    off = interfered_loop(loop, steps, best["threshold_bytes"], best["cycle_time_ms"], _uncached(ctx, 0), slowdown,
+                          recorded)
     best["cache"] = {"capacity": best["cache_capacity"], "tensors": len(ctx.gradients),
                      "predicted_step_ms": best["predicted_step_ms"], "off_predicted_step_ms": off.step_us / 1000.0}
     return results
@@ -526,8 +563,9 @@ def horovod_predict(ctx: Context, threshold_bytes: float, cycle_ms: float,
     steps = _unit_steps(ctx, launches)
     threshold0, cycle0, cache0 = knobs_in_force(ctx)
     current = simulate_loop(loop, steps, threshold0, cycle0, _uncached(ctx, cache0))
-    other = simulate_loop(loop, steps, threshold_bytes, cycle_ms,
-                          _uncached(ctx, cache0 if cache_capacity is None else cache_capacity))
+    other = interfered_loop(loop, steps, threshold_bytes, cycle_ms,
+                            _uncached(ctx, cache0 if cache_capacity is None else cache_capacity), _slowdown(ctx),
+                            current)
     return predict(ctx, {}).predicted_step_ms + (other.step_us - current.step_us) / 1000.0
 
 
@@ -557,6 +595,9 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
                  f"{len(chosen['buffers'])} allreduce buffer(s) per step")
     space = (f"{len(results)} settings simulated: thresholds {HVD_THRESHOLDS_MB[0]:g}-{HVD_THRESHOLDS_MB[-1]:g} MB x "
              f"cycles {HVD_CYCLES_MS[0]:g}-{HVD_CYCLES_MS[-1]:g} ms")
+    if _slowdown(ctx):
+        space += (f"; backward overlapped by allreduces priced {100 * _slowdown(ctx):.0f}% slower when fully "
+                  "overlapped, as the recorder's probe measured")
     if chosen is best:
         explain.append({"knob": "env", "predicted_gain_ms": gain,
                         "why": f"HOROVOD_FUSION_THRESHOLD / HOROVOD_CYCLE_TIME {described}; the setting in force "
