@@ -20,11 +20,13 @@ recommendation its measured gain over the script's own setting, and whether it w
 spread (``dpro-launch --auto`` keeps a config only when its re-run measured faster beyond the steps' spread). The
 last lines give the median and worst |error| per engine.
 
-    python bench/whatif_matrix.py [--cases trainer,accelerate] [--networks loopback,300mbit] [--rounds 3]
+    python bench/whatif_matrix.py [--cases trainer,accelerate,hvd-fusion,hvd-cycle,gluon-servers]
+        [--networks loopback,300mbit] [--rounds 3]
         [--doc docs/benchmarks/whatif_matrix.md]
 
 The Trainer and Accelerate scripts need ``pip install transformers accelerate`` in the torch venv (a case whose
-script cannot import its framework is skipped with the reason). Needs root for the emulated networks.
+script cannot import its framework is skipped with the reason); the Horovod cases need ``make horovod``, the MXNet
+case ``make mxnet``, and both run on loopback only. Needs root for the emulated networks.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from dpro.sim.whatif import context, predict
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "bench" / "scripts"
+MXNET_PYTHON = ROOT / ".venv-mxnet" / "bin" / "python"
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,24 @@ class Case:
     knob: str
     values: tuple[float, ...]
     own: float               # the knob's value when the script runs as written
+    launcher: str = "torch"  # torch (torchrun's way), horovod (horovodrun --gloo) or mxnet (ps-lite, 2 servers)
+    env: str | None = None   # the environment variable a config sets the knob through (else the knob itself)
 
     def label(self, value: float | None) -> str:
-        return "as written" if value is None else f"{self.knob.rsplit('.', 1)[-1]}={value:g}"
+        if value is None:
+            return "as written"
+        return f"{self.knob.rsplit('.', 1)[-1]}={int(value) if float(value).is_integer() else value:g}"
+
+    def config_knobs(self, value: float) -> dict:
+        """The config's knobs that run the script at ``value``."""
+        if self.env is None:
+            return {self.knob: value}
+        return {"env": {self.env: str(int(value)) if float(value).is_integer() else f"{value:g}"}}
+
+    @property
+    def python(self) -> Path:
+        """MXNet runs in its own venv (numpy < 1.24); every other case in this one."""
+        return MXNET_PYTHON if self.launcher == "mxnet" else Path(sys.executable)
 
 
 CASES = {
@@ -78,11 +96,20 @@ CASES = {
                        "accelerate", "torch.ddp.bucket_cap_mb", (1.0, 5.0, 100.0), 25.0),
     "lightning": Case("torch-ddp", SCRIPTS / "lit_train.py", (), "lightning", "torch.ddp.bucket_cap_mb",
                       (1.0, 5.0, 100.0), 25.0),
+    "hvd-fusion": Case("horovod", SCRIPTS / "hvd_synthetic.py", (), "horovod.torch", "HOROVOD_FUSION_THRESHOLD",
+                       (0.0, 2.0**20), 2.0**27, launcher="horovod", env="HOROVOD_FUSION_THRESHOLD"),
+    "hvd-cycle": Case("horovod", SCRIPTS / "hvd_synthetic.py", (), "horovod.torch", "HOROVOD_CYCLE_TIME",
+                      (5.0, 20.0), 1.0, launcher="horovod", env="HOROVOD_CYCLE_TIME"),
+    "gluon-servers": Case("mxnet-ps", SCRIPTS / "gluon_train.py", ("--model", "resnet18", "--batch", "16",
+                                                                  "--hybridize"),
+                          "mxnet", "num_servers", (1.0,), 2.0, launcher="mxnet", env="DMLC_NUM_SERVER"),
 }
 
 
-def missing_module(name: str) -> str | None:
-    probe = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True)
+def missing_module(name: str, python: Path) -> str | None:
+    if not python.exists():
+        return f"{python} is missing (make mxnet)"
+    probe = subprocess.run([str(python), "-c", f"import {name}"], capture_output=True, text=True)
     return None if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
 
 
@@ -106,13 +133,15 @@ def run_job(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps: i
 
 def _run_once(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps: int, window: str,
               config: Path | None, port: int) -> float:
-    argv = [sys.executable, str(case.script), *case.args, "--steps", str(steps)]
+    argv = [str(case.python), str(case.script), *case.args, "--steps", str(steps)]
     launch = LaunchConfig(command=argv, np=2, profile=parse_window(window), run_dir=run_dir, apply=config)
     env = job_env(launch, base={})
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env["PATH"] = f"{case.python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
     if cluster is None:
-        cmd = [sys.executable, "-m", "dpro.launch", "-np", "2", "--profile", window, "--run-dir", str(run_dir),
-               *(["--apply", str(config)] if config else []), *argv]
+        engine = {"torch": [], "horovod": ["-H", "localhost:2", "--gloo"],
+                  "mxnet": ["--engine", "mxnet", "-H", "localhost:2", "--num-servers", "2"]}[case.launcher]
+        cmd = [str(case.python), "-m", "dpro.launch", "-np", "2", *engine, "--profile", window, "--run-dir",
+               str(run_dir), *(["--apply", str(config)] if config else []), *argv]
         proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": env["PATH"]},
                               capture_output=True, text=True, timeout=900, cwd=run_dir.parent)
         if proc.returncode != 0:
@@ -142,7 +171,7 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
                relative_errors: dict[str, list[float]]) -> None:
     """Record case ``name``, predict its knob's values and dpro's recommendation, run them all; say the rows."""
     case = CASES[name]
-    if args.values:
+    if args.values and case.engine == "torch-ddp":
         case = dataclasses.replace(case, values=tuple(float(v) for v in args.values.split(",")))
     work.mkdir()
 
@@ -157,13 +186,16 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
     base = config_document(result, ctx)
     settings: dict[str, tuple[dict, float]] = {case.label(None): ({}, result.baseline.predicted_step_ms)}
     for value in case.values:
-        knobs = {case.knob: value}
+        knobs = {case.knob: int(value) if case.env and value.is_integer() else value}
         settings[case.label(value)] = (knobs, predict(ctx, knobs).predicted_step_ms)
-    recommended = dict(result.knobs)
+    # a config that restates the setting in force (Horovod's search writes its env either way) is no change
+    recommended = dict(result.knobs) if result.predicted.predicted_step_ms < result.baseline.predicted_step_ms else {}
     if recommended:
         settings["dpro's config"] = (recommended, result.predicted.predicted_step_ms)
-    configs = {label: (write_config(base, knobs, work / f"config-{i}.json") if knobs else None)
-               for i, (label, (knobs, _)) in enumerate(settings.items())}
+    applied = {label: (case.config_knobs(float(knobs[case.knob])) if set(knobs) == {case.knob} else knobs)
+               for label, (knobs, _) in settings.items()}
+    configs = {label: (write_config(base, applied[label], work / f"config-{i}.json") if applied[label] else None)
+               for i, label in enumerate(settings)}
     measured: dict[str, list[float]] = {label: [] for label in settings}
     labels = list(settings)
     for r in range(args.rounds):
@@ -200,8 +232,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--profile", default="10:25")
-    parser.add_argument("--values", default=None, help="the knob's values to predict and run, e.g. 1,100 "
-                                                        "(default: each case's own)")
+    parser.add_argument("--values", default=None, help="the DDP cases' bucket caps to predict and run, e.g. "
+                                                        "1,100 (default: each case's own)")
     parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
     header = (f"{'network':<9} {'case':<11} {'setting':<22} {'predicted ms':>12} {'measured ms':>12} "
@@ -226,7 +258,9 @@ def main() -> int:
                     continue
             for name in args.cases.split(","):
                 case = CASES[name]
-                why = missing_module(case.imports)
+                why = missing_module(case.imports, case.python)
+                if not why and network != "loopback" and case.launcher != "torch":
+                    why = "run on loopback only (the emulated cluster runs torch jobs)"
                 if why:
                     say(f"{network:<9} {name:<11} skipped: {why}")
                     continue
