@@ -63,6 +63,7 @@ from dpro.record.protocol import (
     usable_cpus,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
+from dpro.record.window import close_window, open_trace
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
 
 __all__ = ["GluonRecorder", "Unit", "active_recorders", "block_paths", "gradient_names", "recorded_units",
@@ -367,9 +368,8 @@ class GluonRecorder:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._units = recorded_units(self.net, [p for p in self._params if p.grad_req != "null"])
         self._names = gradient_names(self.net, self._params)
-        header = {"host": self.host, "pid": os.getpid(),
-                  "clock": {"source": "CLOCK_MONOTONIC", "unit": "us", "device": "host (MXNet wait_to_read)"}}
-        self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
+        self._writer = open_trace(self.run_dir, self.rank, self.world_size, host=self.host,
+                                  device="host (MXNet wait_to_read)")
         if self.rank == 0:
             self._write_run_json(pingpong)
             self._write_model_json()
@@ -613,11 +613,7 @@ class GluonRecorder:
         self._finish_pending()
         self._uninstall()
         self._pool.shutdown(wait=True)
-        note = f"stopped by {type(error).__name__}: {error}" if error is not None else ""
-        missing = [s for s in self.steps if s not in self._writer.steps_done]
-        if missing and not note:
-            note = f"the run ended before steps {missing[0]}..{missing[-1]}"
-        self._writer.finish(complete=not missing, note=note)
+        close_window(self._writer, self.steps, error=error)
         self._close_transport()
         return self.run_dir
 

@@ -42,11 +42,11 @@ from dpro.record.protocol import (
     clock_samples,
     last_block_start,
     parse_steps,
-    recording_overhead,
     step_ended,
     wall_minus_clock_ns,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
+from dpro.record.window import close_window, open_trace
 from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
 
 __all__ = ["TFRecorder", "gradient_fingerprint", "layer_paths", "model_layout", "output_bytes_per_sample"]
@@ -262,9 +262,8 @@ class TFRecorder:
 
     def _begin_window(self) -> None:
         pingpong = clock_samples(self.transport, self.clock)
-        header = {"host": self.host, "pid": os.getpid(),
-                  "clock": {"source": "CLOCK_MONOTONIC", "unit": "us", "device": "host (TensorFlow profiler)"}}
-        self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
+        self._writer = open_trace(self.run_dir, self.rank, self.world_size, host=self.host,
+                                  device="host (TensorFlow profiler)")
         self._layout, self._grads = self._model_layout()
         if self.rank == 0:
             self._write_run_json(pingpong)
@@ -320,22 +319,17 @@ class TFRecorder:
         if self._profiling:
             self._stop_profiler()
         self._stop_timeline()
-        note = f"stopped by {type(error).__name__}: {error}" if error is not None else ""
+        problems = []
         rows_by_step: dict[int, list[list[Any]]] = {}
         for logdir, steps in self._blocks:
             try:
                 rows_by_step.update(self._rows(read_xplane(find_xplane(logdir)), set(steps)))
             except DproError as err:
-                note = f"{note}; the TensorFlow profile could not be read: {err}".lstrip("; ")
+                problems.append(f"the TensorFlow profile could not be read: {err}")
         for step, rows in rows_by_step.items():
             self._writer.end_step(step, rows)
-        missing = [s for s in self.steps if s not in rows_by_step]
-        if missing and not note:
-            note = f"the run ended before steps {missing[0]}..{missing[-1]}"
-        overhead = recording_overhead(self._step_ends, list(self.steps))
-        if overhead is not None:  # the Python thread's CPU only: TensorFlow runs the ops (and its profiler) on its own
-            self._writer.header["recording_overhead"] = overhead
-        self._writer.finish(complete=not missing, note=note)
+        # the overhead is the Python thread's CPU only: TensorFlow runs the ops (and its profiler) on its own
+        close_window(self._writer, self.steps, error=error, problems=problems, step_ends=self._step_ends)
         if self.rank == 0:
             self._write_model_json(rows_by_step)
         self._close_transport()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import platform
 import resource
 import socket
@@ -51,10 +50,10 @@ from dpro.record.protocol import (
     clock_samples,
     interference_probe,
     parse_steps,
-    recording_overhead,
     step_ended,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
+from dpro.record.window import close_window, open_trace
 from dpro.record.writer import (
     RankTraceWriter,
     model_document,
@@ -657,10 +656,8 @@ class TorchRecorder:
             ref.synchronize()
             self._cuda_ref = (ref, self.clock.now())
         self._install_comm_hook()
-        header = {"host": self.host, "pid": os.getpid(),
-                  "clock": {"source": "CLOCK_MONOTONIC", "unit": "us",
-                            "device": "cuda-events" if self.cuda else "host"}}
-        self._writer = RankTraceWriter(self.run_dir, self.rank, self.world_size, header)
+        self._writer = open_trace(self.run_dir, self.rank, self.world_size, host=self.host,
+                                  device="cuda-events" if self.cuda else "host")
         if self.rank == 0:
             self._write_run_json(pingpong)
         self._builder = threading.Thread(target=self._build_steps, name=f"dpro-builder-{self.rank}", daemon=True)
@@ -668,7 +665,7 @@ class TorchRecorder:
         # every rank begins the first recorded step together: rank 0's writes would otherwise show as the others
         # waiting at the first collective, a wait the job does not have
         self.transport.barrier()
-        header["window_start_ms"] = round((time.perf_counter() - t0) * 1000.0, 3)
+        self._writer.header["window_start_ms"] = round((time.perf_counter() - t0) * 1000.0, 3)
 
     def _peak_memory(self) -> int:
         """Peak memory so far: CUDA's allocator peak on a GPU, the process's peak RSS on the CPU."""
@@ -806,19 +803,11 @@ class TorchRecorder:
             return None
         self._finish_building()
         done = self._writer.steps_done
-        missing = [s for s in self.steps if s not in done]
-        note = ""
-        if error is not None:
-            note = f"stopped by {type(error).__name__}: {error}"
-        elif self._build_error is not None:
-            note = f"building the events failed: {type(self._build_error).__name__}: {self._build_error}"
-        elif missing:
-            note = f"the run ended before steps {missing[0]}..{missing[-1]}"
-        overhead = recording_overhead(self._step_ends, list(self.steps))
-        if overhead is not None:
-            overhead["builder_cpu_ms_per_step"] = round(self.build_cpu_s * 1000.0 / max(len(done), 1), 3)
-            self._writer.header["recording_overhead"] = overhead
-        self._writer.finish(complete=not missing, note=note)
+        failed = self._build_error
+        close_window(self._writer, self.steps, error=error, step_ends=self._step_ends,
+                     problems=[f"building the events failed: {type(failed).__name__}: {failed}"] if failed else [],
+                     overhead_extra={"builder_cpu_ms_per_step": round(self.build_cpu_s * 1000.0 / max(len(done), 1),
+                                                                      3)})
         if self.rank == 0 and done:
             self._write_model_json()
         if error is None and self._iteration > self.steps[-1]:  # every rank is here, at the same step
