@@ -179,6 +179,7 @@ def _whatif_traces(paths: list[Any], knobs: dict[str, Any], args: argparse.Names
               f"{result['comm_model']}")
     print(f"\ncommunication scaled as a ring's bytes per link from {result['recorded_world_size']} ranks; compute "
           "scaled on the device (the host operators in a CPU-only trace)")
+    print(result["interference"])
     return 0
 
 

@@ -21,9 +21,11 @@ from dpro.dag.graph import Graph
 from dpro.dag.kineto import KinetoGraphInfo, graph_from_kineto
 from dpro.errors import UsageError
 from dpro.io.kineto import KinetoTrace, load_traces
+from dpro.sim.interference import fit_trace_interference
 from dpro.sim.kineto import (
     held_out_steps,
     host_step_us,
+    interfered_graph,
     mean_step_graph,
     measured_step_ms,
     replayed_step_ms,
@@ -205,6 +207,10 @@ def whatif_traces(traces: list[KinetoTrace], knobs: dict[str, Any]) -> dict[str,
         changed, changed_info, regrouping = engine.trace_whatif(traces, info, base, grouping)
         result.update(regrouping)
     changed = _scaled(changed, knobs, recorded)
+    interference = fit_trace_interference(traces)
+    result["interference"] = interference.describe()
+    if knobs and interference.applies:
+        changed = interfered_graph(changed, base, interference.slowdown)
     result.update({"measured_step_ms": measured_step_ms(info, its),
                    "baseline_predicted_step_ms": replayed_step_ms(base, info, its),
                    "predicted_step_ms": replayed_step_ms(changed, changed_info, its)})

@@ -18,6 +18,7 @@ the replay of each, a few times over (the scaled durations move the overlap).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import defaultdict
@@ -26,16 +27,23 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpro.io.kineto import is_nccl
+
 if TYPE_CHECKING:  # types only: this module reads traces and replays, it builds neither
     from dpro.dag.graph import Graph
+    from dpro.io.kineto import KinetoTrace
     from dpro.io.load import Run
     from dpro.sim.replay import Schedule
 
-__all__ = ["COMPUTE_CATEGORIES", "Interference", "fit_interference", "node_overlap", "op_overlap", "scale_for_overlap"]
+__all__ = ["COMPUTE_CATEGORIES", "KINETO_COMM", "KINETO_COMPUTE", "Interference", "fit_interference",
+           "fit_trace_interference", "node_overlap", "op_overlap", "scale_for_overlap"]
 
 COMPUTE_CATEGORIES = frozenset({"FW", "BW", "UPDATE", "RECOMPUTE"})
 TRACE_COMM = frozenset({"COMM"})
 GRAPH_COMM = frozenset({"COMM", "XFER"})
+KINETO_COMPUTE = frozenset({"CPU", "KERNEL"})         # a profiler trace's graph (dpro.dag.kineto): its compute ...
+KINETO_COMM = frozenset({"COMM", "NCCL", "XFER"})     # ... and its collectives
+TRACE_COMM_PREFIXES = ("gloo:", "mpi:", "ucc:", "nccl:", "c10d::", "record_param_comms")
 MIN_STEPS = 4           # steps an op needs to take part in the fit
 SIGNIFICANCE = 2.0      # the fitted slowdown is applied when it is this many standard errors above zero
 MAX_SLOWDOWN = 3.0      # a fit beyond this (compute 4x slower when fully overlapped) is not believed
@@ -50,13 +58,15 @@ class Interference:
     ops: int                # ops (rank, name) whose overlap varied enough to take part
     samples: int
     source: str
-    probed: bool = False    # measured by the probe (a controlled experiment), not read off the steps
+    # measured by a controlled comparison (the recorder's probe, or runs of one op compared inside one step), not
+    # read off whole steps
+    probed: bool = False
 
     @property
     def applies(self) -> bool:
-        """Whether what-ifs use it: measured by the probe, significantly above zero and believable. The steps' fit
-        is shown, never applied: a step slowed for another reason also overlaps more (its allreduce waits longer),
-        so duration and overlap correlate without the one causing the other."""
+        """Whether what-ifs use it: measured by a controlled comparison, significantly above zero and believable.
+        The steps' fit is shown, never applied: a step slowed for another reason also overlaps more (its allreduce
+        waits longer), so duration and overlap correlate without the one causing the other."""
         return self.probed and 0.0 < self.slowdown <= MAX_SLOWDOWN and self.slowdown > SIGNIFICANCE * self.stderr
 
     def describe(self) -> str:
@@ -173,19 +183,83 @@ def _from_probe(run: Run) -> Interference | None:
                         "the recorder's probe: a fixed kernel alone and while an allreduce was in flight", probed=True)
 
 
-def node_overlap(g: Graph, sched: Schedule) -> np.ndarray:
-    """For each compute node of the replay, the fraction of it that overlaps a collective of its rank (or a
-    transfer every rank takes part in: rank -1)."""
+def fit_trace_interference(traces: list[KinetoTrace]) -> Interference:
+    """The slowdown of overlapped compute, from profiler traces (which hold no probe).
+
+    A step runs the same operator on the same shapes several times (a model's identical blocks, a layer's
+    forward and its recomputation), some runs overlapped by the rank's collectives more than others. Within each
+    (rank, step, operator, shapes) group, each run's duration relative to the group's mean is regressed on its
+    overlap relative to the group's mean: runs compared inside one step, so what slows or speeds a whole step
+    (the confound of the steps' own fit) cancels out. Compute is the GPU's kernels where the trace has them,
+    else the host's innermost operators (a CPU backend's collectives run on threads of their own)."""
+    xs: list[float] = []
+    ys: list[float] = []
+    groups = 0
+    for trace in traces:
+        kernels = [e for e in trace.gpu_ops if str(e.get("cat", "")).lower() == "kernel"]
+        comm = [e for e in kernels if is_nccl(e)] if kernels else list(trace.cpu_comms)
+        compute = [e for e in kernels if not is_nccl(e)] if kernels else _leaves(
+            [e for e in trace.cpu_ops if not _is_comm_op(e)])
+        busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
+        if not busy or not compute:
+            continue
+        by_group: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+        for e in compute:
+            step = _step_at(trace, e["ts"])
+            if step is not None and e["dur"] > 0:
+                by_group[(step, e.get("name"), _shape_key(e))].append(
+                    (_covered(e["ts"], e["ts"] + e["dur"], busy), float(e["dur"])))
+        for values in by_group.values():
+            fs = [f for f, _ in values]
+            if len(values) < 2 or max(fs) - min(fs) < 0.05:
+                continue
+            mean_f, mean_d = statistics.fmean(fs), statistics.fmean(d for _, d in values)
+            groups += 1
+            xs += [f - mean_f for f in fs]
+            ys += [d / mean_d - 1.0 for _, d in values]
+    if not groups or len(xs) < 3:
+        return dataclasses.replace(NONE, source="no operator ran on the same shapes both overlapped by "
+                                                "communication and not in one step")
+    x, y = np.asarray(xs), np.asarray(ys)
+    sxx = float(x @ x)
+    slope = float(x @ y) / sxx
+    residual = y - slope * x
+    stderr = math.sqrt(float(residual @ residual) / max(len(xs) - groups - 1, 1) / sxx)
+    return Interference(slope, stderr, groups, len(xs), "runs of one operator on the same shapes inside one step, "
+                        "more and less overlapped by communication", probed=True)
+
+
+def _is_comm_op(e: dict) -> bool:
+    name = str(e.get("name", ""))
+    return name.startswith(TRACE_COMM_PREFIXES) or name == "record_param_comms"
+
+
+def _shape_key(e: dict) -> str:
+    args = e.get("args") or {}
+    return str(args.get("Input Dims") or args.get("grid") or "") + str(args.get("block") or "")
+
+
+def _step_at(trace: KinetoTrace, ts: float) -> int | None:
+    for k, w in enumerate(trace.steps):
+        if w.ts <= ts < w.end:
+            return k
+    return None
+
+
+def node_overlap(g: Graph, sched: Schedule, compute: frozenset[str] = COMPUTE_CATEGORIES,
+                 comm: frozenset[str] = GRAPH_COMM) -> np.ndarray:
+    """For each node of the replay of a category in ``compute``, the fraction of it that overlaps a node of a
+    category in ``comm`` of its rank (or a transfer every rank takes part in: rank -1)."""
     out = np.zeros(g.size)
     busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for i, cat in enumerate(g.category):
-        if cat in GRAPH_COMM and sched.end[i] > sched.start[i]:
+        if cat in comm and sched.end[i] > sched.start[i]:
             busy[int(g.rank[i])].append((float(sched.start[i]), float(sched.end[i])))
     shared = busy.pop(-1, [])  # a collective's transfer (rank -1) runs on every rank
     ranks = {int(r) for r in np.unique(g.rank) if r >= 0}
     merged = {rank: _union(busy.get(rank, []) + shared) for rank in ranks}
     for i, cat in enumerate(g.category):
-        if cat in COMPUTE_CATEGORIES and int(g.rank[i]) in merged:
+        if cat in compute and int(g.rank[i]) in merged:
             out[i] = _covered(float(sched.start[i]), float(sched.end[i]), merged[int(g.rank[i])])
     return out
 

@@ -13,12 +13,14 @@ import numpy as np
 from dpro.dag.graph import Graph
 from dpro.dag.kineto import KinetoGraphInfo, graph_from_kineto
 from dpro.io.kineto import KinetoTrace
+from dpro.sim.interference import KINETO_COMM, KINETO_COMPUTE, node_overlap
 from dpro.sim.replay import Schedule, plan_levels, replay
 
 __all__ = [
     "WARMUP_FACTOR",
     "held_out_steps",
     "host_step_us",
+    "interfered_graph",
     "mean_graph",
     "mean_step_graph",
     "measured_step_ms",
@@ -112,3 +114,29 @@ def replayed_step_ms(g: Graph, info: KinetoGraphInfo, its: list[int]) -> float:
 def measured_step_ms(info: KinetoGraphInfo, its: list[int]) -> float:
     """The median measured ProfilerStep (ms) over the ranks and iterations ``its``."""
     return statistics.median(info.measured_host_us[(r, i)] for r in info.ranks for i in its) / 1000.0
+
+
+INTERFERENCE_ROUNDS = 3  # replays that let the scaled durations and the overlap they cause settle
+
+
+def interfered_graph(changed: Graph, recorded: Graph, slowdown: float) -> Graph:
+    """``changed`` (a what-if of the traces' ``recorded`` graph) with each compute op slower by ``slowdown`` times
+    how much more of it overlaps communication than in the recorded graph (faster where less): the recorded
+    durations already hold the recorded overlap's slowdown (``dpro.sim.interference``). Ops are matched by
+    ``op_keys``, their recorded overlap averaged over the steps."""
+    seen: dict[tuple, list[float]] = defaultdict(list)
+    overlap = node_overlap(recorded, replay(recorded), KINETO_COMPUTE, KINETO_COMM)
+    for node, key in enumerate(op_keys(recorded)):
+        if recorded.category[node] in KINETO_COMPUTE:
+            seen[key].append(float(overlap[node]))
+    before = {key: statistics.fmean(v) for key, v in seen.items()}
+    keys, plan, base = op_keys(changed), plan_levels(changed), changed.duration.copy()
+    out = changed
+    for _ in range(INTERFERENCE_ROUNDS):
+        now = node_overlap(out, replay(out, plan), KINETO_COMPUTE, KINETO_COMM)
+        duration = base.copy()
+        for node, key in enumerate(keys):
+            if key in before:
+                duration[node] = base[node] * (1.0 + slowdown * now[node]) / (1.0 + slowdown * before[key])
+        out = dataclasses.replace(changed, duration=duration)
+    return out

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import json
 import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,8 @@ from dpro.engines.torch_ddp.buckets import BUCKET_CAP, CAP_CANDIDATES_MB, bucket
 from dpro.errors import UsageError
 from dpro.io.kineto import KinetoTrace
 from dpro.sim.choices import MIN_GAIN
-from dpro.sim.kineto import mean_step_graph, measured_step_ms, replayed_step_ms, used_iterations
+from dpro.sim.interference import fit_trace_interference
+from dpro.sim.kineto import interfered_graph, mean_step_graph, measured_step_ms, replayed_step_ms, used_iterations
 
 __all__ = ["DdpSteps", "TransferFit", "ddp_steps", "fit_transfer", "optimize_traces", "regroup", "regrouped_traces"]
 
@@ -267,15 +270,16 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
     it is predicted to save at least ``MIN_GAIN`` of the step against the recorded buckets replayed the same way.
     Returns the candidates (best first), the recommendation and an applied config (its model fingerprint is the
     gradients' shapes: a job records parameter names, traces do not, so applying it needs ``--force``)."""
-    import hashlib
-
-
     base, info, its = mean_step_graph(traces)
     ddp = ddp_steps(traces, info)
     transfer = fit_transfer(ddp.transfers)
+    interference = fit_trace_interference(traces)
 
     def step_ms(groups: list[list[str]]) -> float:
-        return replayed_step_ms(*regroup(base, info, ddp, groups, transfer), its)
+        changed, changed_info = regroup(base, info, ddp, groups, transfer)
+        if interference.applies:
+            changed = interfered_graph(changed, base, interference.slowdown)
+        return replayed_step_ms(changed, changed_info, its)
 
     recorded_ms = step_ms(ddp.groups)
     seen: set[tuple[int, ...]] = set()
@@ -320,9 +324,6 @@ def regrouped_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Gra
         UsageError: the traces are not a DDP job's dpro can regroup (see ``ddp_steps``), or groups that do not name
             every gradient once.
     """
-    from types import SimpleNamespace
-
-
     ddp = ddp_steps(traces, info)
     transfer = fit_transfer(ddp.transfers)
     if "tensor_groups" in grouping:
@@ -334,8 +335,12 @@ def regrouped_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Gra
     else:
         groups = bucket_groups(SimpleNamespace(knobs={}, gradients=ddp.gradients), grouping)
     changed, changed_info = regroup(base, info, ddp, groups, transfer)
+    # the recorded buckets through the same model, the interference's included (what-if applies it to any change)
+    recorded, recorded_info = regroup(base, info, ddp, ddp.groups, transfer)
+    interference = fit_trace_interference(traces)
+    if interference.applies:
+        recorded = interfered_graph(recorded, base, interference.slowdown)
     return changed, changed_info, {
         "gradients": len(ddp.gradients), "gradient_bytes": sum(b for _, b in ddp.gradients),
         "recorded_buckets": len(ddp.groups), "buckets": len(groups), "comm_model": transfer.describe(),
-        "recorded_buckets_modelled_step_ms": replayed_step_ms(*regroup(base, info, ddp, ddp.groups, transfer),
-                                                               used_iterations(info, []))}
+        "recorded_buckets_modelled_step_ms": replayed_step_ms(recorded, recorded_info, used_iterations(info, []))}
