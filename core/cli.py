@@ -14,6 +14,7 @@ import json
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from dpro import __version__
@@ -67,19 +68,29 @@ def _add_analyze(subparsers: Any) -> None:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from dpro.analyze import analyze_path
     from dpro.report.text import format_analysis
 
-    if len(args.run) == 1 and Path(args.run[0]).is_dir():
-        analysis = analyze_path(args.run[0], iterations=args.iterations)
-    else:
+    paths = _trace_paths(args.run)
+    if paths:
         from dpro.analyze.traces import analyze_kineto
 
-        analysis = analyze_kineto([Path(p) for p in args.run])
+        analysis = analyze_kineto(paths)
+    else:
+        analysis = analyze_path(args.run[0], iterations=args.iterations)
     print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
     return 0
+
+
+def _trace_paths(given: list[str]) -> list[Path]:
+    """The profiler traces ``given`` names: the files themselves, or those a run directory recorded by the profiler
+    holds (``dpro.io.kineto.run_trace_files``); empty for a run directory of dpro's own traces."""
+    from dpro.io.kineto import run_trace_files
+
+    if len(given) == 1 and Path(given[0]).is_dir():
+        return run_trace_files(given[0])
+    return [Path(p) for p in given]
 
 
 def _knob_help() -> str:
@@ -107,14 +118,14 @@ def _add_whatif(subparsers: Any) -> None:
 
 
 def _cmd_whatif(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from dpro.io.load import load_run
     from dpro.sim.whatif import context, parse_settings, predict
 
     knobs = parse_settings(args.settings)
-    if len(args.run) > 1 or not Path(args.run[0]).is_dir():
-        return _whatif_traces([Path(p) for p in args.run], knobs, args)
+    paths = _trace_paths(args.run)
+    if paths:
+        return _whatif_traces(paths, knobs, args)
     ctx = context(load_run(args.run[0]))
     base, changed = predict(ctx, {}), predict(ctx, knobs)
     result = {
@@ -227,8 +238,9 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from dpro.progress import Progress
     from dpro.sim.whatif import context
 
-    if not Path(args.run[0]).is_dir() or len(args.run) > 1:
-        return _optimize_traces([Path(p) for p in args.run], args)
+    paths = _trace_paths(args.run)
+    if paths:
+        return _optimize_traces(paths, args)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     ctx = context(load_run(args.run[0]))
     result = optimize(ctx, memory_budget_bytes=budget, allow_compression=args.allow_compression,
@@ -261,6 +273,7 @@ def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
     from dpro.engines import REGISTRY, get_engine
     from dpro.errors import UsageError
     from dpro.io.kineto import load_traces
+    from dpro.record.trace import analysis_file
     from dpro.report.tables import format_table
 
     if args.memory_budget or args.allow_compression:
@@ -278,19 +291,25 @@ def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
             refusals.append(err)
     if result is None:
         raise refusals[0] if refusals else UsageError("no engine searches profiler traces")
-    out = Path(args.output) if args.output else Path(paths[0]).with_name("dpro-config.json")
+    out = Path(args.output) if args.output else analysis_file(args.run[0], "config.json") if Path(
+        args.run[0]).is_dir() else Path(paths[0]).with_name("dpro-config.json")
     _write_config(out, result["config"])
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    rows = [[f"{c['bucket_cap_mb']:g}", str(c["buckets"]), f"{c['predicted_step_ms']:.2f}"]
-            for c in result["candidates"]]
-    print(f"measured step {result['measured_step_ms']:.2f} ms; the recorded {result['recorded_buckets']} bucket(s) "
-          f"replayed: {result['recorded_modelled_step_ms']:.2f} ms; {result['comm_model']}\n")
-    print(format_table(["bucket cap MB", "buckets", "predicted ms"], rows, align=">>>"))
+    if "recorded_buckets" in result:
+        rows = [[f"{c['bucket_cap_mb']:g}", str(c["buckets"]), f"{c['predicted_step_ms']:.2f}"]
+                for c in result["candidates"]]
+        print(f"measured step {result['measured_step_ms']:.2f} ms; the recorded {result['recorded_buckets']} "
+              f"bucket(s) replayed: {result['recorded_modelled_step_ms']:.2f} ms; {result['comm_model']}\n")
+        print(format_table(["bucket cap MB", "buckets", "predicted ms"], rows, align=">>>"))
+    else:
+        print(f"measured step {result['measured_step_ms']:.2f} ms; replayed as recorded "
+              f"{result['recorded_modelled_step_ms']:.2f} ms\n")
+        print(format_table(["setting", "predicted ms"], [[c["setting"], f"{c['predicted_step_ms']:.2f}"]
+                                                        for c in result["candidates"]], align="<>"))
     print("\n" + result["config"]["explain"][0]["why"])
-    print(f"config written to {out} (made from traces: the model fingerprint is the gradients' shapes, so "
-          "dpro-launch --apply FILE --force applies it)")
+    print(f"config written to {out} (made from traces: dpro-launch --apply FILE --force applies it)")
     return 0
 
 
@@ -343,11 +362,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from dpro.report.collect import collect_run, collect_traces
     from dpro.report.html import render_report
 
-    if len(args.run) == 1 and Path(args.run[0]).is_dir():
+    paths = _trace_paths(args.run)
+    if not paths:
         data = collect_run(args.run[0], whatif=not args.no_whatif, recommend=not args.no_optimize)
         out = Path(args.output) if args.output else analysis_file(args.run[0], "report.html")
     else:
-        data = collect_traces([Path(p) for p in args.run])
+        data = collect_traces(paths)
         out = Path(args.output) if args.output else Path("dpro-report.html")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, render_report(data))

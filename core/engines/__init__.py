@@ -22,6 +22,7 @@ REGISTRY: dict[str, str] = {
     "horovod": "dpro.engines.horovod",
     "tf-mwms": "dpro.engines.tf_mwms",
     "mxnet-ps": "dpro.engines.mxnet_ps",
+    "torch-fsdp": "dpro.engines.torch_fsdp",
 }
 
 

@@ -22,11 +22,13 @@ __all__ = [
     "Collective",
     "KinetoTrace",
     "StepWindow",
+    "TRACES_DIR",
     "correlation",
     "device_of",
     "is_nccl",
     "load_kineto",
     "load_traces",
+    "run_trace_files",
     "short_name",
     "stream_of",
 ]
@@ -328,3 +330,20 @@ def load_traces(paths: list[Path]) -> list[KinetoTrace]:
             traces.append(load_kineto(p))
             bar.advance(note=Path(p).name)
     return traces
+
+
+TRACES_DIR = "traces"  # a run directory recorded by the profiler keeps its ranks' traces here
+
+
+def run_trace_files(run_dir: str | Path) -> list[Path]:
+    """The profiler traces a run directory holds in place of dpro's own rank files (a run recorded by the
+    profiler, such as an FSDP job's: ``traces/rank-<r>.json``), by rank; empty for any other directory."""
+    root = Path(run_dir)
+    if not root.is_dir() or any(root.glob("rank-*.json")):
+        return []
+    found = []
+    for path in (root / TRACES_DIR).glob("rank-*.json"):
+        rank = path.name[len("rank-"):-len(".json")]
+        if rank.isdigit():
+            found.append((int(rank), path))
+    return [path for _, path in sorted(found)]

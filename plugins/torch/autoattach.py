@@ -15,6 +15,11 @@
   has just ended, so the window starts at 1 or later) writing ``$DPRO_RUN_DIR``, window ``$DPRO_PROFILE``
   ("10:20"). A script that records itself (``Profiler`` or ``DproCallback``: a recorder is active then) is
   left alone, and rank 0 leaves a note in ``$DPRO_RUN_DIR/recorded-elsewhere.json`` naming where it recorded.
+- FSDP2's ``fully_shard`` (``torch.distributed.fsdp``): each sharded module is noted, with the
+  ``reshard_after_forward`` it was given; a config of engine ``torch-fsdp`` (``$DPRO_CONFIG``) sets its
+  ``torch.fsdp.reshard_after_forward`` where the script passes none (where it passes one, the config is not
+  applied there, and rank 0 says so). At the end of the first optimizer step of an optimizer updating a sharded
+  model (no DDP model), an ``FsdpRecorder`` (``dpro.plugins.torch.fsdp``) records the window with the profiler.
 - Lightning's ``Trainer.__init__`` (``lightning.pytorch`` and ``pytorch_lightning``): a ``DproCallback`` is
   added unless the callbacks hold one; it records and applies the config itself.
 - Horovod's ``horovod.torch.DistributedOptimizer`` (the factory; same signature and result): the optimizer
@@ -128,6 +133,8 @@ class _State:
     hvd_candidates: list[tuple[weakref.ref, weakref.ref]] = field(default_factory=list)  # (optimizer, model)
     hvd_depth: dict[int, int] = field(default_factory=dict)  # id(optimizer) -> step() calls running
     hvd_hooks: list[Any] = field(default_factory=list)
+    fsdps: list[weakref.ref] = field(default_factory=list)  # modules fully_shard was applied to
+    fsdp_reshard: dict[int, Any] = field(default_factory=dict)  # id(module) -> the reshard_after_forward given
 
     # -- the config ----------------------------------------------------------------------------------
 
@@ -195,10 +202,14 @@ class _State:
         if self.decided:
             return
         ddp = self._ddp_of(optimizer)
-        if ddp is None:
+        if ddp is not None:
+            self.decided = True
+            self.attach(ddp, optimizer)
             return
-        self.decided = True
-        self.attach(ddp, optimizer)
+        root = self._fsdp_of(optimizer)
+        if root is not None:
+            self.decided = True
+            self.fsdp_attach(root, optimizer)
 
     def attach(self, ddp: Any, optimizer: Any) -> None:
         from dpro.plugins.torch.apply import recomputed
@@ -210,6 +221,68 @@ class _State:
             self.unhook()
             return
         self._start(TorchRecorder, ddp, recomputed(ddp.module), optimizer, self.unhook)
+
+    # -- FSDP ---------------------------------------------------------------------------------------
+
+    def fsdp_sharded(self, module: Any, reshard: Any) -> None:
+        """``fully_shard`` was applied to ``module`` (``reshard``: its ``reshard_after_forward``, None when not
+        given): watch optimizer steps (the first whose parameters are an FSDP model's attaches)."""
+        self.fsdps.append(weakref.ref(module))
+        self.fsdp_reshard[id(module)] = reshard
+        if self.record and self.hook is None and not self.decided:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self.hook = register_optimizer_step_post_hook(self.on_step)
+
+    def _fsdp_of(self, optimizer: Any) -> Any:
+        """The outermost sharded module whose parameters the optimizer updates, or None."""
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        modules = [m for m in (ref() for ref in self.fsdps) if m is not None]
+        inner = {id(child) for m in modules for child in m.modules() if child is not m}
+        for module in modules:
+            if id(module) not in inner and any(id(p) in owned for p in module.parameters()):
+                return module
+        return None
+
+    def fsdp_attach(self, root: Any, optimizer: Any) -> None:
+        from dpro.errors import DproError
+        from dpro.plugins.torch.fsdp import FsdpRecorder
+        from dpro.plugins.torch.recorder import active_recorders
+
+        others = active_recorders()
+        if others or self.lightning_callback:
+            self.elsewhere = sorted({str(Path(r.run_dir).resolve()) for r in others})
+            self.unhook()
+            return
+        knobs: dict[str, Any] = {"dpro.launch": "autoattach"}
+        if self.config_source:
+            knobs["dpro.config"] = self.config_source
+        try:
+            self.recorder = FsdpRecorder(root, optimizer, self.run_dir, [s for s in self.window if s >= 1],
+                                         extra_knobs=knobs, reshard=dict(self.fsdp_reshard), who=WHO)
+        except DproError as err:
+            _say(f"not recording: {err}")
+            self.unhook()
+            return
+        self.optimizer = weakref.ref(optimizer)
+        self.recorder.step()  # iteration 0 ended with this optimizer step
+
+    def fsdp_config_knobs(self) -> dict[str, Any]:
+        """The knobs of the config to apply to an FSDP job (engine ``torch-fsdp``, ``$DPRO_CONFIG``), or {}."""
+        path = os.environ.get(CONFIG) or None
+        if path is None:
+            return {}
+        from dpro.config import read_config
+        from dpro.engines.torch_fsdp.knobs import NAME
+
+        config = read_config(path)
+        if config.fingerprint.engine != NAME:
+            return {}
+        if self.config_source != path:
+            _say(f"applying {path}")
+        self.config_applied = True
+        self.config_source = path
+        return dict(config.knobs)
 
     # -- Horovod ------------------------------------------------------------------------------------
 
@@ -632,8 +705,49 @@ def _hvd_apply_config(state: _State, hvd: ModuleType, model: Any, bound: inspect
     bound.arguments["groups"] = [[params[n] for n in group] for group in groups if len(group) > 1] or None
 
 
+def _patch_fsdp(module: ModuleType) -> None:
+    """``fully_shard`` (FSDP2): tell the state which modules are sharded, and apply a config's
+    ``torch.fsdp.reshard_after_forward`` where the script does not pass its own."""
+    original = getattr(module, "fully_shard", None)
+    if original is None or getattr(original, "_dpro_patched", False):
+        return
+
+    @functools.wraps(original)
+    def fully_shard(target: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _STATE
+        if state is None:
+            return original(target, *args, **kwargs)
+        try:
+            from dpro.engines.torch_fsdp.knobs import RESHARD
+
+            wanted = state.fsdp_config_knobs().get(RESHARD)
+            if wanted is not None:
+                if "reshard_after_forward" not in kwargs:
+                    kwargs["reshard_after_forward"] = wanted
+                elif kwargs["reshard_after_forward"] != wanted:
+                    _say(f"the script passes fully_shard(reshard_after_forward={kwargs['reshard_after_forward']!r}); "
+                         f"the config's {RESHARD}={wanted!r} is not applied there (change the script to apply it)")
+        except Exception as err:  # never break the job
+            _say(f"could not apply the config to fully_shard: {type(err).__name__}: {err}")
+        out = original(target, *args, **kwargs)
+        try:
+            for sharded in target if isinstance(target, (list, tuple)) else [target]:
+                state.fsdp_sharded(sharded, kwargs.get("reshard_after_forward"))
+        except Exception as err:
+            _say(f"not recording: {type(err).__name__}: {err}")
+        return out
+
+    fully_shard._dpro_patched = True
+    for name in ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
+                 "torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed._composable.fsdp"):
+        holder = sys.modules.get(name)
+        if holder is not None and getattr(holder, "fully_shard", None) is original:
+            holder.fully_shard = fully_shard
+
+
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "torch.nn.parallel.distributed": _patch_ddp,
+    "torch.distributed.fsdp": _patch_fsdp,
     "lightning.pytorch.trainer.trainer": _patch_trainer,
     "pytorch_lightning.trainer.trainer": _patch_trainer,
     "horovod.torch": _patch_horovod,
