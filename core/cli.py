@@ -222,7 +222,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dpro.io.load import load_run
-    from dpro.optimize import config_document, optimize
+    from dpro.optimize import config_document, optimize, write_config_files
     from dpro.progress import Progress
     from dpro.sim.whatif import context
 
@@ -237,7 +237,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
     out = Path(args.output) if args.output else analysis_file(args.run[0], "config.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_config(out, doc)
+    written = write_config_files(out, doc)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -251,6 +251,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     print(f"\nknobs: {json.dumps({k: v for k, v in result.knobs.items() if k != 'tensor_groups'})}"
           + (" (+ tensor_groups)" if "tensor_groups" in result.knobs else ""))
     print(f"config written to {out}")
+    for other in written[1:]:
+        print(f"{other.name} written beside it (the engine's launcher reads it)")
     return 0
 
 
