@@ -1,14 +1,14 @@
-"""A Lightning DDP job on CPU with dpro's callback; --package picks lightning.pytorch or pytorch_lightning.
+"""A Lightning DDP job on CPU with dpro; --package picks lightning.pytorch or pytorch_lightning.
 
 --slot callback (DproCallback) or profiler (Trainer(profiler=DproProfiler(...)), whose summary rank 0 prints
-after a "DPRO SUMMARY" line). --optimization automatic (Lightning's default: optimizer.step(closure) runs the forward and backward) or
-manual (training_step calls manual_backward and opt.step); --accumulate K accumulates K batches per step.
+after a "DPRO SUMMARY" line). --optimization automatic (Lightning's default: optimizer.step(closure) runs the
+forward and backward) or manual (training_step calls manual_backward and opt.step); --accumulate K accumulates
+K batches per step.
 """
 
 import argparse
 import gc
 import importlib
-
 from pathlib import Path
 
 import torch
