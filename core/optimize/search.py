@@ -52,7 +52,7 @@ def _knobs_note(knobs: dict[str, Any]) -> str:
 
 def write_config_files(path: str | Path, doc: dict[str, Any]) -> list[Path]:
     """Write the applied config ``doc`` to ``path`` and, beside it, the files its engine's launcher reads
-    (``Engine.launcher_files``: Horovod's ``horovodrun.yaml``); returns the files written."""
+    (``Engine.launcher_files``, e.g. a launcher's own config file); returns the files written."""
     path = Path(path)
     written = [write_config(path, Config.from_json(doc))]
     engine = get_engine((doc.get("fingerprint") or {}).get("engine"))
