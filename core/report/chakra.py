@@ -54,6 +54,7 @@ __all__ = [
     "CommInfo",
     "EtNode",
     "comm_info_of_model",
+    "comm_type",
     "et_nodes",
     "read_chakra",
     "write_chakra",
@@ -116,7 +117,8 @@ def comm_info_of_model(model: StepModel) -> dict[str, CommInfo]:
 def comm_type(op: str) -> str:
     """Chakra's CollectiveCommType name of a collective's operation (all-reduce when the name says nothing)."""
     key = op.lower().replace("_", "").replace("-", "")
-    return next((v for k, v in COMM_TYPES.items() if key.startswith(k)), "ALL_REDUCE")
+    # the longest name first: reduce_scatter is no reduce
+    return next((COMM_TYPES[k] for k in sorted(COMM_TYPES, key=len, reverse=True) if key.startswith(k)), "ALL_REDUCE")
 
 
 @dataclass
@@ -193,7 +195,7 @@ def et_nodes(g: Graph, comms: dict[str, CommInfo] | None = None,
                     arrival_of[n][int(g.rank[p])] = p
                     transfer_of[p] = n
     servers = sorted({s for n in transfer_of for s in info(n).servers})
-    server_npu = {s: len(workers) + i for i, s in enumerate(servers)} if workers else {}
+    server_npu = {s: workers[-1] + 1 + i for i, s in enumerate(servers)} if workers else {}
 
     b = _Builder()
     entry: dict[int, list[EtNode]] = {}  # dpro node -> the ET nodes that take its dependencies
@@ -364,8 +366,14 @@ def write_chakra(out_dir: str | Path, name: str, npus: dict[int, list[EtNode]],
 
 
 def read_chakra(path: str | Path) -> tuple[object, list[object]]:
-    """An ET file read back with Chakra's own reader (protolib): (GlobalMetadata, [Node, ...])."""
+    """An ET file read back with Chakra's own reader (protolib): (GlobalMetadata, [Node, ...]).
+
+    Raises:
+        UsageError: the file is missing or holds no GlobalMetadata; mlc-chakra is not installed.
+    """
     _require_chakra()
+    if not Path(path).is_file():  # protolib's opener exits the process on a file it cannot open
+        raise UsageError(f"{path}: no such Chakra execution trace")
     with _protolib.openFileRd(str(path)) as f:
         meta = _pb.GlobalMetadata()
         if not _protolib.decodeMessage(f, meta):

@@ -205,3 +205,16 @@ def test_real_runs_timelines_nest_and_their_traces_export(tmp_path):
         assert colls and all(c["comm_type"] == 0 and c["comm_size"] > 0 for c in colls), npu
         # every gradient byte of the job's MLP (512-1024-1024-10, float32) in one all_reduce a step, 5 steps
         assert sum(c["comm_size"] for c in colls) == 5 * 4 * (512 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)
+
+
+@pytest.mark.parametrize("op, kind", [("allreduce", "ALL_REDUCE"), ("all_reduce", "ALL_REDUCE"),
+                                      ("_reduce_scatter_base", "REDUCE_SCATTER"), ("reduce", "REDUCE"),
+                                      ("_allgather_base", "ALL_GATHER"), ("broadcast", "BROADCAST"),
+                                      ("alltoall_base", "ALL_TO_ALL"), ("push_pull", "ALL_REDUCE")])
+def test_collective_names_map_to_chakras_types(op, kind):
+    assert chakra.comm_type(op) == kind
+
+
+def test_reading_a_missing_trace_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="no such Chakra execution trace"):
+        read_chakra(tmp_path / "x.0.et")
