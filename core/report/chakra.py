@@ -176,24 +176,11 @@ def et_nodes(g: Graph, comms: dict[str, CommInfo] | None = None,
     comms, node_comms = comms or {}, node_comms or {}
     order = np.concatenate(plan_levels(g).nodes) if g.size else np.zeros(0, dtype=np.int64)
     workers = sorted({int(r) for r in g.rank if r >= 0})
-    succ: dict[int, list[int]] = defaultdict(list)
-    for n in range(g.size):
-        for p in g.preds(n):
-            succ[int(p)].append(n)
 
     def info(n: int) -> CommInfo:
         return node_comms.get(n) or comms.get(g.names[n]) or CommInfo()
 
-    # a shared transfer (rank -1) and each rank's arrival into it
-    arrival_of: dict[int, dict[int, int]] = defaultdict(dict)  # transfer -> rank -> arrival
-    transfer_of: dict[int, int] = {}  # arrival -> transfer
-    for n in range(g.size):
-        if g.rank[n] < 0:
-            for p in g.preds(n):
-                p = int(p)
-                if g.rank[p] >= 0 and g.category[p] in COMM_CATEGORIES and g.duration[p] == 0.0:
-                    arrival_of[n][int(g.rank[p])] = p
-                    transfer_of[p] = n
+    arrival_of, transfer_of = _shared_transfers(g)
     servers = sorted({s for n in transfer_of for s in info(n).servers})
     server_npu = {s: workers[-1] + 1 + i for i, s in enumerate(servers)} if workers else {}
 
@@ -271,7 +258,7 @@ def et_nodes(g: Graph, comms: dict[str, CommInfo] | None = None,
             _add_deps(launch[n], [x for q in g.preds(t) if g.rank[q] < 0 for x in on_rank(int(q), rank)
                                   if x not in exit_[n]])
 
-    _server_nodes(g, b, order, arrival_of, transfer_of, info, server_npu, exit_)
+    _server_nodes(g, b, order, arrival_of, info, server_npu, exit_)
     return {npu: _topological(nodes, f"NPU {npu}") for npu, nodes in sorted(b.nodes.items())}
 
 
@@ -280,8 +267,21 @@ def _add_deps(nodes: list[EtNode], deps: list[EtNode]) -> None:
         x.data_deps = list(dict.fromkeys([*x.data_deps, *(id(d) for d in deps)]))
 
 
+def _shared_transfers(g: Graph) -> tuple[dict[int, dict[int, int]], dict[int, int]]:
+    """The collectives' shared transfers (rank -1) and each rank's arrival into one (a zero-length COMM before it):
+    (transfer -> rank -> arrival, arrival -> transfer)."""
+    arrival_of: dict[int, dict[int, int]] = defaultdict(dict)
+    transfer_of: dict[int, int] = {}
+    for n in np.flatnonzero(g.rank < 0):
+        for p in map(int, g.preds(int(n))):
+            if g.rank[p] >= 0 and g.category[p] in COMM_CATEGORIES and g.duration[p] == 0.0:
+                arrival_of[int(n)][int(g.rank[p])] = p
+                transfer_of[p] = int(n)
+    return arrival_of, transfer_of
+
+
 def _server_nodes(g: Graph, b: _Builder, order: np.ndarray, arrival_of: dict[int, dict[int, int]],
-                  transfer_of: dict[int, int], info: Callable[[int], CommInfo], server_npu: dict[int, int],
+                  info: Callable[[int], CommInfo], server_npu: dict[int, int],
                   exit_: dict[int, list[EtNode]]) -> None:
     """Each server's trace: per key in its server queue's order (the transfers' creation order), receive every
     worker's part, work, answer."""
