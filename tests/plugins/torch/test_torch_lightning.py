@@ -113,7 +113,8 @@ def test_validation_inside_the_window_is_not_recorded(tmp_path):
 
 def test_profiler_slot_records_every_rank_and_summarizes_the_run(tmp_path):
     """Trainer(profiler=DproProfiler(dirpath=..., steps=...)): both ranks recorded through the callback's recorder,
-    the run replays within 5 %, and the profiler's summary (Lightning's report at the end of fit) is dpro's."""
+    the run replays within 5 %, and the profiler's summary (Lightning's report at the end of fit) is dpro's.
+    (One package's job: the class is both packages' Profiler, the next test; the callback's tests run both.)"""
     run_dir = tmp_path / "run"
     proc = run_job([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--slot",
                     "profiler", "--steps", "14", "--profile", "4:12", "--run-dir", str(run_dir)], timeout=240,
