@@ -22,12 +22,14 @@ venv: $(STAMP)
 
 # torch==2.13.0 is pinned: pip takes the CPU wheel that lies on these machines' disk.
 # tf_keras (Keras 2 for TF_USE_LEGACY_KERAS=1) goes in with --no-deps: its dependencies would pull the full
-# tensorflow package next to tensorflow-cpu.
+# tensorflow package next to tensorflow-cpu. mlc-chakra (Chakra's ET schema and reader, for dpro export --format
+# chakra) too: its declared dependencies (HTA, graphviz, pydot) serve only its own converters.
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" tensorflow-cpu keras pytorch-lightning lightning numpy networkx orjson pyyaml hypothesis pytest ruff
 	$(PY) -m pip install -q --no-deps "tf_keras~=2.21.0"
+	$(PY) -m pip install -q --no-deps mlc-chakra protobuf
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""The ``dpro`` command line: ``dpro info RUN`` (more subcommands join as the pipeline grows).
+"""The ``dpro`` command line: ``dpro info | analyze | whatif | optimize | report | compare | export | import-xplane``.
 
 Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its arguments and
 ``_cmd_<name>(args) -> int`` runs it; ``SUBCOMMANDS`` lists the declarers in the order ``--help``
@@ -234,7 +234,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dpro.io.load import load_run
-    from dpro.optimize import config_document, optimize
+    from dpro.optimize import config_document, optimize, write_config_files
     from dpro.progress import Progress
     from dpro.sim.whatif import context
 
@@ -250,7 +250,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
     out = Path(args.output) if args.output else analysis_file(args.run[0], "config.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_config(out, doc)
+    written = write_config_files(out, doc)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -264,6 +264,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     print(f"\nknobs: {json.dumps({k: v for k, v in result.knobs.items() if k != 'tensor_groups'})}"
           + (" (+ tensor_groups)" if "tensor_groups" in result.knobs else ""))
     print(f"config written to {out}")
+    for other in written[1:]:
+        print(f"{other.name} written beside it (the engine's launcher reads it)")
     return 0
 
 
@@ -407,6 +409,41 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "export", help="the step DAG for other tools: Chakra execution traces (ASTRA-sim), a Perfetto timeline",
+        description="Write the DAG of a run directory (any engine) or of PyTorch profiler traces in another tool's "
+                    "format. chakra: one MLCommons Chakra execution trace per rank, DIR/NAME.<rank>.et (a parameter "
+                    "server's servers are further NPUs after the workers), for ASTRA-sim's "
+                    "--workload-configuration=DIR/NAME; needs mlc-chakra (pip install --no-deps mlc-chakra "
+                    "protobuf). perfetto: the measured and replayed timeline, DIR/NAME.json (ui.perfetto.dev).",
+    )
+    parser.add_argument("run", metavar="RUN", nargs="+", help="a run directory, or PyTorch profiler trace files")
+    parser.add_argument("--format", dest="fmt", required=True, choices=("chakra", "perfetto"),
+                        help="chakra (execution traces) or perfetto (timeline)")
+    parser.add_argument("-o", "--output", metavar="DIR", required=True, help="the folder to write into")
+    parser.add_argument("--name", default="dpro", help="the files' name prefix (default dpro)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="steps of a run's graph to write (default: chakra 1, the mean step; perfetto 4); "
+                             "profiler traces write every profiled step")
+    parser.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpro.report.export import export_run, export_traces
+
+    if len(args.run) == 1 and Path(args.run[0]).is_dir():
+        written = export_run(args.run[0], args.output, args.fmt, name=args.name, iterations=args.iterations)
+    else:
+        written = export_traces([Path(p) for p in args.run], args.output, args.fmt, name=args.name)
+    size = sum(p.stat().st_size for p in written)
+    shown = ", ".join(p.name for p in written[:4]) + (f", ... ({len(written)} files)" if len(written) > 4 else "")
+    print(f"{args.fmt}: {shown} written to {Path(args.output)} ({size / 1e6:.2f} MB)")
+    return 0
+
+
 def _write_config(path: Any, doc: dict[str, Any]) -> None:
     from dpro.config import Config, write_config
 
@@ -414,7 +451,7 @@ def _write_config(path: Any, doc: dict[str, Any]) -> None:
 
 
 SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_info, _add_analyze, _add_whatif, _add_optimize,
-                                                   _add_report, _add_compare, _add_import_xplane)
+                                                   _add_report, _add_compare, _add_export, _add_import_xplane)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,7 +78,8 @@ horovodrun options (same names and meaning; Horovod's knobs reach the job as env
     --verbose                      print the commands started on each host
     --disable-cache                passed to horovodrun (the torch engine has no cache)
     --config-file FILE             horovodrun's YAML file (params, autotune, timeline, stall_check,
-                                   logging, controller); the command line wins over it
+                                   logging, controller; dpro optimize writes RUN/analysis/horovodrun.yaml);
+                                   the command line wins over it
     --fusion-threshold-mb MB       HOROVOD_FUSION_THRESHOLD (bytes: MB * 1048576)
     --cycle-time-ms MS             HOROVOD_CYCLE_TIME
     --cache-capacity N             HOROVOD_CACHE_CAPACITY

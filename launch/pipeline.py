@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from dpro.config import CONFIG_FILE, Config, read_config, write_config
+from dpro.config import CONFIG_FILE, Config, read_config
 from dpro.errors import DproError, UsageError
 from dpro.io.load import interrupted_calls
 from dpro.launch.env import applied_env, horovod_env
@@ -135,14 +135,14 @@ def optimize_run(run_dir: Path, *, memory_budget_bytes: int | None = None, allow
         config's predicted step time is to be compared with.
     """
     from dpro.io.load import load_run
-    from dpro.optimize import config_document, optimize
+    from dpro.optimize import config_document, optimize, write_config_files
     from dpro.sim.whatif import context
 
     ctx = context(load_run(run_dir))
     result = optimize(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,
                       progress=Progress(None, "optimize"))
     path = out or analysis_file(run_dir, CONFIG_FILE)
-    write_config(path, Config.from_json(config_document(result, ctx)))
+    write_config_files(path, config_document(result, ctx))  # and the engine's launcher files beside it
     config = read_config(path)
     _print_optimize(result, path)
     return config, result.baseline.predicted_step_ms

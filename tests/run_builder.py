@@ -214,6 +214,43 @@ def make_horovod_run(root: Path, timeline: str | None, steps: tuple[int, ...] = 
     return root
 
 
+# ---- a hand-written tf-mwms run (MultiWorkerMirroredStrategy) ------------------------------------------------
+
+MWMS_GRADS = [("fc1.kernel", 400_000), ("fc2.kernel", 400_000)]  # model variable order
+
+
+def mwms_step_events(rank: int, step: int) -> list[dict]:
+    t0 = 1_000_000.0 + step * 10_000 + rank * 50
+    return [
+        x_event("STEP", "STEP", t0, STEP_US, rank=rank, queue="host", step=step),
+        x_event("FW.fc1", "FW", t0 + 100, 1000.0, rank=rank, queue="compute", step=step),
+        x_event("FW.fc2", "FW", t0 + 1100, 1000.0, rank=rank, queue="compute", step=step),
+        x_event("BW.fc2", "BW", t0 + 2100, 1000.0, rank=rank, queue="compute", step=step,
+                grads=["fc2.kernel"], grads_ready_us=[t0 + 3100]),
+        x_event("BW.fc1", "BW", t0 + 3100, 2000.0, rank=rank, queue="compute", step=step,
+                grads=["fc1.kernel"], grads_ready_us=[t0 + 5100]),
+        x_event("COMM.pack0.allreduce", "COMM", t0 + 5150, 2000.0, rank=rank, queue="comm", step=step,
+                bytes=800_000, tensors=["fc2.kernel", "fc1.kernel"], op="allreduce", phase="allreduce"),
+        x_event("UPDATE.optimizer", "UPDATE", t0 + 7200, 300.0, rank=rank, queue="compute", step=step),
+        x_event("COMM.loss.allreduce", "COMM", t0 + 7200, 1500.0, rank=rank, queue="comm", step=step,
+                bytes=4, tensors=[], op="allreduce", phase="allreduce"),
+    ]
+
+
+def make_mwms_run(root: Path) -> Path:
+    """A 2-rank tf-mwms run: the gradients' one pack after the whole backward, then the loss's reduction."""
+    make_run_of(root, mwms_step_events)
+    meta = json.loads((root / "run.json").read_text())
+    meta.update(framework="tf", engine="tf-mwms", knobs={"tf.mwms.bytes_per_pack": 0})
+    write_json(root / "run.json", meta)
+    model = json.loads((root / "model.json").read_text())
+    model["gradients"] = [{"name": n, "bytes": b, "module": n.split(".")[0], "computed_by": n.split(".")[0],
+                           "shape": [b // 4], "dtype": "float32"} for n, b in MWMS_GRADS]
+    model["buckets"] = [{"index": 0, "bytes": 800_000, "tensors": ["fc2.kernel", "fc1.kernel"]}]
+    write_json(root / "model.json", model)
+    return root
+
+
 # ---- a wide run: many layers on many ranks (report size, big-page tests and benches) ----------------------
 
 def wide_step_events(rank: int, step: int, layers: int, per_bucket: int) -> list[dict[str, Any]]:

@@ -42,6 +42,7 @@ from dpro.io.kineto import (
     KinetoTrace,
     StepWindow,
     correlation,
+    cpu_comm_message,
     device_of,
     is_nccl,
     short_name,
@@ -82,7 +83,8 @@ class _Node:
     prio: int = 1                  # tie-break of equal starts: markers 0, host 1, GPU 2, waits 3, step end 4
     preds: list[_Node] = field(default_factory=list)
     pg: str = ""                   # NCCL: process group (matching key)
-    op: str = ""                   # NCCL: collective name
+    op: str = ""                   # NCCL, COMM: collective name
+    nbytes: int = 0                # NCCL, COMM: the message's bytes (0: the trace does not say)
     launch_ts: float = 0.0         # GPU: start of the runtime call that launched it
     gid: int = -1                  # node id in the graph once added
     done: int = -1                 # node whose end means "done" (the transfer of a joined collective)
@@ -148,7 +150,9 @@ def _rank_plan(trace: KinetoTrace, rank: int, windows: list[StepWindow]) -> _Ran
         if step is not None:
             queue = f"r{rank}/comm{ev.get('tid')}"
             comm_queues += [] if queue in comm_queues else [queue]
-            nodes.append(_Node(str(ev.get("name", "")), "COMM", queue, ev["ts"], ev["ts"] + ev["dur"], step))
+            op, nbytes = cpu_comm_message(ev)
+            nodes.append(_Node(str(ev.get("name", "")), "COMM", queue, ev["ts"], ev["ts"] + ev["dur"], step,
+                               op=op, nbytes=nbytes))
     begin, end = _step_markers(windows, main_q, nodes)
     nodes += list(begin.values()) + list(end.values())
     for seq, n in enumerate(nodes):
@@ -190,7 +194,7 @@ def _gpu_nodes(trace: KinetoTrace, rank: int, step_of: _StepOf,
                   launch_ts=op["ts"] if launched is None else launched)
         if id(op) in comm_args:
             c = comm_args[id(op)]
-            n.pg, n.op = c.process_group, c.op
+            n.pg, n.op, n.nbytes = c.process_group, c.op, c.bytes or 0
         nodes.append(n)
         of[id(op)] = n
     return nodes, of
@@ -325,6 +329,7 @@ class KinetoGraphInfo:
     cpu_comm_spans: dict[int, list[int]] = field(default_factory=dict)  # rank -> collectives on CPU backend threads
     step_ts: dict[tuple[int, int], float] = field(default_factory=dict)  # ProfilerStep#N start (trace clock)
     collectives: list[dict[int, float]] = field(default_factory=list)  # joined: rank -> kernel µs
+    comm: dict[int, tuple[str, int]] = field(default_factory=dict)      # collective node -> (operation, bytes)
     nccl_kernels: dict[int, int] = field(default_factory=dict)          # rank -> NCCL kernels in the steps
     node_at: dict[tuple[int, str, float], int] = field(default_factory=dict)  # (rank, queue, start) -> CPU/COMM node
     dropped_edges: int = 0
@@ -528,6 +533,7 @@ def _rank_info(p: _RankPlan, info: KinetoGraphInfo, b: GraphBuilder) -> None:
     info.gpu_spans[p.rank] = [(n.gid, n.done, kind[n.category]) for n in p.nodes if n.category in kind]
     info.host_spans[p.rank] = [n.gid for n in p.nodes if n.category == "CPU"]
     info.cpu_comm_spans[p.rank] = [n.gid for n in p.nodes if n.category == "COMM"]
+    info.comm.update({n.gid: (n.op, n.nbytes) for n in p.nodes if n.category in ("NCCL", "COMM")})
     info.node_at.update({(p.rank, n.queue, n.start): n.gid for n in p.nodes if n.category in ("CPU", "COMM")})
     info.nccl_kernels[p.rank] = sum(n.category == "NCCL" for n in p.nodes)
     for i, w in enumerate(p.windows):

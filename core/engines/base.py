@@ -40,6 +40,10 @@ def _no_sweeps(ctx: Context) -> list[tuple[str, list[Any]]]:
     return []
 
 
+def _no_files(doc: dict[str, Any]) -> dict[str, str]:
+    return {}
+
+
 def _server_queues(run: Run, args: dict[str, Any]) -> tuple[str, ...]:
     servers = args.get("servers")
     if not isinstance(servers, list):
@@ -88,6 +92,8 @@ class Engine:
             PyTorch profiler traces (``dpro.analyze.traces.whatif_traces``); None: the engine cannot regroup traces.
         trace_optimize: ``(traces) -> {"candidates", "recommended", "config", ...}``: the engine's search on
             profiler traces (``dpro optimize TRACE...``); None: none.
+        launcher_files: ``(config document) -> {file name: text}``: files the engine's own launcher reads, made from
+            an applied config and written beside it (Horovod: ``horovodrun.yaml`` for ``horovodrun --config-file``).
     """
 
     name: str
@@ -109,6 +115,7 @@ class Engine:
     sweeps: Callable[[Context], list[tuple[str, list[Any]]]] = _no_sweeps  # (ctx) -> knobs and values to plot
     trace_whatif: Callable[..., Any] | None = None     # (traces, info, graph, knobs) -> (graph, info, facts)
     trace_optimize: Callable[[list[KinetoTrace]], dict[str, Any]] | None = None  # (traces) -> candidates, config
+    launcher_files: Callable[[dict[str, Any]], dict[str, str]] = _no_files  # (config) -> launcher's files beside it
 
 
     def knob_names(self) -> list[str]:

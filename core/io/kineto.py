@@ -24,6 +24,7 @@ __all__ = [
     "StepWindow",
     "TRACES_DIR",
     "correlation",
+    "cpu_comm_message",
     "device_of",
     "is_nccl",
     "load_kineto",
@@ -281,6 +282,24 @@ def short_name(name: str) -> str:
         s = s[5:]
     cuts = [i for i in (s.find("<"), s.find("(")) if i > 0]
     return s[:min(cuts)].strip()[:80] if cuts else s[:80]
+
+
+def cpu_comm_message(ev: dict[str, Any]) -> tuple[str, int]:
+    """A CPU backend's collective annotation (``gloo:all_reduce``): its operation and its bytes, from the input's
+    dims and type (``record_shapes=True``) or ``In msg nelems`` and ``dtype``; 0 bytes when the trace says neither."""
+    args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+    op = str(ev.get("name", "")).split(":", 1)[-1]
+    dims, types = args.get("Input Dims"), args.get("Input type")
+    total = 0
+    if isinstance(dims, list) and isinstance(types, list):
+        for shape, dtype in zip(dims, types, strict=False):
+            width = DTYPE_BYTES.get(str(dtype).lower(), 0)
+            if isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+                total += width * math.prod(shape)
+    if not total:
+        n, width = _opt_int(args.get("In msg nelems")), DTYPE_BYTES.get(str(args.get("dtype", "")).lower(), 0)
+        total = (n or 0) * width
+    return op, max(0, int(total))
 
 
 def _comm_ops_by_tid(cpu_ops: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:

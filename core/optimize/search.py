@@ -6,17 +6,20 @@ every engine shares (``dpro.sim.choices``, where the engines' searches find thei
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from dpro.config import Config, write_config
 from dpro.engines import get_engine
 from dpro.progress import Progress
+from dpro.record.trace import write_text_atomic
 from dpro.sim.choices import (
     OptimizeResult,
     optimize_common,
 )
 from dpro.sim.whatif import Context
 
-__all__ = ["config_document", "optimize"]
+__all__ = ["config_document", "optimize", "write_config_files"]
 
 
 def optimize(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False,
@@ -45,6 +48,18 @@ def _knobs_note(knobs: dict[str, Any]) -> str:
     shown = [f"{k}={len(v)} groups" if k == "tensor_groups" else f"{k}={v}" for k, v in knobs.items()]
     text = ", ".join(shown) or "the run as recorded"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def write_config_files(path: str | Path, doc: dict[str, Any]) -> list[Path]:
+    """Write the applied config ``doc`` to ``path`` and, beside it, the files its engine's launcher reads
+    (``Engine.launcher_files``, e.g. a launcher's own config file); returns the files written."""
+    path = Path(path)
+    written = [write_config(path, Config.from_json(doc))]
+    engine = get_engine((doc.get("fingerprint") or {}).get("engine"))
+    for name, text in engine.launcher_files(doc).items():
+        write_text_atomic(path.parent / name, text)
+        written.append(path.parent / name)
+    return written
 
 
 def config_document(result: OptimizeResult, ctx: Context) -> dict[str, Any]:

@@ -33,6 +33,7 @@ __all__ = [
     "queue_metadata",
     "rank_file",
     "row_event",
+    "write_bytes_atomic",
     "write_json_atomic",
     "write_text_atomic",
 ]
@@ -131,18 +132,24 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` via a temp file and a rename, so readers never see half a file."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temp file and a rename, so readers never see half a file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a trace is an ordinary file
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
 
 
 def _umask() -> int:

@@ -2,10 +2,16 @@
 (aligned clocks) beside the replayed one, to open in Perfetto (ui.perfetto.dev).
 
 The measured side holds the last ``measured_steps`` steps the model was built from (default 20): the replayed
-side spans a few steps, and a recording of thousands of steps would make a trace Perfetto cannot open."""
+side spans a few steps, and a recording of thousands of steps would make a trace Perfetto cannot open.
+
+Perfetto draws the slices of one track (pid, tid) as a stack: two slices there must nest fully or not overlap, or
+it shows them wrongly (and reports an import error). Concurrent collectives on one comm queue, or a replayed
+transfer shown on every member rank, do overlap; ``nest_tracks`` moves each slice that would break the nesting to
+another track of the same process (``comm (2)``, ...), and ``nesting_problems`` checks a finished trace."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,6 +24,10 @@ from dpro.sim.replay import Schedule
 
 __all__ = [
     "REPLAY_PID_BASE",
+    "nest_tracks",
+    "nesting_problems",
+    "replayed_events",
+    "write_graph_trace",
     "write_replay_trace",
 ]
 
@@ -49,7 +59,23 @@ def write_replay_trace(path: Path, run: Run, alignment: Alignment, g: Graph, sch
             events.append(aligned)
             if e["cat"] == "STEP" and (origin is None or aligned["ts"] < origin):
                 origin = aligned["ts"]
-    origin = origin or 0.0
+    events += replayed_events(g, sched, origin or 0.0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"displayTimeUnit": "ms", "traceEvents": nest_tracks(events)})
+    return path
+
+
+def write_graph_trace(path: Path, g: Graph, sched: Schedule, origin: float = 0.0) -> Path:
+    """The replayed timeline of any graph (a profiler trace's: its measured side is the trace itself)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"displayTimeUnit": "ms", "traceEvents": nest_tracks(replayed_events(g, sched, origin))})
+    return path
+
+
+def replayed_events(g: Graph, sched: Schedule, origin: float) -> list[dict[str, Any]]:
+    """The replayed nodes as Chrome events: pid = 1000 + rank, a thread per queue, a collective's transfer on the
+    comm queue of each of its ranks, times from ``origin`` (µs)."""
+    events: list[dict[str, Any]] = []
     queue_tid: dict[str, int] = {}
     for node in range(g.size):
         members = [int(g.rank[node])]
@@ -70,9 +96,86 @@ def write_replay_trace(path: Path, run: Run, alignment: Alignment, g: Graph, sch
                            "tid": queue_tid[key], "ts": origin + float(sched.start[node]),
                            "dur": float(sched.end[node] - sched.start[node]),
                            "args": {"iteration": int(g.iteration[node]), "gap_us": float(g.gap[node])}})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"displayTimeUnit": "ms", "traceEvents": events})
-    return path
+    return events
+
+
+def _span_ns(e: dict[str, Any]) -> tuple[int, int]:
+    """A slice's start and end as Perfetto imports them: µs floats to whole ns, the duration rounded apart."""
+    start = round(float(e["ts"]) * 1000.0)
+    return start, start + round(float(e.get("dur", 0.0)) * 1000.0)
+
+
+def _tracks(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], list[int]]:
+    """Complete ("X") events by track (pid, tid), each list in Perfetto's order: by start, longer first."""
+    tracks: dict[tuple[Any, Any], list[int]] = defaultdict(list)
+    for i, e in enumerate(events):
+        if e.get("ph") == "X":
+            tracks[(e.get("pid"), e.get("tid"))].append(i)
+    for idx in tracks.values():
+        idx.sort(key=lambda i: (_span_ns(events[i])[0], -_span_ns(events[i])[1]))
+    return tracks
+
+
+def nesting_problems(events: list[dict[str, Any]], limit: int = 20) -> list[str]:
+    """Slices of one track (pid, tid) that overlap without nesting: what Perfetto cannot draw (at most ``limit``)."""
+    problems: list[str] = []
+    for (pid, tid), idx in _tracks(events).items():
+        stack: list[int] = []  # ends of the open slices, innermost last
+        opened: list[int] = []
+        for i in idx:
+            start, end = _span_ns(events[i])
+            while stack and stack[-1] <= start:
+                stack.pop()
+                opened.pop()
+            if stack and end > stack[-1]:
+                outer = events[opened[-1]]
+                problems.append(f"pid {pid} tid {tid}: {events[i]['name']!r} ({start / 1000:.3f}.."
+                                f"{end / 1000:.3f} us) starts inside {outer['name']!r} (ends {stack[-1] / 1000:.3f} "
+                                "us) and ends after it")
+                if len(problems) >= limit:
+                    return problems
+                continue
+            stack.append(end)
+            opened.append(i)
+    return problems
+
+
+def nest_tracks(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``events`` with every slice that would overlap another of its track without nesting moved to a further track
+    of its process (the first where it nests or overlaps nothing), named after the first with `` (2)``, ..."""
+    names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    used: dict[Any, set[Any]] = defaultdict(set)
+    for e in events:
+        used[e.get("pid")].add(e.get("tid"))
+    out = list(events)
+    for (pid, tid), idx in _tracks(events).items():
+        lanes: list[tuple[Any, list[int]]] = [(tid, [])]  # (tid, ends of the open slices)
+        for i in idx:
+            start, end = _span_ns(events[i])
+            lane = _first_fit(lanes, start, end)
+            if lane is None:
+                new_tid = max((t for t in used[pid] if isinstance(t, int)), default=0) + 1
+                used[pid].add(new_tid)
+                lanes.append((new_tid, []))
+                lane = len(lanes) - 1
+                out.append(_meta("thread_name", pid, new_tid, {"name": f"{names.get((pid, tid), tid)} ({len(lanes)})"}))
+            lane_tid, stack = lanes[lane]
+            stack.append(end)
+            if lane_tid != tid:
+                out[i] = dict(events[i], tid=lane_tid)
+    return out
+
+
+def _first_fit(lanes: list[tuple[Any, list[int]]], start: int, end: int) -> int | None:
+    """The first lane where a slice (start, end) nests in the open slices or overlaps none (closing those that ended
+    before it starts), else None."""
+    for lane, (_, stack) in enumerate(lanes):
+        while stack and stack[-1] <= start:
+            stack.pop()
+        if not stack or end <= stack[-1]:
+            return lane
+    return None
 
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,23 @@ from __future__ import annotations
 from dpro.analyze import Analysis
 from dpro.report.tables import format_table, indent
 
-__all__ = ["format_analysis"]
+__all__ = ["format_analysis", "format_summary"]
+
+
+def format_summary(a: Analysis, top: int = 3) -> str:
+    """A few lines for a framework's profiler report: the prediction and its error, where a step goes, the top of
+    the critical path."""
+    b = a.breakdown
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms" for k, v in b.items())
+    path = ", ".join(f"{c['op']} ({c['share_pct']:.0f} %)" for c in a.critical_path[:top]) or "-"
+    return "\n".join([
+        f"dpro: {a.source}",
+        f"  measured step {a.measured_step_ms:.2f} ms, predicted {a.predicted_step_ms:.2f} ms "
+        f"(prediction error {a.error_pct:+.2f} %)",
+        f"  where a step goes (replayed): {parts}",
+        f"  critical path, top ops: {path}",
+        "  (dpro analyze RUN for the rest; dpro report RUN for a page)",
+    ])
 
 
 def format_analysis(a: Analysis) -> str:

@@ -1,7 +1,11 @@
-"""``DproCallback``: record a Lightning ``Trainer`` run (``lightning.pytorch`` or ``pytorch_lightning``).
+"""``DproCallback``: record a Lightning ``Trainer`` run (``lightning.pytorch`` or ``pytorch_lightning``);
+``DproProfiler``: the same in Lightning's profiler slot, ``Trainer(profiler=DproProfiler(...))``, whose
+``summary()`` (the report Lightning prints when ``fit`` ends) is dpro's short analysis of the run.
 
-The callback subclasses the Callback class of every Lightning package that is installed, so one
-class works with ``lightning.pytorch.Trainer`` and with ``pytorch_lightning.Trainer``.
+Both subclass the base class of every Lightning package that is installed, so one class works with
+``lightning.pytorch.Trainer`` and with ``pytorch_lightning.Trainer``. The profiler records through a
+``DproCallback`` it adds to the trainer's callbacks when Lightning sets the profiler up (before any
+callback hook runs), so there is one recorder lifecycle.
 
 Given a dpro config (``config=`` or ``$DPRO_CONFIG``), the callback also applies it: in ``setup``,
 before the strategy wraps the LightningModule in DDP, it recomputes the config's modules and puts
@@ -21,26 +25,35 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from dpro.analyze import analyze_run
 from dpro.config import DPRO_CONFIG, Config
-from dpro.errors import ConfigError
+from dpro.errors import ConfigError, DproError
+from dpro.io.load import load_run
 from dpro.logs import get_logger
 from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config, recomputed, register_compression
 from dpro.plugins.torch.recorder import TorchRecorder
 from dpro.record.protocol import check_window_fits, parse_steps
+from dpro.report.text import format_summary
 
-__all__ = ["DproCallback"]
+__all__ = ["DproCallback", "DproProfiler"]
 
 
-def _callback_bases() -> tuple[type, ...]:
+def _lightning_bases(module: str, name: str) -> tuple[type, ...]:
+    """``<package>.<module>.<name>`` of every Lightning package installed (``lightning.pytorch``,
+    ``pytorch_lightning``)."""
     bases = []
     for package in ("lightning.pytorch", "pytorch_lightning"):
         try:
-            bases.append(importlib.import_module(package).Callback)
+            bases.append(getattr(importlib.import_module(f"{package}{module}"), name))
         except ImportError:
             continue
     if not bases:
         raise ImportError("dpro.plugins.torch.lightning needs Lightning: pip install 'dpro[lightning]'")
     return tuple(bases)
+
+
+def _callback_bases() -> tuple[type, ...]:
+    return _lightning_bases("", "Callback")
 
 
 def _lightning_versions() -> dict[str, str]:
@@ -176,3 +189,64 @@ class DproCallback(*_callback_bases()):
         """Keep the finished steps when training fails."""
         if self.recorder is not None:
             self.recorder.close(error=exception)
+
+
+class DproProfiler(*_lightning_bases(".profilers", "Profiler")):
+    """Lightning's profiler slot: record steps ``steps`` of ``Trainer.fit`` on every rank with dpro.
+
+    Args:
+        dirpath: where the run directory goes, ``<dirpath>/<filename or "dpro">`` (the run directory itself when
+            ``run_dir`` is given); None: ``./dpro-runs/<timestamp>``. Lightning writes the summary beside it when
+            ``filename`` is given (``<dirpath>/fit-<filename>.txt``), else logs it.
+        filename: the run directory's and the summary file's name.
+        steps, run_dir, config, force, backward_marks: as ``DproCallback``'s.
+
+    ``summary()`` waits for every rank's files (a barrier: Lightning calls it on every rank when ``fit`` ends) and
+    returns, on rank 0, dpro's short analysis of the run (``dpro.report.text.format_summary``), elsewhere "".
+
+    Example:
+        >>> trainer = Trainer(strategy="ddp", devices=2,
+        ...                   profiler=DproProfiler(dirpath="runs", steps=range(5, 10)))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, dirpath: str | Path | None = None, filename: str | None = None, steps: Iterable[int] = range(10, 20),
+        *, run_dir: str | Path | None = None, config: str | Path | None = None, force: bool = False,
+        backward_marks: str = "gradients",
+    ) -> None:
+        super().__init__(dirpath=dirpath, filename=filename)
+        if run_dir is None and dirpath is not None:
+            run_dir = Path(dirpath) / (filename or "dpro")
+        self.callback = DproCallback(run_dir, steps, config=config, force=force, backward_marks=backward_marks)
+        self._summary: str | None = None
+
+    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
+        """Join the trainer's callbacks before their first hook (Lightning sets the profiler up just before)."""
+        super().setup(stage, local_rank, log_dir)
+        module = getattr(self, "_lightning_module", None)
+        trainer = getattr(module, "trainer", None) if module is not None else None
+        if stage == "fit" and trainer is not None and self.callback not in trainer.callbacks:
+            trainer.callbacks.append(self.callback)
+
+    def start(self, action_name: str) -> None:
+        """Lightning's actions are not timed: the callback's hooks time the step's parts."""
+
+    def stop(self, action_name: str) -> None:
+        """See ``start``."""
+
+    def summary(self) -> str:
+        """dpro's short analysis of the recorded run on rank 0 (once every rank has written its files), else ""."""
+        if self._summary is not None:
+            return self._summary
+        recorder = self.callback.recorder
+        if recorder is None or recorder.run_dir is None:
+            self._summary = ""
+            return self._summary
+        recorder.transport.barrier()  # every rank's rank-<r>.json is written
+        self._summary = ""
+        if recorder.rank == 0:
+            try:
+                self._summary = format_summary(analyze_run(load_run(recorder.run_dir)).analysis)
+            except DproError as err:
+                self._summary = f"dpro: the run in {recorder.run_dir} could not be analyzed: {err}"
+        return self._summary

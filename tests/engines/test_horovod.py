@@ -520,3 +520,23 @@ def test_an_extra_buffer_costs_at_least_what_the_smallest_buffers_took() -> None
     model = horovod_comm_model(ctx)
     fixed = model.latency_us * 2  # two hops for two ranks
     assert 300.0 < fixed < 400.0, model
+
+
+@pytest.mark.parametrize("env, params", [
+    ({"HOROVOD_FUSION_THRESHOLD": str(64 * 2**20), "HOROVOD_CYCLE_TIME": "2.5", "HOROVOD_CACHE_CAPACITY": "0"},
+     {"fusion_threshold_mb": 64, "cycle_time_ms": 2.5, "cache_capacity": 0}),
+    ({"HOROVOD_FUSION_THRESHOLD": str(2**19), "HOROVOD_CYCLE_TIME": "5"},
+     {"fusion_threshold_mb": 0.5, "cycle_time_ms": 5}),
+])
+def test_horovodrun_config_file_holds_the_configs_env(tmp_path: Path, env: dict, params: dict) -> None:
+    """horovodrun.yaml's params section, as horovodrun's config parser and dpro-launch read it."""
+    import yaml
+
+    from dpro.engines.horovod import horovodrun_config
+    from dpro.launch.settings import read_horovod_config_file
+
+    text = horovodrun_config({"knobs": {"env": env}})
+    assert yaml.safe_load(text) == {"params": params}
+    path = tmp_path / "horovodrun.yaml"
+    path.write_text(text)
+    assert read_horovod_config_file(path) == (params, None)

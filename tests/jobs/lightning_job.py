@@ -1,17 +1,20 @@
-"""A Lightning DDP job on CPU with dpro's callback; --package picks lightning.pytorch or pytorch_lightning.
+"""A Lightning DDP job on CPU with dpro; --package picks lightning.pytorch or pytorch_lightning.
 
---optimization automatic (Lightning's default: optimizer.step(closure) runs the forward and backward) or
-manual (training_step calls manual_backward and opt.step); --accumulate K accumulates K batches per step.
+--slot callback (DproCallback) or profiler (Trainer(profiler=DproProfiler(...)), whose summary rank 0 prints
+after a "DPRO SUMMARY" line). --optimization automatic (Lightning's default: optimizer.step(closure) runs the
+forward and backward) or manual (training_step calls manual_backward and opt.step); --accumulate K accumulates
+K batches per step.
 """
 
 import argparse
 import gc
 import importlib
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpro.plugins.torch.lightning import DproCallback
+from dpro.plugins.torch.lightning import DproCallback, DproProfiler
 from dpro.plugins.torch.models import get_example
 
 parser = argparse.ArgumentParser()
@@ -20,6 +23,7 @@ parser.add_argument("--model", default="mlp")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--profile", default="2:6")
 parser.add_argument("--run-dir", required=True)
+parser.add_argument("--slot", choices=["callback", "profiler"], default="callback")
 parser.add_argument("--config", default=None, help="a dpro config.json for DproCallback to apply")
 parser.add_argument("--optimization", choices=["automatic", "manual"], default="automatic")
 parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
@@ -70,9 +74,19 @@ def main() -> None:
         accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, logger=False,
         accumulate_grad_batches=args.accumulate if args.optimization == "automatic" else 1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[DproCallback(run_dir=args.run_dir, steps=range(start, stop), config=args.config)],
+        **slot(range(start, stop)),
     )
     trainer.fit(Module(), loader, val_dataloaders=loader if args.val_every else None)
+    if args.slot == "profiler" and trainer.global_rank == 0:
+        print("DPRO SUMMARY\n" + trainer.profiler.summary(), flush=True)
+
+
+def slot(steps: range) -> dict:
+    """The Trainer's arguments that put dpro in the slot asked for."""
+    if args.slot == "profiler":
+        run = Path(args.run_dir)
+        return {"profiler": DproProfiler(dirpath=run.parent, filename=run.name, steps=steps, config=args.config)}
+    return {"callbacks": [DproCallback(run_dir=args.run_dir, steps=steps, config=args.config)]}
 
 
 if __name__ == "__main__":

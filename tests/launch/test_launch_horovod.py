@@ -482,3 +482,35 @@ def test_a_keras_window_beyond_the_fit_is_said_and_the_job_runs_on(tmp_path):
                             "--steps", "6"), env=env_for_jobs(TF_CPP_MIN_LOG_LEVEL="2"), cwd=tmp_path, timeout=240)
     assert "hvd.keras rank 0 of 2 done" in proc.stdout and "hvd.keras rank 1 of 2 done" in proc.stdout
     assert "not recording this fit" in proc.stderr and "only 6 steps" in proc.stderr
+
+
+# ---- dpro optimize's horovodrun.yaml, read by horovodrun --config-file and dpro-launch --config-file ---------
+
+
+def _seen_knobs(stdout: str) -> tuple[float, float]:
+    """The fusion threshold and cycle time rank 0 of plain_hvd.py saw in its environment."""
+    line = next(x for x in stdout.splitlines() if "HVD size=2 " in x)  # horovodrun prefixes "[0]<stdout>:"
+    seen = dict(part.split("=", 1) for part in line.split("HVD ", 1)[1].split())
+    return float(seen["fusion"]), float(seen["cycle"])
+
+
+def test_optimize_writes_a_horovodrun_config_file_both_launchers_apply(tmp_path):
+    from run_builder import horovod_timeline_events, horovod_timeline_text, make_horovod_run
+
+    from dpro.cli import main
+
+    run_dir = make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4])))
+    assert main(["optimize", str(run_dir)]) == 0
+    env = json.loads((run_dir / "analysis" / "config.json").read_text())["knobs"]["env"]
+    yaml_file = run_dir / "analysis" / "horovodrun.yaml"
+    import yaml
+
+    params = yaml.safe_load(yaml_file.read_text())["params"]
+    assert params["fusion_threshold_mb"] * 2**20 == int(env["HOROVOD_FUSION_THRESHOLD"])
+    assert params["cycle_time_ms"] == float(env["HOROVOD_CYCLE_TIME"])
+    wanted = (float(env["HOROVOD_FUSION_THRESHOLD"]), float(env["HOROVOD_CYCLE_TIME"]))
+    horovodrun = [str(Path(VENV_BIN) / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "--config-file",
+                  str(yaml_file), sys.executable, str(PLAIN), "--steps", "3"]
+    assert _seen_knobs(run_job(horovodrun, env=env_for_jobs(), cwd=tmp_path, timeout=180).stdout) == wanted
+    launched = launcher("--config-file", str(yaml_file), "--no-profile", "python", str(PLAIN), "--steps", "3")
+    assert _seen_knobs(run_job(launched, env=env_for_jobs(), cwd=tmp_path, timeout=180).stdout) == wanted

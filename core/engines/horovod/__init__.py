@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from dpro.io.load import Run
     from dpro.sim.whatif import Context
 
-__all__ = ["CACHE", "CYCLE", "DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "ENGINE", "NAME", "THRESHOLD",
-           "knobs_from_environment"]
+__all__ = ["CACHE", "CONFIG_FILE_NAME", "CYCLE", "DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "ENGINE", "NAME",
+           "THRESHOLD", "horovodrun_config", "knobs_from_environment"]
 
 def _prepare_run(run: Run) -> None:
     """Merge ``horovod-timeline.json`` (fused buffers) into the run when it holds one."""
@@ -38,6 +38,28 @@ def _prepare_run(run: Run) -> None:
     if merged.get("steps_without_timeline"):
         # Horovod's timeline slows the steps it runs in; the step model uses the others while enough remain
         run.set_aside.update({step: "ran with Horovod's timeline" for step in merged.get("steps", [])})
+
+
+CONFIG_FILE_NAME = "horovodrun.yaml"
+
+
+def horovodrun_config(doc: dict[str, Any]) -> str:
+    """An applied config's Horovod settings as the YAML ``horovodrun --config-file`` reads (its ``params`` section:
+    ``fusion_threshold_mb``, ``cycle_time_ms``, ``cache_capacity``; horovod/runner/common/util/config_parser.py),
+    which ``dpro-launch --config-file`` reads too."""
+    env = (doc.get("knobs") or {}).get("env") or {}
+    lines = ["# written by dpro optimize: the Horovod settings of the config beside it, for",
+             "#   horovodrun --config-file horovodrun.yaml ...   or   dpro-launch --config-file horovodrun.yaml ...",
+             "# (a flag on the command line wins over this file)", "params:"]
+    if THRESHOLD in env:
+        mb = int(env[THRESHOLD]) / 2**20
+        lines.append(f"  fusion_threshold_mb: {int(mb) if mb.is_integer() else mb!r}")
+    if CYCLE in env:
+        cycle = float(env[CYCLE])
+        lines.append(f"  cycle_time_ms: {int(cycle) if cycle.is_integer() else cycle!r}")
+    if CACHE in env:
+        lines.append(f"  cache_capacity: {int(env[CACHE])}")
+    return "\n".join(lines) + "\n"
 
 
 def _notes(run: Run) -> list[str]:
@@ -105,6 +127,7 @@ ENGINE = Engine(
     env_variables=(THRESHOLD, CYCLE, CACHE),
     notes=_notes,
     sweeps=_sweeps,
+    launcher_files=lambda doc: {CONFIG_FILE_NAME: horovodrun_config(doc)},
     apply="environment (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME) set by dpro-launch --apply; tensor_groups as "
           "hvd.DistributedOptimizer(groups=) by dpro-launch's auto-attach",
 )

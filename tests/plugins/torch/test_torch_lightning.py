@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 
@@ -108,3 +109,33 @@ def test_validation_inside_the_window_is_not_recorded(tmp_path):
             assert names.count("FW.net.0") == 1 and names.count("BW.net.0") == 1, (rank, step, names)
     analysis = analyze_run(run).analysis
     assert analysis.predicted_step_ms > 0
+
+
+def test_profiler_slot_records_every_rank_and_summarizes_the_run(tmp_path):
+    """Trainer(profiler=DproProfiler(dirpath=..., steps=...)): both ranks recorded through the callback's recorder,
+    the run replays within 5 %, and the profiler's summary (Lightning's report at the end of fit) is dpro's.
+    (One package's job: the class is both packages' Profiler, the next test; the callback's tests run both.)"""
+    run_dir = tmp_path / "run"
+    proc = run_job([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--slot",
+                    "profiler", "--steps", "14", "--profile", "4:12", "--run-dir", str(run_dir)], timeout=240,
+                   cwd=tmp_path)
+    run = load_run(run_dir)
+    assert run.meta["world_size"] == 2 and sorted(run.ranks) == [0, 1] and not run.problems
+    for rank, trace in run.ranks.items():
+        assert trace.complete and trace.steps == list(range(4, 12)), rank
+        assert {"FW.net.0", "BW.net.0", "UPDATE.optimizer", "STEP"} <= {e["name"] for e in trace.events}
+    analysis = analyze_run(run).analysis
+    assert abs(analysis.error_pct) < 5.0, analysis.error_pct
+    summary = proc.stdout.split("DPRO SUMMARY\n", 1)[1]
+    assert summary.startswith(f"dpro: {run_dir}") and "prediction error" in summary
+    assert f"measured step {analysis.measured_step_ms:.2f} ms" in summary
+    assert "measured step" in (tmp_path / "fit-run-0.txt").read_text()  # Lightning wrote it (filename given)
+
+
+def test_the_profiler_is_each_lightning_packages_profiler():
+    from dpro.plugins.torch.lightning import DproProfiler
+
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        if importlib.util.find_spec(package.split(".")[0]) is not None:
+            profilers = importlib.import_module(f"{package}.profilers")
+            assert isinstance(DproProfiler(steps=range(2, 4)), profilers.Profiler), package
