@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
+from dpro.engines.torch_ddp.buckets import BUCKET_CAP, FIND_UNUSED, FIRST_BUCKET_CAP
 from dpro.errors import ConfigError, UsageError
 from dpro.logs import get_logger
 from dpro.record.trace import model_fingerprint
@@ -56,7 +57,7 @@ __all__ = [
 FRAMEWORK = "torch"
 ENGINE = "torch-ddp"
 _DDP_DEFAULT_BUCKET_CAP_MB = 25.0
-_BUCKET, _FIRST, _GROUPS = "torch.ddp.bucket_cap_mb", "torch.ddp.first_bucket_cap_mb", "tensor_groups"
+_BUCKET, _FIRST, _FIND_UNUSED, _GROUPS = BUCKET_CAP, FIRST_BUCKET_CAP, FIND_UNUSED, "tensor_groups"
 
 
 def _key(knob: str) -> str:
@@ -131,6 +132,7 @@ def ddp_kwargs(config: Config, *, model: nn.Module | None = None) -> dict[str, A
     - ``torch.ddp.bucket_cap_mb`` -> ``bucket_cap_mb``.
     - ``torch.ddp.first_bucket_cap_mb`` (when it differs from the bucket size) -> ``bucket_cap_mb_list=
       [first, bucket]``: DDP gives its first bucket the first cap and repeats the last cap for the rest.
+    - ``torch.ddp.find_unused_parameters`` -> ``find_unused_parameters``.
     - ``tensor_groups`` -> ``bucket_cap_mb_list``, one cap per group, each exactly the group's bytes.
       DDP fills buckets with gradients in the order they become ready (after its first iteration,
       when it rebuilds its buckets) and closes a bucket when it reaches its cap, so each bucket is
@@ -154,15 +156,16 @@ def ddp_kwargs(config: Config, *, model: nn.Module | None = None) -> dict[str, A
         ConfigError: ``tensor_groups`` name a parameter the model does not have, or leave one out.
     """
     knobs = config.knobs
+    flags = {"find_unused_parameters": knobs[_FIND_UNUSED]} if _FIND_UNUSED in knobs else {}
     groups = knobs.get(_GROUPS)
     if groups:
         caps = _group_caps(config, groups, model)
         if caps is not None:
-            return {"bucket_cap_mb_list": caps}
+            return {"bucket_cap_mb_list": caps, **flags}
     cap, first = knobs.get(_BUCKET), knobs.get(_FIRST)
     if first is not None and first != (cap if cap is not None else _DDP_DEFAULT_BUCKET_CAP_MB):
-        return {"bucket_cap_mb_list": [first, cap if cap is not None else _DDP_DEFAULT_BUCKET_CAP_MB]}
-    return {} if cap is None else {"bucket_cap_mb": cap}
+        return {"bucket_cap_mb_list": [first, cap if cap is not None else _DDP_DEFAULT_BUCKET_CAP_MB], **flags}
+    return flags if cap is None else {"bucket_cap_mb": cap, **flags}
 
 
 def _group_caps(config: Config, groups: list[list[str]], model: nn.Module | None) -> list[float] | None:

@@ -143,6 +143,7 @@ class _StepLog:
     fw_open: dict[str, list[Any]] = field(default_factory=dict)  # module -> starts of forwards still running
     last_output: Any = None  # the last recorded module's output tensor that carries a BW-start hook, and its module
     last_output_of: str = ""
+    model_forward_end: Any = None  # when the wrapped model's forward returned (DDP's own work follows)
     end: Any = None
 
     @property
@@ -433,6 +434,8 @@ class TorchRecorder:
                     timed[id(mod)] = (pre, post)
             if timed:
                 self._handles += _time_class_forwards([mod for _, mod in self._modules if id(mod) in timed], timed)
+            if self.ddp is not None:
+                self._handles += self._ddp_forward_hooks()
         if "grad_ready" in mechanisms:
             for name, p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(name)))
@@ -550,6 +553,28 @@ class TorchRecorder:
                 log.last_output, log.last_output_of = first, name
 
         return pre, post
+
+    def _ddp_forward_hooks(self) -> list[Any]:
+        """Time DDP's own work after the model's forward (``FW.ddp.post_forward``): preparing the reducer for the
+        backward, which with ``find_unused_parameters`` searches the autograd graph from the outputs for the
+        parameters this step will not use (what that flag costs every step)."""
+        mark = self._mark
+
+        def model_done(module: nn.Module, inputs: Any, output: Any) -> None:
+            if not is_compiling() and not in_backward():
+                self._log.model_forward_end = mark()
+
+        def ddp_done(module: nn.Module, inputs: Any, output: Any) -> None:
+            log = self._log
+            start = log.model_forward_end
+            if is_compiling() or in_backward() or start is None:
+                return
+            log.model_forward_end = None
+            log.ops.append(("FW.ddp.post_forward", "FW", COMPUTE, start, mark(),
+                            {"step": self._iteration,
+                             "find_unused_parameters": bool(getattr(module, "find_unused_parameters", False))}))
+
+        return [self.module.register_forward_hook(model_done), self.ddp.register_forward_hook(ddp_done)]
 
     def _grad_ready(self, name: str) -> Callable:
         mark = self._mark

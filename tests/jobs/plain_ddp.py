@@ -28,6 +28,8 @@ parser.add_argument("--crash-step", type=int, default=-1)
 parser.add_argument("--print-env", action="store_true")
 parser.add_argument("--tag", default="")
 parser.add_argument("--slower-with-config", type=float, default=0.0)
+parser.add_argument("--find-unused", action="store_true", help="DistributedDataParallel(find_unused_parameters=True)")
+parser.add_argument("--unused-layer", action="store_true", help="a layer whose parameters never get a gradient")
 args = parser.parse_args()
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -37,11 +39,24 @@ if args.print_env:
     print("ENV " + " ".join(f"{n}={os.environ.get(n)}" for n in names), flush=True)
 
 
+class WithSpare(nn.Module):
+    """A model with a layer registered and never called: its parameters get no gradient."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body, self.spare = body, nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def train() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
                         nn.Linear(args.width, 10))
-    model = DistributedDataParallel(net)
+    if args.unused_layer:
+        net = WithSpare(net)
+    model = DistributedDataParallel(net, find_unused_parameters=args.find_unused)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
     for step in range(args.steps):

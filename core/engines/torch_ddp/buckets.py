@@ -7,11 +7,13 @@ from typing import Any
 
 from dpro.sim.whatif import MB, Context
 
-__all__ = ["BUCKET_CAP", "CAP_CANDIDATES_MB", "DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_CAP", "NAME", "bucket_groups",
-           "ddp_buckets"]
+__all__ = ["BUCKET_CAP", "CAP_CANDIDATES_MB", "DEFAULT_BUCKET_CAP_MB", "FIND_UNUSED", "FIRST_BUCKET_CAP", "NAME",
+           "POST_FORWARD", "bucket_groups", "ddp_buckets"]
 
 NAME = "torch-ddp"
 BUCKET_CAP, FIRST_BUCKET_CAP = "torch.ddp.bucket_cap_mb", "torch.ddp.first_bucket_cap_mb"
+FIND_UNUSED = "torch.ddp.find_unused_parameters"
+POST_FORWARD = "FW.ddp.post_forward"  # DDP's work after the model's forward, as the torch recorder names it
 DEFAULT_BUCKET_CAP_MB = 25.0   # torch.nn.parallel.DistributedDataParallel's default
 CAP_CANDIDATES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
 
