@@ -11,6 +11,7 @@ Usage::
     dpro-launch -np 2 --auto python train.py                 # profile, optimize, re-run, compare
     dpro-launch --engine tf -np 2 -H localhost:2 python train.py   # Keras MultiWorkerMirroredStrategy
     dpro-launch --engine mxnet -np 2 --num-servers 2 python train.py   # MXNet kvstore dist_sync (ps-lite)
+    dpro-launch --nproc-per-node 2 train.py --lr 0.1         # torchrun's flags: the script, run by this python
 
 The script needs no change. dpro-launch puts a ``sitecustomize`` on the job's ``PYTHONPATH`` that, once
 the script builds its ``DistributedDataParallel`` model, attaches dpro's recorder to it and to the
@@ -94,6 +95,15 @@ horovodrun options (same names and meaning; Horovod's knobs reach the job as env
     --log-level LEVEL              HOROVOD_LOG_LEVEL (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL)
 The table is ``dpro.launch.env.HOROVOD_KNOBS``. Any other option is an error (exit status 2).
 
+torchrun options (for users coming from torchrun; one dpro-launch starts every node, so there is no node rank):
+    --nproc-per-node N             processes per node, in place of -np (an integer)
+    --nnodes N                     nodes (N or N:N); more than one needs -H naming one host per node
+    -m, --module                   the command is a module: run as python -m MODULE ARGS
+    --no-python                    the command runs as it is; otherwise a script runs with this python
+    --standalone, --master-addr, --master-port, --rdzv-backend, --rdzv-endpoint, --rdzv-id, --rdzv-conf
+                                   accepted: dpro-launch hosts the rendezvous store itself
+    --node-rank 0, --max-restarts 0   the only values taken (a failed rank stops the job)
+
 dpro options:
     --engine {auto,torch,horovod,tf,mxnet}  see above (default auto)
     --ssh-known-hosts FILE         the known-hosts file for every ssh dpro starts (default ssh's own,
@@ -152,6 +162,7 @@ Python API: ``config_from_args(build_parser().parse_args(argv))`` or ``LaunchCon
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import traceback
 from collections.abc import Sequence
@@ -164,6 +175,7 @@ from dpro.launch.settings import (
     ENGINE_NAMES,
     LOG_LEVELS,
     HorovodSettings,
+    Host,
     LaunchConfig,
     default_window,
     detect_engine,
@@ -193,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")
 
     procs = parser.add_argument_group("processes and hosts (horovodrun)")
-    procs.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
-                       help="total number of processes")
+    procs.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N",
+                       help="total number of processes (or torchrun's --nproc-per-node)")
     hosts = procs.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and slots, e.g. node1:4,node2:4")
     hosts.add_argument("--hostfile", metavar="FILE", help="one 'HOST slots=N' per line")
@@ -247,6 +259,24 @@ def build_parser() -> argparse.ArgumentParser:
                           help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
     timeline.add_argument("--log-level", type=_upper, choices=LOG_LEVELS, help="HOROVOD_LOG_LEVEL")
 
+    torchrun = parser.add_argument_group("torchrun options (for users coming from torchrun; one dpro-launch "
+                                         "starts every node)")
+    torchrun.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", metavar="N",
+                          help="processes per node (an integer; torchrun's 'gpu'/'cpu'/'auto' are not taken)")
+    torchrun.add_argument("--nnodes", metavar="N", help="nodes (N or N:N); several need -H with one host per node")
+    torchrun.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, metavar="R",
+                          help="0 only: dpro-launch starts the other nodes itself (give -H)")
+    torchrun.add_argument("--standalone", action="store_true", help="accepted: a single node is the default")
+    for flag in ("master-addr", "master-port", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf"):
+        torchrun.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=flag.replace("-", "_"),
+                              metavar="VALUE", help="accepted; dpro-launch hosts the rendezvous itself")
+    torchrun.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, metavar="N",
+                          help="0 only: a failed rank stops the job")
+    torchrun.add_argument("-m", "--module", dest="module", action="store_true",
+                          help="the command is a module to run with python -m (torchrun's -m)")
+    torchrun.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                          help="the command is run as it is, without python (torchrun's --no-python)")
+
     dpro = parser.add_argument_group("dpro")
     dpro.add_argument("--engine", choices=("auto", *ENGINE_NAMES), default="auto",
                       help="torch: dpro starts the processes; horovod: horovodrun; tf: dpro starts the processes "
@@ -290,6 +320,7 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
     if command[:1] == ["--"]:
         command = command[1:]
     hosts = parse_hosts(args.hosts) if args.hosts else parse_hostfile(args.hostfile) if args.hostfile else []
+    np, command = _torchrun_style(args, hosts, command)
     settings, controller = ({}, None)
     if args.config_file:
         settings, controller = read_horovod_config_file(args.config_file)
@@ -311,7 +342,7 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
     if args.apply:
         apply = "auto" if args.apply == "auto" else Path(args.apply)
     return LaunchConfig(
-        command=command, np=args.np, hosts=hosts, engine=engine, ssh_port=args.ssh_port,
+        command=command, np=np, hosts=hosts, engine=engine, ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file, ssh_known_hosts=args.ssh_known_hosts,
         ssh_host_key_check=args.ssh_host_key_check, controller=args.controller or controller, horovod=horovod,
         start_timeout=args.start_timeout, network_interfaces=args.network_interfaces,
@@ -323,6 +354,50 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
         backward_marks=args.backward_marks, num_servers=args.num_servers, cwd=cwd,
         horovod_timeline=args.horovod_timeline,
     )
+
+
+def _count(text: str | None, flag: str) -> int | None:
+    """torchrun's N, or N:N (a fixed count; an elastic range is not taken)."""
+    if text is None:
+        return None
+    low, _, high = str(text).partition(":")
+    if not low.isdigit() or (high and high != low) or int(low) < 1:
+        raise UsageError(f"{flag} {text!r}: give a positive integer (or N:N); elastic ranges and torchrun's "
+                         f"'gpu'/'cpu'/'auto' are not taken, e.g. {flag} 2")
+    return int(low)
+
+
+def _torchrun_style(args: argparse.Namespace, hosts: list[Host], command: list[str]) -> tuple[int, list[str]]:
+    """The process count and command from horovodrun's ``-np`` or torchrun's ``--nproc-per-node``/``--nnodes``
+    (with torchrun's flags the command is a script or, with ``-m``, a module, run by this interpreter).
+
+    Raises:
+        UsageError: no process count, both styles at once, or what one dpro-launch cannot do (a node rank other
+            than 0, restarts, several nodes without their hosts).
+    """
+    per_node, nodes = _count(args.nproc_per_node, "--nproc-per-node"), _count(args.nnodes, "--nnodes")
+    if args.node_rank not in (None, 0):
+        raise UsageError(f"--node-rank {args.node_rank}: dpro-launch starts every node itself; run it once, on "
+                         "node 0, with the nodes' hosts (-H node1:4,node2:4)")
+    if args.max_restarts:
+        raise UsageError(f"--max-restarts {args.max_restarts}: not supported; a failed rank stops the job")
+    if per_node is None:
+        if args.np is None:
+            raise UsageError("give the number of processes: -np N (horovodrun) or --nproc-per-node N (torchrun)")
+        if args.module or args.no_python:
+            raise UsageError("-m and --no-python go with --nproc-per-node (torchrun's style)")
+        return args.np, command
+    if args.np is not None:
+        raise UsageError("give either -np (horovodrun) or --nproc-per-node (torchrun), not both")
+    nodes = nodes or 1
+    if nodes > 1 and len(hosts) != nodes:
+        raise UsageError(f"--nnodes {nodes}: name the nodes with -H, one host each (e.g. -H node1:{per_node},"
+                         f"node2:{per_node}); dpro-launch starts every node itself")
+    if hosts:
+        hosts[:] = [dataclasses.replace(h, slots=per_node) for h in hosts]
+    if args.no_python or not command:
+        return per_node * nodes, command
+    return per_node * nodes, [sys.executable, *(["-m"] if args.module else []), *command]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

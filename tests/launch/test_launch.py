@@ -137,6 +137,32 @@ def test_hostfile_and_defaults(tmp_path):
     assert single.profile == Window(10, 20) and single.engine == "torch"
 
 
+def test_torchruns_flags_give_the_processes_and_the_command():
+    config = parse("--nproc-per-node", "2", "--standalone", "train.py", "--lr", "0.1")
+    assert config.np == 2 and [(h.name, h.slots) for h in config.hosts] == [("localhost", 2)]
+    assert config.command == [sys.executable, "train.py", "--lr", "0.1"]  # torchrun runs the script with python
+    module = parse("--nproc_per_node", "2", "--nnodes", "1:1", "--rdzv-backend", "c10d", "-m", "pkg.train", "-x")
+    assert module.command == [sys.executable, "-m", "pkg.train", "-x"]
+    nodes = parse("--nproc-per-node", "2", "--nnodes", "2", "-H", "a,b", "--engine", "torch", "train.py")
+    assert nodes.np == 4 and [(h.name, h.slots) for h in nodes.hosts] == [("a", 2), ("b", 2)]
+    assert parse("--nproc-per-node", "2", "--no-python", "./run.sh").command == ["./run.sh"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("x.py",), "give the number of processes: -np N"),
+    (("-np", "2", "--nproc-per-node", "2", "x.py"), "not both"),
+    (("--nproc-per-node", "2", "--node-rank", "1", "x.py"), "starts every node itself"),
+    (("--nproc-per-node", "2", "--nnodes", "2", "x.py"), "name the nodes with -H"),
+    (("--nproc-per-node", "gpu", "x.py"), "positive integer"),
+    (("--nproc-per-node", "2", "--nnodes", "1:4", "x.py"), "elastic ranges"),
+    (("--nproc-per-node", "2", "--max-restarts", "3", "x.py"), "not supported"),
+    (("-np", "2", "-m", "pkg"), "go with --nproc-per-node"),
+])
+def test_what_one_launcher_cannot_do_with_torchruns_flags_is_said(argv, message):
+    with pytest.raises(UsageError, match=message):
+        parse(*argv)
+
+
 def test_unknown_flag_exits_2_naming_it(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["-np", "2", "--min-np", "1", "python", "train.py"])
