@@ -27,7 +27,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0" tensorflow-cpu keras pytorch-lightning lightning numpy networkx orjson pyyaml hypothesis pytest ruff
+	$(PY) -m pip install -q "torch==2.13.0" tensorflow-cpu keras pytorch-lightning lightning transformers accelerate numpy networkx orjson pyyaml hypothesis pytest ruff
 	$(PY) -m pip install -q --no-deps "tf_keras~=2.21.0"
 	$(PY) -m pip install -q --no-deps mlc-chakra protobuf
 	$(PY) -m pip install -q --no-deps -e .
