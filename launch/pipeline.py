@@ -30,6 +30,7 @@ from dpro.launch.process import ssh_options
 from dpro.launch.settings import LaunchConfig
 from dpro.logs import get_logger
 from dpro.progress import Progress
+from dpro.record import job_env
 from dpro.record.protocol import Window, claim_run_dir
 from dpro.record.trace import RUN_FILE, analysis_file, write_json_atomic
 
@@ -201,12 +202,33 @@ def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
         _say(f"rank {rank} died while {what}")
     recorded = find_recorded_run(config.run_dir)
     if recorded is None:
-        what = _NOTHING_RECORDED.get(config.engine, _NOTHING_RECORDED["torch"])
-        _say(f"nothing was recorded in {config.run_dir}: {what}, or ended before iteration {config.profile.start} "
-             f"(--profile {config.profile})")
+        seen = seen_text(config.run_dir / job_env.SEEN_FILE, config.profile)
+        what = seen or (f"{_NOTHING_RECORDED.get(config.engine, _NOTHING_RECORDED['torch'])}, or ended before "
+                        f"iteration {config.profile.start}")
+        _say(f"nothing was recorded in {config.run_dir}: {what} (--profile {config.profile})")
     elif recorded != config.run_dir:
         _say(f"the script recorded itself into {recorded}")
     return status, config, recorded
+
+
+def seen_text(path: Path, window: Window) -> str:
+    """What the job's auto-attach saw, in words (its ``seen.json``), when it recorded nothing; "" without one."""
+    try:
+        seen = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(seen, dict):
+        return ""
+    built = [f"{n} {what}" for n, what in ((seen.get("ddp_models"), "DistributedDataParallel model(s)"),
+                                          (seen.get("fsdp_modules"), "module(s) sharded by fully_shard"),
+                                          (seen.get("horovod_optimizers"), "hvd.DistributedOptimizer(s)"))
+             if isinstance(n, int) and n > 0]
+    steps = seen.get("optimizer_steps")
+    if not built:
+        return ("the job built no DistributedDataParallel model, fully_shard module or hvd.DistributedOptimizer "
+                "(dpro-launch records those)")
+    ran = f"ran {steps} optimizer step(s)" if isinstance(steps, int) else "ran"
+    return f"the job built {', '.join(built)} and {ran}, ending before iteration {window.start}"
 
 
 def _window_text(window: Window) -> str:

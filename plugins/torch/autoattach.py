@@ -77,6 +77,7 @@ BACKWARD_MARKS = job_env.BACKWARD_MARKS
 MECHANISMS_VAR = job_env.MECHANISMS
 STEP_TIMES = job_env.STEP_TIMES
 ELSEWHERE_FILE = "recorded-elsewhere.json"
+SEEN_FILE = job_env.SEEN_FILE
 WHO = "dpro-launch"
 HVD_ENGINE = "horovod"  # the engine dpro.plugins.torch.horovod records (a config's fingerprint names it)
 
@@ -135,6 +136,8 @@ class _State:
     hvd_hooks: list[Any] = field(default_factory=list)
     fsdps: list[weakref.ref] = field(default_factory=list)  # modules fully_shard was applied to
     fsdp_reshard: dict[int, Any] = field(default_factory=dict)  # id(module) -> the reshard_after_forward given
+    steps_seen: int = 0  # optimizer steps watched (what the launcher says when nothing was recorded)
+    built: dict[str, int] = field(default_factory=dict)  # what the script built, by kind (the same note)
 
     # -- the config ----------------------------------------------------------------------------------
 
@@ -176,6 +179,7 @@ class _State:
     # -- DDP ------------------------------------------------------------------------------------------
 
     def ddp_built(self, ddp: Any) -> None:
+        self.built["ddp_models"] = self.built.get("ddp_models", 0) + 1
         self.ddps.append(weakref.ref(ddp))
         if self.record and self.hook is None and not self.decided:
             from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -192,6 +196,7 @@ class _State:
 
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global optimizer post-step hook: the end of an iteration."""
+        self.steps_seen += 1
         recorder = self.recorder
         if recorder is not None:
             if self.optimizer is not None and self.optimizer() is optimizer:
@@ -227,6 +232,7 @@ class _State:
     def fsdp_sharded(self, module: Any, reshard: Any) -> None:
         """``fully_shard`` was applied to ``module`` (``reshard``: its ``reshard_after_forward``, None when not
         given): watch optimizer steps (the first whose parameters are an FSDP model's attaches)."""
+        self.built["fsdp_modules"] = self.built.get("fsdp_modules", 0) + 1
         self.fsdps.append(weakref.ref(module))
         self.fsdp_reshard[id(module)] = reshard
         if self.record and self.hook is None and not self.decided:
@@ -316,6 +322,7 @@ class _State:
         """A ``hvd.DistributedOptimizer`` was built for ``model``: watch its steps (first step: attach)."""
         if not self.record or self.decided or model is None:
             return
+        self.built["horovod_optimizers"] = self.built.get("horovod_optimizers", 0) + 1
         self.hvd_candidates.append((weakref.ref(optimizer), weakref.ref(model)))
         if not self.hvd_hooks:
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -344,6 +351,7 @@ class _State:
         self.hvd_depth[id(optimizer)] = depth = depth - 1
         if depth:
             return  # the wrapped optimizer's own step, inside Horovod's
+        self.steps_seen += 1
         recorder = self.recorder
         if recorder is not None:
             recorder.step()
@@ -411,6 +419,10 @@ class _State:
     def at_exit(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
+        is_rank = any(os.environ.get(v) is not None for v in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"))
+        if self.record and self.run_dir and is_rank and _rank() == 0 and (
+                self.recorder is None or not self.recorder.started):  # not the launcher's agents, which run here too
+            self._write_seen(Path(self.run_dir))
         if self.elsewhere and self.run_dir and _rank() == 0:
             root = Path(self.run_dir).resolve()
             outside = [d for d in self.elsewhere if root not in Path(d).parents and Path(d) != root]
@@ -418,6 +430,19 @@ class _State:
                 note = {"note": "the script recorded itself (dpro Profiler or DproCallback) into these runs",
                         "runs": outside}
                 (root / ELSEWHERE_FILE).write_text(json.dumps(note, indent=2) + "\n", encoding="utf-8")
+
+
+    def _write_seen(self, run_dir: Path) -> None:
+        """What this process saw of the job, for the launcher to say why nothing was recorded (``SEEN_FILE``)."""
+        seen = {"ddp_models": self.built.get("ddp_models", 0), "fsdp_modules": self.built.get("fsdp_modules", 0),
+                "horovod_optimizers": self.built.get("horovod_optimizers", 0),
+                "lightning_trainer": self.lightning_callback, "optimizer_steps": self.steps_seen,
+                "window": self.window[:1] + self.window[-1:] if self.window else []}
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / SEEN_FILE).write_text(json.dumps(seen) + "\n", encoding="utf-8")
+        except OSError:
+            pass  # a note for the launcher; never a reason to fail the job
 
 
 _STATE: _State | None = None

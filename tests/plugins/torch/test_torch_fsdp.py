@@ -75,3 +75,14 @@ def test_a_config_sets_reshard_where_the_script_passes_none(tmp_path):
     assert all(u["reshard_after_forward"] is False for u in units)
     whatif = whatif_traces(load_traces(run_trace_files(run)), {RESHARD: False})
     assert whatif["recorded_reshard_after_forward"] is False and whatif["backward_all_gathers"] == 0
+
+
+def test_a_window_the_job_never_reaches_is_explained_by_what_it_saw(tmp_path):
+    env = job_env(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    proc = run_job([sys.executable, "-m", "dpro.launch", "-np", "2", "--profile", "30:40", "--run-dir", "run",
+                    "python", str(JOBS / "fsdp_job.py"), "--steps", "4"], env=env, cwd=tmp_path, timeout=240,
+                   check=False)
+    if proc.returncode != 0 and GLOO_EXIT_ABORT not in proc.stderr:
+        pytest.fail(proc.stderr[-4000:])
+    assert ("nothing was recorded" in proc.stderr and "the job built 4 module(s) sharded by fully_shard and ran 4 "
+            "optimizer step(s), ending before iteration 30" in proc.stderr), proc.stderr[-2000:]
