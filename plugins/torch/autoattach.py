@@ -216,16 +216,24 @@ class _State:
             self.decided = True
             self.fsdp_attach(root, optimizer)
 
-    def attach(self, ddp: Any, optimizer: Any) -> None:
-        from dpro.plugins.torch.apply import recomputed
-        from dpro.plugins.torch.recorder import TorchRecorder, active_recorders
+    def _recorded_by_the_script(self) -> bool:
+        """The script records itself (a ``Profiler`` or ``DproCallback`` is active): the auto-attach steps aside,
+        noting where the script records."""
+        from dpro.plugins.torch.recorder import active_recorders
 
         others = active_recorders()
-        if others or self.lightning_callback:
-            self.elsewhere = sorted({str(Path(r.run_dir).resolve()) for r in others})
-            self.unhook()
-            return
-        self._start(TorchRecorder, ddp, recomputed(ddp.module), optimizer, self.unhook)
+        if not (others or self.lightning_callback):
+            return False
+        self.elsewhere = sorted({str(Path(r.run_dir).resolve()) for r in others})
+        self.unhook()
+        return True
+
+    def attach(self, ddp: Any, optimizer: Any) -> None:
+        from dpro.plugins.torch.apply import recomputed
+        from dpro.plugins.torch.recorder import TorchRecorder
+
+        if not self._recorded_by_the_script():
+            self._start(TorchRecorder, ddp, recomputed(ddp.module), optimizer, self.unhook)
 
     # -- FSDP ---------------------------------------------------------------------------------------
 
@@ -253,12 +261,8 @@ class _State:
     def fsdp_attach(self, root: Any, optimizer: Any) -> None:
         from dpro.errors import DproError
         from dpro.plugins.torch.fsdp import FsdpRecorder
-        from dpro.plugins.torch.recorder import active_recorders
 
-        others = active_recorders()
-        if others or self.lightning_callback:
-            self.elsewhere = sorted({str(Path(r.run_dir).resolve()) for r in others})
-            self.unhook()
+        if self._recorded_by_the_script():
             return
         knobs: dict[str, Any] = {"dpro.launch": "autoattach"}
         if self.config_source:
