@@ -106,27 +106,40 @@ def _xfer_members(g: Graph) -> dict[int, list[int]]:
     return out
 
 
+def _nodes_by_rank(g: Graph, it: int, members: dict[int, list[int]]) -> dict[int, list[int]]:
+    """The nodes of iterations ``it - 1`` and ``it`` each rank takes part in: its own, and the transfers it is a
+    member of; one pass over the nodes, so a per-rank figure costs its own nodes, not the whole graph's."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for node in np.flatnonzero((g.iteration == it) | (g.iteration == it - 1)).tolist():
+        if g.category[node] == "XFER":
+            for rank in members.get(node, ()):
+                out[rank].append(node)
+        else:
+            out[int(g.rank[node])].append(node)
+    return out
+
+
 def breakdown(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
     """Per rank, over the last replayed iteration: compute, communication, overlapped communication
     (communication hidden under compute) and idle time, in µs."""
     last = max(it for _, it in g.step_end)
-    members = _xfer_members(g)
+    nodes_of = _nodes_by_rank(g, last, _xfer_members(g))
     out = {}
     for (rank, it), end_node in g.step_end.items():
         if it != last or (rank, it - 1) not in g.step_end:
             continue
         t0, t1 = sched.end[g.step_end[(rank, it - 1)]], sched.end[end_node]
         compute, comm = [], []
-        for node in np.flatnonzero((g.iteration == it) | (g.iteration == it - 1)):
+        for node in nodes_of.get(rank, ()):
             s, e = max(sched.start[node], t0), min(sched.end[node], t1)
             if e <= s:
                 continue
             cat = g.category[node]
-            if cat == "XFER" and rank in members.get(int(node), ()):
+            if cat == "XFER":
                 comm.append((s, e))
-            elif g.rank[node] == rank and cat == "COMM" and g.duration[node] > 0:
+            elif cat == "COMM" and g.duration[node] > 0:
                 comm.append((s, e))
-            elif g.rank[node] == rank and cat in ("FW", "BW", "UPDATE", "RECOMPUTE", "COMPUTE"):
+            elif cat in ("FW", "BW", "UPDATE", "RECOMPUTE", "COMPUTE"):
                 compute.append((s, e))
         cu, mu = union_intervals(compute), union_intervals(comm)
         overlap = overlap_length(cu, mu)
@@ -152,23 +165,19 @@ def time_by_category(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
     Markers (STEP) and host-side bookkeeping without duration are not counted.
     """
     last = max(it for _, it in g.step_end)
-    members = _xfer_members(g)
+    nodes_of = _nodes_by_rank(g, last, _xfer_members(g))
     out: dict[int, dict[str, float]] = {}
     for (rank, it), end_node in g.step_end.items():
         if it != last or (rank, it - 1) not in g.step_end:
             continue
         t0, t1 = float(sched.end[g.step_end[(rank, it - 1)]]), float(sched.end[end_node])
         spans: list[tuple[float, float, str]] = []
-        for node in np.flatnonzero((g.iteration == it) | (g.iteration == it - 1)):
+        for node in nodes_of.get(rank, ()):
             s, e = max(float(sched.start[node]), t0), min(float(sched.end[node]), t1)
             cat = g.category[node]
             if e <= s or cat == "STEP":
                 continue
-            if cat == "XFER":
-                if rank in members.get(int(node), ()):
-                    spans.append((s, e, "communication"))
-            elif g.rank[node] == rank:
-                spans.append((s, e, "communication" if cat in COMM_CATEGORIES else cat))
+            spans.append((s, e, "communication" if cat in COMM_CATEGORIES else cat))
         out[rank] = _charge_instants(spans, t0, t1)
     return out
 
