@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError, kind_of, shown
+from dpro.io.events import EventTable, events_of, table_from_events
 from dpro.io.limits import (
     STEPS_ENV,
     WORLD_SIZE_ENV,
@@ -37,6 +38,7 @@ from dpro.io.limits import (
     stream_bytes,
     world_size_limit,
 )
+from dpro.io.pool import jobs_wanted, map_ordered
 from dpro.progress import Progress
 from dpro.record.trace import (
     CATEGORIES,
@@ -73,6 +75,7 @@ _RANK_FILE = re.compile(r"rank-(\d+)\.json")
 _JOURNAL_FILE = re.compile(r"rank-(\d+)\.partial\.jsonl")
 _REQUIRED = ("name", "cat", "ph", "ts", "dur")
 PROGRESS_BYTES = 50 * 2**20  # rank files together this big take seconds to read: say so as they load
+PARALLEL_BYTES = 16 * 2**20  # rank files together this big are read on several cores (unless jobs is given)
 
 
 @dataclass
@@ -101,6 +104,40 @@ class RankTrace:
     def from_journal(self) -> bool:
         """True when this trace was read from ``rank-<r>.partial.jsonl`` (the rank never finished)."""
         return self.path.name.endswith(".partial.jsonl")
+
+    @property
+    def table(self) -> EventTable:
+        """The events as columns (``dpro.io.events``): what analysis reads. Built from ``events`` when those were
+        handed out (they may have been changed since), else kept from loading."""
+        kept = self.__dict__
+        if kept.get("_table") is None:
+            kept["_table"] = table_from_events(kept["_events"], self.rank)
+        return kept["_table"]
+
+    def compact(self) -> RankTrace:
+        """Keep the events as columns only (``table``), until something asks for ``events`` again."""
+        kept = self.__dict__
+        if kept.get("_table") is None:
+            kept["_table"] = table_from_events(kept["_events"], self.rank)
+        kept["_events"] = None
+        return self
+
+
+def _trace_events(trace: RankTrace) -> list[dict[str, Any]]:
+    kept = trace.__dict__
+    if kept.get("_events") is None:
+        kept["_events"] = events_of(kept["_table"], trace.rank)
+    kept["_table"] = None  # the caller may change the events: the columns are rebuilt from them when asked
+    return kept["_events"]
+
+
+def _set_trace_events(trace: RankTrace, events: list[dict[str, Any]]) -> None:
+    trace.__dict__["_events"] = events
+    trace.__dict__["_table"] = None
+
+
+# the "X" events in file order, as dicts: made from the columns on first use (a loaded trace keeps columns only)
+RankTrace.events = property(_trace_events, _set_trace_events)  # type: ignore[assignment]
 
 
 @dataclass
@@ -250,6 +287,9 @@ def validate_events(
     if not isinstance(raw, list):
         raise TraceError(path, f"'{key}' must be a list of events, found {kind_of(raw)}", where or None)
     marks = step_marks if step_marks is not None else {}
+    fast = _laid_out_events(path, raw, rank, where, marks)
+    if fast is not None:
+        return fast
     events: list[dict[str, Any]] = []
     queues: dict[int, str] = {}
     for i, ev in enumerate(raw):
@@ -264,6 +304,52 @@ def validate_events(
             _check_x_event(path, ev, rank, at)
             _check_step_once(path, ev, marks, at)
             events.append(ev)
+    return events, queues
+
+
+_LAID_OUT = ("name", "cat", "ph", "ts", "dur", "pid", "tid", "args")  # an X event as dpro's writers lay it out
+
+
+def _laid_out_events(path: Path, raw: list[Any], rank: int, where: str,
+                     marks: dict[int, str]) -> tuple[list[dict[str, Any]], dict[int, str]] | None:
+    """``validate_events``'s answer for events laid out as dpro writes them, checked in one tight pass (a thousand
+    ranks' events are millions); None at the first event it does not vouch for, and ``validate_events`` checks the
+    list the long way (which names what is wrong). ``marks`` changes only on success."""
+    events: list[dict[str, Any]] = []
+    queues: dict[int, str] = {}
+    added: dict[int, str] = {}
+    categories = CATEGORIES
+    for i, ev in enumerate(raw):
+        if type(ev) is not dict:
+            return None
+        if tuple(ev) != _LAID_OUT:
+            if ev.get("ph") != "M" or ev.get("name") is None:
+                return None
+            at = f"{where}, event {i}" if where else f"event {i}"
+            _read_metadata(path, ev, queues, f"{at} {str(ev['name'])[:80]!r}")
+            continue
+        name, cat, ph, ts, dur, pid, tid, args = ev.values()
+        if not (ph == "X" and type(name) is str and name and cat in categories and type(tid) is int
+                and type(args) is dict and type(args.get("step")) is int and pid == rank):
+            return None
+        if not ((type(ts) is float or type(ts) is int) and (type(dur) is float or type(dur) is int)
+                and ts - ts == 0 and dur - dur == 0 and dur >= 0):  # x - x is 0 for a finite number only
+            return None
+        if len(args) > 1:
+            try:
+                if cat == "COMM" and "bytes" in args and not (is_finite_number(args["bytes"]) and args["bytes"] >= 0):
+                    return None
+                _check_list_args(path, args, "")
+            except TraceError:
+                return None
+        if cat == "STEP":
+            step = args["step"]
+            if step in marks or step in added:
+                return None
+            at = f"{where}, event {i}" if where else f"event {i}"
+            added[step] = f"{at} {name[:80]!r}"
+        events.append(ev)
+    marks.update(added)
     return events, queues
 
 
@@ -731,8 +817,9 @@ def _check_model_entry(path: Path, key: str, item: dict[str, Any], where: str) -
 # ---- a run ---------------------------------------------------------------------------------------
 
 
-def load_run(path: str | Path) -> Run:
-    """Load and validate a run directory.
+def load_run(path: str | Path, *, jobs: int | None = None) -> Run:
+    """Load and validate a run directory: rank files are read in ``jobs`` processes (``dpro.io.pool.jobs_wanted``;
+    by default only when they hold ``PARALLEL_BYTES`` or more), each kept as columns (``RankTrace.table``).
 
     Returns:
         A ``Run`` whose ``problems`` list what analysis must work around (missing or unfinished ranks,
@@ -763,13 +850,17 @@ def load_run(path: str | Path) -> Run:
     ranks: dict[int, RankTrace] = {}
     cut_lines: dict[int, list[str]] = {}
     files = {rank: finals.get(rank) or journals[rank] for rank in sorted(set(finals) | set(journals))}
-    big = sum(_size(f) for f in files.values()) >= PROGRESS_BYTES
-    with Progress(len(files), "loading rank files", quiet=None if big else True) as bar:
-        for rank, file in files.items():
-            if rank in finals:
-                ranks[rank] = load_rank_file(file, rank)
-            else:
-                ranks[rank], cut_lines[rank] = load_journal(file, rank)
+    total = sum(_size(f) for f in files.values())
+    workers = min(jobs_wanted(jobs), len(files))
+    if jobs is None and total < PARALLEL_BYTES:
+        workers = 1  # starting the processes would take longer than reading
+    tasks = [(rank, file, rank in finals, None) for rank, file in files.items()]
+    with Progress(len(files), "loading rank files", quiet=None if total >= PROGRESS_BYTES else True) as bar:
+        for (rank, file, _, _), (trace, cut) in zip(tasks, map_ordered(
+                _load_one, tasks, workers, chunksize=max(1, len(tasks) // (8 * workers))), strict=True):
+            ranks[rank] = trace
+            if cut is not None:
+                cut_lines[rank] = cut
             bar.advance(note=file.name)
     _share_windows(ranks, files, finals, cut_lines)
     run = Run(path=root, meta=meta, model=model, ranks=ranks, problems=problems)
@@ -786,6 +877,15 @@ def load_run(path: str | Path) -> Run:
     return run
 
 
+def _load_one(task: tuple[int, Path, bool, int | None]) -> tuple[RankTrace, list[str] | None]:
+    """One rank's file read, checked and reduced to columns (``RankTrace.compact``): the unit of a parallel load."""
+    rank, file, final, upto = task
+    if final:
+        return load_rank_file(file, rank, upto=upto).compact(), None
+    trace, cut = load_journal(file, rank, upto=upto)
+    return trace.compact(), cut
+
+
 def _share_windows(ranks: dict[int, RankTrace], files: dict[int, Path], finals: dict[int, Path],
                    cut_lines: dict[int, list[str]]) -> None:
     """When a rank's last steps run past the last step of another (a rank that crashed early), read it again up to
@@ -796,10 +896,9 @@ def _share_windows(ranks: dict[int, RankTrace], files: dict[int, Path], finals: 
     upto = min(ends)
     for rank, trace in list(ranks.items()):
         if trace.skipped_steps and trace.steps and max(trace.steps) > upto:
-            if rank in finals:
-                ranks[rank] = load_rank_file(files[rank], rank, upto=upto)
-            else:
-                ranks[rank], cut_lines[rank] = load_journal(files[rank], rank, upto=upto)
+            ranks[rank], cut = _load_one((rank, files[rank], rank in finals, upto))
+            if cut is not None:
+                cut_lines[rank] = cut
 
 
 def _size(path: Path) -> int:

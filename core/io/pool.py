@@ -1,0 +1,61 @@
+"""Reading many files on several cores: a process pool that hands back plain results (arrays, dataclasses).
+
+A thousand rank files take a minute to parse and check on one core; JSON parsing holds the interpreter, so threads
+would not help. ``map_ordered`` runs a function over items in worker processes and yields the results in the
+items' order (so the first bad file in that order is the error raised, as in a serial read). Workers are
+spawned, not forked: a fresh interpreter with the caller's environment at that moment (the ``DPRO_*`` limits)
+and none of its threads.
+
+``jobs_wanted(jobs)``: ``jobs`` when given, else ``$DPRO_JOBS``, else the CPUs this process may use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import TypeVar
+
+from dpro.errors import UsageError
+from dpro.record.protocol import usable_cpus
+
+__all__ = ["JOBS_ENV", "jobs_wanted", "map_ordered"]
+
+JOBS_ENV = "DPRO_JOBS"
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def jobs_wanted(jobs: int | None = None) -> int:
+    """How many processes may read at once: ``jobs``, else ``$DPRO_JOBS``, else the usable CPUs (at least 1).
+
+    Raises:
+        UsageError: ``jobs`` or ``$DPRO_JOBS`` is not a positive integer.
+    """
+    if jobs is None:
+        text = os.environ.get(JOBS_ENV, "").strip()
+        if not text:
+            return usable_cpus()
+        try:
+            jobs = int(text)
+        except ValueError:
+            raise UsageError(f"${JOBS_ENV}={text!r}: give the number of processes, e.g. {JOBS_ENV}=2") from None
+    if jobs < 1:
+        raise UsageError(f"jobs must be at least 1, found {jobs}")
+    return jobs
+
+
+def map_ordered(fn: Callable[[T], R], items: Iterable[T], jobs: int, chunksize: int = 1) -> Iterator[R]:
+    """``fn`` over ``items`` in ``jobs`` spawned processes (in this one when ``jobs`` is 1), results in order.
+
+    ``fn`` must be a module-level function; items and results cross processes pickled, so keep them plain.
+    """
+    if jobs <= 1:
+        yield from map(fn, items)
+        return
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield from pool.map(fn, items, chunksize=chunksize)
+    finally:  # an error (or a caller that stops early) drops the items not started yet
+        pool.shutdown(wait=True, cancel_futures=True)
