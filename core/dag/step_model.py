@@ -4,16 +4,26 @@ out; ``dpro.dag.wiring`` turns it into a ``Graph``."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from dpro.dag.align import Alignment
 from dpro.dag.wiring import graph_from_steps
 from dpro.errors import GraphError
-from dpro.io.load import Run, format_steps
+from dpro.io.load import RankTrace, Run, format_steps
+from dpro.record.trace import CATEGORIES
 
-__all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "StepModel", "far_out_steps", "occurrence_name", "step_model"]
+STEP_CODE = CATEGORIES.index("STEP")
+StepEvent = tuple[str, str, int, float, float, dict[str, Any]]  # name, category, tid, ts, dur, args
+
+__all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "RankStep", "StepModel", "far_out_steps", "occurrence_name",
+           "rank_steps", "step_model"]
 
 
 @dataclass
@@ -110,9 +120,11 @@ def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
     wanted = set(steps)
     by_step: dict[int, list[float]] = defaultdict(list)
     for trace in run.ranks.values():
-        for e in trace.events:
-            if e["cat"] == "STEP" and e["args"].get("step") in wanted:
-                by_step[e["args"]["step"]].append(e["dur"])
+        t = trace.table
+        marks = np.flatnonzero(t.cat == STEP_CODE)
+        for step, dur in zip(t.step[marks].tolist(), t.dur[marks].tolist(), strict=True):
+            if step in wanted:
+                by_step[step].append(dur)
     durations = {step: statistics.median(v) for step, v in by_step.items()}
     if len(durations) < 3:
         return {}
@@ -125,18 +137,18 @@ def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
     return {step: d for step, d in sorted(durations.items()) if d > q3 + fence or d < q1 - fence}
 
 
-def _contained(events: list[dict]) -> set[int]:
+def _contained(events: list[StepEvent]) -> set[int]:
     """Indices of FW/BW events that contain another on the same queue (parent modules: keep the leaves)."""
     out = set()
     by_queue: dict[int, list[int]] = defaultdict(list)
     for i, e in enumerate(events):
-        if e["cat"] in ("FW", "BW"):  # modules nest; collectives in flight together do not
-            by_queue[e["tid"]].append(i)
+        if e[1] in ("FW", "BW"):  # modules nest; collectives in flight together do not
+            by_queue[e[2]].append(i)
     for idxs in by_queue.values():
-        idxs.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+        idxs.sort(key=lambda i: (events[i][3], -events[i][4]))
         for a, b in zip(idxs, idxs[1:], strict=False):
             ea, eb = events[a], events[b]
-            if eb["ts"] + eb["dur"] <= ea["ts"] + ea["dur"] + 1e-3 and eb["ts"] >= ea["ts"]:
+            if eb[3] + eb[4] <= ea[3] + ea[4] + 1e-3 and eb[3] >= ea[3]:
                 out.add(a)
     return out
 
@@ -248,35 +260,44 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
     return out, ends, done_after
 
 
-def _gradient_launches(events: list[dict]) -> dict[str, float]:
+def _gradient_launches(events: list[StepEvent]) -> dict[str, float]:
     """Gradient -> when the first collective carrying it was launched (µs, the rank's clock)."""
     out: dict[str, float] = {}
     for e in events:
-        if e["cat"] == "COMM":
-            for grad in e["args"].get("tensors") or ():
-                out[grad] = min(out.get(grad, e["ts"]), e["ts"])
+        if e[1] == "COMM":
+            for grad in e[5].get("tensors") or ():
+                out[grad] = min(out.get(grad, e[3]), e[3])
     return out
 
 
-def _with_ready_times(bw: dict, launch_of: dict[str, float]) -> dict:
+def _with_ready_times(ts: float, dur: float, args: dict, launch_of: dict[str, float]) -> dict:
     """A backward event's args with ``_ts`` and a ready time per gradient: the recorded one (its op's end when none
     is), or the launch of the collective carrying the gradient when that came first, since a collective cannot start
     before its gradient exists (a recorder that marks a whole layer's gradients ready at the layer's end; TensorFlow
     computes the weight gradient before the input's)."""
-    grads = bw["args"]["grads"]
-    ready = bw["args"].get("grads_ready_us") or []
+    grads = args["grads"]
+    ready = args.get("grads_ready_us") or []
     if len(ready) != len(grads):
-        ready = [bw["ts"] + bw["dur"]] * len(grads)
-    ready = [min(t, launch_of[g]) if bw["ts"] < launch_of.get(g, float("-inf")) < t else t
+        ready = [ts + dur] * len(grads)
+    ready = [min(t, launch_of[g]) if ts < launch_of.get(g, float("-inf")) < t else t
              for g, t in zip(grads, ready, strict=True)]
-    return {**bw["args"], "_ts": bw["ts"], "grads_ready_us": ready}
+    return {**args, "_ts": ts, "grads_ready_us": ready}
 
 
-def _median_ready_offsets(samples: list[tuple[float, float, float, dict]]) -> dict[str, float]:
+@dataclass
+class _OpSamples:
+    """One op of one rank over the steps read: its start in each step, its duration, its args."""
+
+    starts: list[float]
+    durations: list[float]
+    args: list[dict]
+
+
+def _median_ready_offsets(samples: list[dict]) -> dict[str, float]:
     """When each gradient of a backward op is ready, from the op's start (median over steps): a collective of a
     gradient can start then, before the op ends (it goes on computing other gradients and its input's)."""
     offsets: dict[str, list[float]] = defaultdict(list)
-    for _, _, _, args in samples:
+    for args in samples:
         t0 = args.get("_ts")
         ready = args.get("grads_ready_us") or []
         if t0 is None or len(ready) != len(args.get("grads") or []):
@@ -286,7 +307,57 @@ def _median_ready_offsets(samples: list[tuple[float, float, float, dict]]) -> di
     return {grad: statistics.median(v) for grad, v in offsets.items()}
 
 
-def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
+@dataclass
+class RankStep:
+    """One rank's one recorded step as the step model reads it: its STEP mark (the rank's clock) and its ops in start
+    order, each ``(node name, category, queue, start in the step, duration, args, ts)``; a backward op's args carry
+    its gradients' ready times (``_with_ready_times``)."""
+
+    t0: float
+    duration: float
+    ops: list[tuple[str, str, str, float, float, dict, float]]
+
+
+def rank_steps(trace: RankTrace, steps: Iterable[int]) -> dict[int, RankStep | None]:
+    """Each of ``steps`` of one rank, read off its columns (None: the rank has no STEP event for it)."""
+    t = trace.table
+    wanted = sorted(set(steps))
+    index = np.flatnonzero(np.isin(t.step, wanted))
+    index = index[np.argsort(t.step[index], kind="stable")]  # by step, file order within a step
+    cuts = np.searchsorted(t.step[index], wanted, side="left").tolist() + [index.size]
+    names, arg_sets, queues = t.names, t.arg_sets, trace.queues
+    rows = list(zip([names[n] for n in t.name[index].tolist()], [CATEGORIES[c] for c in t.cat[index].tolist()],
+                    t.tid[index].tolist(), t.ts[index].tolist(), t.dur[index].tolist(),
+                    [arg_sets[a] for a in t.arg[index].tolist()], strict=True))
+    out: dict[int, RankStep | None] = {}
+    for k, step in enumerate(wanted):
+        out[step] = _rank_step(rows[cuts[k]:cuts[k + 1]], queues)
+    return out
+
+
+def _rank_step(events: list[StepEvent], queues: dict[int, str]) -> RankStep | None:
+    boundary = next((e for e in events if e[1] == "STEP"), None)
+    if boundary is None:
+        return None
+    t0 = boundary[3]
+    work = [e for e in events if e[1] != "STEP"]
+    drop = _contained(work)
+    work = [e for i, e in enumerate(work) if i not in drop]
+    work.sort(key=lambda e: e[3])
+    launch_of = _gradient_launches(work)
+    runs: dict[str, int] = defaultdict(int)
+    ops = []
+    for name, cat, tid, ts, dur, args in work:
+        node = occurrence_name(name, runs[name])
+        runs[name] += 1
+        if cat == "BW" and args.get("grads"):
+            args = _with_ready_times(ts, dur, args, launch_of)
+        ops.append((node, cat, queues.get(tid, str(tid)), ts - t0, dur, args, ts))
+    return RankStep(t0, boundary[4], ops)
+
+
+def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None,
+               steps: list[int] | None = None) -> StepModel:
     """Summarise the profiled steps of every rank (aligned clocks) into one mean step: each op's mean start and
     duration (means, not medians: a step is a sum of its ops; medians of skewed parts add up to no step, and
     replay short). Steps far outside the others are left out first
@@ -297,6 +368,8 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     step's transfer, ``_transfer_times``) or ``"in-step"`` (from mean arrival and end times within
     the step, ``_transfer_times_in_step``); default: what the run's engine says
     (``Engine.transfer_calibration``, ``"in-step"`` unless an engine says otherwise).
+
+    ``steps``: a model of exactly these steps, none set aside or left out (``dpro.sim.steps``: one recorded step).
     """
     from dpro.engines import get_engine  # the registry imports engine modules, which import this one
 
@@ -304,18 +377,19 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     if transfers is None:
         transfers = engine.transfer_calibration
     chained = engine.chained_launch
-    steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
-    if not steps:
-        raise GraphError(f"{run.path}: the ranks have no profiled step in common "
-                         f"({', '.join(f'rank {r}: {format_steps(t.steps)}' for r, t in sorted(run.ranks.items()))}); "
-                         "record the same window on every rank")
-    kept = [step for step in steps if step not in run.set_aside]
-    if len(kept) >= MIN_MODEL_STEPS:
-        steps = kept
-    left_out = far_out_steps(run, steps)
-    steps = [step for step in steps if step not in left_out]
-    wanted = set(steps)
-    per_op: dict[tuple[int, str], list[tuple[float, float, float, dict]]] = defaultdict(list)
+    left_out: dict[int, float] = {}
+    if steps is None:
+        steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
+        if not steps:
+            listed = ", ".join(f"rank {r}: {format_steps(t.steps)}" for r, t in sorted(run.ranks.items()))
+            raise GraphError(f"{run.path}: the ranks have no profiled step in common ({listed}); "
+                             "record the same window on every rank")
+        kept = [step for step in steps if step not in run.set_aside]
+        if len(kept) >= MIN_MODEL_STEPS:
+            steps = kept
+        left_out = far_out_steps(run, steps)
+        steps = [step for step in steps if step not in left_out]
+    per_op: dict[tuple[int, str], _OpSamples] = {}
     step_us: dict[int, list[float]] = defaultdict(list)
     comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
     starts: dict[tuple[int, int], float] = {}
@@ -325,59 +399,47 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     transfer_queues: dict[str, tuple[str, ...]] = {}
     for rank, trace in run.ranks.items():
         shift = alignment.offset_us.get(rank, 0.0)
-        by_step: dict[int, list[dict]] = defaultdict(list)
-        for e in trace.events:
-            if e["args"].get("step") in wanted:
-                by_step[e["args"]["step"]].append(e)
+        recorded = rank_steps(trace, steps)
         for step in steps:
-            events = by_step[step]
-            boundary = next((e for e in events if e["cat"] == "STEP"), None)
-            if boundary is None:
+            one = recorded[step]
+            if one is None:
                 raise GraphError(f"{run.path}: rank {rank} has events of step {step} but no STEP event marking "
                                  "its boundaries")
-            t0 = boundary["ts"]
-            starts[(rank, step)] = t0 - shift
-            spans[(rank, step)] = (t0 - shift, t0 - shift + boundary["dur"])
-            step_us[rank].append(boundary["dur"])
-            work = [e for e in events if e["cat"] != "STEP"]
-            drop = _contained(work)
-            work = [e for i, e in enumerate(work) if i not in drop]
-            work.sort(key=lambda e: e["ts"])
-            launch_of = _gradient_launches(work)
-            last_end: dict[int, float] = {}
-            runs: dict[str, int] = defaultdict(int)
-            for e in work:
-                q = trace.queues.get(e["tid"], str(e["tid"]))
-                start = e["ts"] - t0
-                gap = max(0.0, start - last_end.get(e["tid"], 0.0))
-                last_end[e["tid"]] = max(last_end.get(e["tid"], 0.0), start + e["dur"])
-                name = occurrence_name(e["name"], runs[e["name"]])
-                runs[e["name"]] += 1
-                args = _with_ready_times(e, launch_of) if e["cat"] == "BW" and e["args"].get("grads") else e["args"]
-                per_op[(rank, name)].append((start, e["dur"], gap, args))
+            starts[(rank, step)] = one.t0 - shift
+            spans[(rank, step)] = (one.t0 - shift, one.t0 - shift + one.duration)
+            step_us[rank].append(one.duration)
+            for name, cat, q, start, dur, args, ts in one.ops:
+                got = per_op.get((rank, name))
+                if got is None:
+                    got = per_op[(rank, name)] = _OpSamples([], [], [])
+                got.starts.append(start)
+                got.durations.append(dur)
+                got.args.append(args)
                 queue_of[(rank, name)] = q
-                cat_of[name] = e["cat"]
-                if e["cat"] == "COMM":
-                    comm_by_step[(name, step)][rank] = (e["ts"] - shift, e["ts"] + e["dur"] - shift)
-                    queues = engine.transfer_queues(run, e["args"])
+                cat_of[name] = cat
+                if cat == "COMM":
+                    comm_by_step[(name, step)][rank] = (ts - shift, ts + dur - shift)
+                    queues = engine.transfer_queues(run, args)
                     if queues:
                         transfer_queues[name] = queues
     ops: dict[int, list[OpStats]] = defaultdict(list)
     for (rank, name), samples in per_op.items():
-        if 2 * len(samples) < len(steps) and cat_of[name] != "COMM":
+        n = len(samples.starts)
+        if 2 * n < len(steps) and cat_of[name] != "COMM":
             # an op in fewer than half of the steps (a source whose ops split or merge differently from step to
             # step) is no part of the mean step: its time stays in the gap before the op after it
             continue
-        order = statistics.fmean(s[0] for s in samples)
-        duration = statistics.fmean(s[1] for s in samples)
+        order = math.fsum(samples.starts) / n  # statistics.fmean's own sum, without its per-call overhead
+        duration = math.fsum(samples.durations) / n
         if transfers == "in-step" and cat_of[name] == "COMM":
-            duration = max(0.0, statistics.fmean(s[0] + s[1] for s in samples) - order)  # ends at its mean end
-        args = {k: v for k, v in samples[-1][3].items() if k != "_ts"}
+            ends = [a + b for a, b in zip(samples.starts, samples.durations, strict=True)]
+            duration = max(0.0, math.fsum(ends) / n - order)  # ends at its mean end
+        args = {k: v for k, v in samples.args[-1].items() if k != "_ts"}
         if cat_of[name] == "BW":
-            args["grads_ready_offset_us"] = _median_ready_offsets(samples)
+            args["grads_ready_offset_us"] = _median_ready_offsets(samples.args)
         ops[rank].append(OpStats(
             name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
-            order=order, duration=duration, gap=None, args=args, samples=[sample[1] for sample in samples]))
+            order=order, duration=duration, gap=None, args=args, samples=samples.durations))
     if not ops:
         raise GraphError(f"{run.path}: the profiled steps ({format_steps(steps)}) hold no operation besides their STEP "
                          "markers; nothing to replay")

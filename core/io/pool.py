@@ -2,9 +2,11 @@
 
 A thousand rank files take a minute to parse and check on one core; JSON parsing holds the interpreter, so threads
 would not help. ``map_ordered`` runs a function over items in worker processes and yields the results in the
-items' order (so the first bad file in that order is the error raised, as in a serial read). Workers are
-spawned, not forked: a fresh interpreter with the caller's environment at that moment (the ``DPRO_*`` limits)
-and none of its threads.
+items' order (so the first bad file in that order is the error raised, as in a serial read). Workers are forked,
+so they see the caller's environment at that moment (the ``DPRO_*`` limits) and need no importable main script
+(a spawned worker re-runs the caller's script, which a script without a ``__main__`` guard does not survive). A
+process running other threads is not forked (a lock one of them holds would stay held in the child forever):
+there the items are read in this process, one after another, as with ``jobs=1``.
 
 ``jobs_wanted(jobs)``: ``jobs`` when given, else ``$DPRO_JOBS``, else the CPUs this process may use.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
@@ -47,14 +50,15 @@ def jobs_wanted(jobs: int | None = None) -> int:
 
 
 def map_ordered(fn: Callable[[T], R], items: Iterable[T], jobs: int, chunksize: int = 1) -> Iterator[R]:
-    """``fn`` over ``items`` in ``jobs`` spawned processes (in this one when ``jobs`` is 1), results in order.
+    """``fn`` over ``items`` in ``jobs`` forked processes (in this one when ``jobs`` is 1 or other threads run),
+    results in order.
 
     ``fn`` must be a module-level function; items and results cross processes pickled, so keep them plain.
     """
-    if jobs <= 1:
+    if jobs <= 1 or threading.active_count() > 1 or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(fn, items)
         return
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork"))
     try:
         yield from pool.map(fn, items, chunksize=chunksize)
     finally:  # an error (or a caller that stops early) drops the items not started yet

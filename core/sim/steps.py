@@ -12,9 +12,7 @@ little, and unlike a median it does not move when the replay shifts time from on
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-from collections import defaultdict
 from dataclasses import dataclass
 
 from dpro.dag.align import Alignment
@@ -57,26 +55,12 @@ def typical_step_us(durations: list[float]) -> float:
     return statistics.fmean(values[cut:len(values) - cut])
 
 
-def _single_step_runs(run: Run, steps: list[int]) -> list[Run]:
-    """One ``Run`` per step holding only that step's events (read once, not once per step)."""
-    events: dict[tuple[int, int], list[dict]] = defaultdict(list)
-    wanted = set(steps)
-    for rank, trace in run.ranks.items():
-        for e in trace.events:
-            step = e["args"].get("step")
-            if step in wanted:
-                events[(rank, step)].append(e)
-    return [dataclasses.replace(run, ranks={
-        rank: dataclasses.replace(trace, steps=[step], events=events[(rank, step)])
-        for rank, trace in run.ranks.items()}) for step in steps]
-
-
 def one_step_models(run: Run, alignment: Alignment, steps: list[int]) -> tuple[list[int], list[StepModel]]:
     """A ``StepModel`` of each step (up to ``MAX_STEPS``, evenly spaced), on the aligned clock."""
     if len(steps) > MAX_STEPS:
         stride = len(steps) / MAX_STEPS
         steps = [steps[int(i * stride)] for i in range(MAX_STEPS)]
-    return steps, [step_model(one, alignment) for one in _single_step_runs(run, steps)]
+    return steps, [step_model(run, alignment, steps=[step]) for step in steps]
 
 
 def _periods(g: Graph, schedule: Schedule, ranks: list[int], iterations: int) -> dict[int, list[float]]:
