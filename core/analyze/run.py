@@ -18,12 +18,12 @@ import numpy as np
 
 from dpro.dag.align import Alignment, align
 from dpro.dag.graph import Graph
-from dpro.dag.step_model import StepModel, step_model
-from dpro.dag.wiring import graph_from_steps
+from dpro.dag.step_model import StepModel, wired_step_model
+from dpro.dag.wiring import graph_of_wired
 from dpro.io.load import Run, load_run, overhead_of
 from dpro.sim.interference import fit_interference
 from dpro.sim.replay import Schedule, critical_path, plan_levels, predicted_step_us, replay
-from dpro.sim.steps import one_step_models, replay_recorded
+from dpro.sim.steps import replay_recorded_run
 
 __all__ = [
     "Analysis",
@@ -312,8 +312,8 @@ class AnalyzedRun:
 def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
     """Align, build the DAG, replay it and measure the prediction error of one run directory."""
     alignment = align(run)
-    model = step_model(run, alignment)
-    g = graph_from_steps(model, iterations=iterations)
+    model, wired = wired_step_model(run, alignment)
+    g = graph_of_wired(model, wired, iterations)
     sched = replay(g, plan_levels(g))
     predicted = predicted_step_us(g, sched)
     pred, measured = statistics.median(predicted.values()), model.measured_step_us
@@ -354,8 +354,7 @@ def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
 
 def _as_recorded_note(run: Run, alignment: Alignment, model: StepModel) -> str:
     """How the recorded steps replay as they were, each with its own times: a check of the DAG's wiring."""
-    steps, one_step = one_step_models(run, alignment, model.steps)
-    recorded = replay_recorded(steps, one_step)
+    recorded = replay_recorded_run(run, alignment, model.steps)
     replayed, measured = recorded.predicted_step_us, recorded.measured_step_us
     return (f"the recorded steps replayed as they were, each with its own times, take {replayed / 1000.0:.2f} ms "
             f"against their measured {measured / 1000.0:.2f} ms ({error_pct(replayed, measured):+.2f} %; means of "

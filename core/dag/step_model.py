@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from dpro.dag.align import Alignment
-from dpro.dag.wiring import graph_from_steps
+from dpro.dag.wiring import WiredStep, wire_once
 from dpro.errors import GraphError
 from dpro.io.load import RankTrace, Run, format_steps
 from dpro.record.trace import CATEGORIES
@@ -23,7 +23,8 @@ STEP_CODE = CATEGORIES.index("STEP")
 StepEvent = tuple[str, str, int, float, float, dict[str, Any]]  # name, category, tid, ts, dur, args
 
 __all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "RankStep", "StepModel", "far_out_steps", "occurrence_name",
-           "rank_steps", "step_model"]
+           "rank_steps", "step_model",
+           "wired_step_model"]
 
 
 @dataclass
@@ -358,6 +359,12 @@ def _rank_step(events: list[StepEvent], queues: dict[int, str]) -> RankStep | No
 
 def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None,
                steps: list[int] | None = None) -> StepModel:
+    """The step model of ``run`` (``wired_step_model``, without its wiring)."""
+    return wired_step_model(run, alignment, transfers=transfers, steps=steps)[0]
+
+
+def wired_step_model(run: Run, alignment: Alignment, *, transfers: str | None = None,
+                     steps: list[int] | None = None) -> tuple[StepModel, WiredStep]:
     """Summarise the profiled steps of every rank (aligned clocks) into one mean step: each op's mean start and
     duration (means, not medians: a step is a sum of its ops; medians of skewed parts add up to no step, and
     replay short). Steps far outside the others are left out first
@@ -478,6 +485,6 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None,
         left_out_steps=left_out,
     )
     # wiring it once fills in the measured gaps and tails, so that a what-if's transformed copy keeps them (a tail
-    # filled in on a changed step would stretch that step back to the measured one)
-    graph_from_steps(model, iterations=1)
-    return model
+    # filled in on a changed step would stretch that step back to the measured one); the wiring is returned too, so
+    # the replay chains copies of it (``dpro.dag.wiring.stitch``) instead of wiring the ops again
+    return model, wire_once(model)

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 from dpro.dag.align import Alignment
 from dpro.dag.graph import Graph
-from dpro.dag.step_model import StepModel, step_model
-from dpro.dag.wiring import graph_from_step_sequence
+from dpro.dag.step_model import StepModel, step_model, wired_step_model
+from dpro.dag.wiring import WiredStep, graph_from_step_sequence, stitch
 from dpro.io.load import Run
 from dpro.sim.replay import Schedule, plan_levels, replay
 
-__all__ = ["MAX_STEPS", "StepReplay", "one_step_models", "replay_recorded", "typical_step_us"]
+__all__ = ["MAX_STEPS", "StepReplay", "one_step_models", "replay_recorded", "replay_recorded_run", "typical_step_us"]
 
 MAX_STEPS = 256  # a longer window is thinned to this many evenly spaced steps (each is a model of its own)
 
@@ -61,6 +61,31 @@ def one_step_models(run: Run, alignment: Alignment, steps: list[int]) -> tuple[l
         stride = len(steps) / MAX_STEPS
         steps = [steps[int(i * stride)] for i in range(MAX_STEPS)]
     return steps, [step_model(run, alignment, steps=[step]) for step in steps]
+
+
+def replay_recorded_run(run: Run, alignment: Alignment, steps: list[int]) -> StepReplay:
+    """``replay_recorded(*one_step_models(run, alignment, steps))``, holding one step's model at a time: each is
+    wired once and dropped, and the replay chains the wirings (``dpro.dag.wiring.stitch``)."""
+    if len(steps) > MAX_STEPS:
+        stride = len(steps) / MAX_STEPS
+        steps = [steps[int(i * stride)] for i in range(MAX_STEPS)]
+    parts: list[WiredStep] = []
+    step_us: list[dict[int, float]] = []
+    ranks: set[int] | None = None
+    for step in steps:
+        model, wired = wired_step_model(run, alignment, steps=[step])
+        if model.exchanges or model.transfer_queues:  # not stitched: the models are wired together
+            return replay_recorded(*one_step_models(run, alignment, steps))
+        parts.append(wired)
+        step_us.append(model.step_us_by_rank)
+        ranks = set(model.ops) if ranks is None else ranks & set(model.ops)
+    ordered = sorted(ranks or ())
+    if len(parts) == 1:
+        parts, step_us = parts * 2, step_us * 2
+    g = stitch(parts)
+    schedule = replay(g, plan_levels(g))
+    measured = {r: [us[r] for us in step_us[1:]] for r in ordered}
+    return StepReplay(steps[-len(parts) + 1:], measured, _periods(g, schedule, ordered, len(parts)), g, schedule)
 
 
 def _periods(g: Graph, schedule: Schedule, ranks: list[int], iterations: int) -> dict[int, list[float]]:
