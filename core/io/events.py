@@ -107,24 +107,30 @@ def table_from_events(events: Iterable[dict[str, Any]], rank: int) -> EventTable
                       np.array(args, dtype=np.int32), np.array(ints, dtype=np.uint8), odd)
 
 
-def _copy(value: Any) -> Any:
+def _copied(value: Any) -> Any:
     """A copy of a JSON value (the table's args objects are shared; the events handed out are the caller's)."""
     if type(value) is dict:
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: _copied(v) for k, v in value.items()}
     if type(value) is list:
-        return [_copy(v) for v in value]
+        return [_copied(v) for v in value]
     return value
 
 
-def events_of(table: EventTable, rank: int) -> list[dict[str, Any]]:
-    """The events of ``table`` as dicts, as they were read (each its own objects: the caller may change them)."""
+def _same(value: Any) -> Any:
+    return value
+
+
+def events_of(table: EventTable, rank: int, *, copy: bool = True) -> list[dict[str, Any]]:
+    """The events of ``table`` as dicts, as they were read: each its own objects (the caller may change them), or,
+    with ``copy=False``, sharing the table's args objects (to be written out, not changed)."""
     out: list[dict[str, Any]] = []
     names, arg_sets, odd = table.names, table.arg_sets, table.odd
+    _copy = _copied if copy else _same
     for i, (n, c, tid, ts, dur, k, flags) in enumerate(zip(
             table.name.tolist(), table.cat.tolist(), table.tid.tolist(), table.ts.tolist(), table.dur.tolist(),
             table.arg.tolist(), table.ints.tolist(), strict=True)):
         if i in odd:
-            out.append(_copy(odd[i]))
+            out.append(_copied(odd[i]) if copy else dict(odd[i]))
             continue
         out.append({"name": names[n], "cat": CATEGORIES[c], "ph": "X",
                     "ts": int(ts) if flags & TS_INT else ts, "dur": int(dur) if flags & DUR_INT else dur,

@@ -107,11 +107,11 @@ class RankTrace:
 
     @property
     def table(self) -> EventTable:
-        """The events as columns (``dpro.io.events``): what analysis reads. Built from ``events`` when those were
-        handed out (they may have been changed since), else kept from loading."""
+        """The events as columns (``dpro.io.events``): what analysis reads. Made anew from ``events`` on every call
+        while those are out (they may change at any time; ``compact`` ends that), else kept from loading."""
         kept = self.__dict__
-        if kept.get("_table") is None:
-            kept["_table"] = table_from_events(kept["_events"], self.rank)
+        if kept.get("_events") is not None:
+            return table_from_events(kept["_events"], self.rank)
         return kept["_table"]
 
     def compact(self) -> RankTrace:
@@ -874,6 +874,8 @@ def load_run(path: str | Path, *, jobs: int | None = None) -> Run:
         run.problems.append(f"rank {rank} never returned from {what}")
     run.problems.extend(_step_set_problems(run))
     _prepare_for_engine(run)
+    for trace in run.ranks.values():
+        trace.compact()  # what the engine changed, as columns again
     return run
 
 
