@@ -63,6 +63,8 @@ def _add_analyze(subparsers: Any) -> None:
     parser.add_argument("run", metavar="RUN", nargs="+", help="a run directory, or PyTorch profiler trace files")
     parser.add_argument("--json", action="store_true", help="print the analysis as one JSON object")
     parser.add_argument("--iterations", type=int, default=4, help="consecutive steps to replay (default 4)")
+    parser.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                        help="processes that read and model a big run (default: $DPRO_JOBS, else the usable CPUs)")
     parser.set_defaults(func=_cmd_analyze)
 
 
@@ -73,13 +75,24 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from dpro.report.text import format_analysis
 
     if len(args.run) == 1 and Path(args.run[0]).is_dir():
-        analysis = analyze_path(args.run[0], iterations=args.iterations)
+        analysis = analyze_path(args.run[0], iterations=args.iterations, jobs=args.jobs)
     else:
         from dpro.analyze.traces import analyze_kineto
 
         analysis = analyze_kineto([Path(p) for p in args.run])
     print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (``--jobs``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of processes, at least 1")
+    return value
 
 
 def _knob_help() -> str:

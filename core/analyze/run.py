@@ -309,8 +309,9 @@ class AnalyzedRun:
     model: StepModel
 
 
-def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
-    """Align, build the DAG, replay it and measure the prediction error of one run directory."""
+def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> AnalyzedRun:
+    """Align, build the DAG, replay it and measure the prediction error of one run directory (``jobs``: processes
+    for the recorded steps' check, ``dpro.sim.steps.replay_recorded_run``)."""
     alignment = align(run)
     model, wired = wired_step_model(run, alignment)
     g = graph_of_wired(model, wired, iterations)
@@ -323,7 +324,7 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
     per_rank = [{"rank": r, "measured_step_ms": model.step_us_by_rank[r] / 1000.0,
                  "predicted_step_ms": predicted.get(r, float("nan")) / 1000.0,
                  **{k + "_ms": parts[r][k] / 1000.0 for k in keys}} for r in sorted(parts)]
-    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model)] + _unrecorded_note(run, pred) + \
+    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model, jobs)] + _unrecorded_note(run, pred) + \
         [fit_interference(run, model.steps).describe()]
     analysis = Analysis(
         source=str(run.path), measured_step_ms=measured / 1000.0, predicted_step_ms=pred / 1000.0,
@@ -352,9 +353,9 @@ def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
             "a step where this replay says what it recorded"]
 
 
-def _as_recorded_note(run: Run, alignment: Alignment, model: StepModel) -> str:
+def _as_recorded_note(run: Run, alignment: Alignment, model: StepModel, jobs: int | None) -> str:
     """How the recorded steps replay as they were, each with its own times: a check of the DAG's wiring."""
-    recorded = replay_recorded_run(run, alignment, model.steps)
+    recorded = replay_recorded_run(run, alignment, model.steps, jobs=jobs)
     replayed, measured = recorded.predicted_step_us, recorded.measured_step_us
     return (f"the recorded steps replayed as they were, each with its own times, take {replayed / 1000.0:.2f} ms "
             f"against their measured {measured / 1000.0:.2f} ms ({error_pct(replayed, measured):+.2f} %; means of "
@@ -375,13 +376,14 @@ def _engine_notes(run: Run) -> list[str]:
     return get_engine((run.meta or {}).get("engine")).notes(run)
 
 
-def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Analysis:
-    """Analyze a run directory, and write ``analysis/replay.json`` (measured and replayed timelines)."""
+def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> Analysis:
+    """Analyze a run directory, and write ``analysis/replay.json`` (measured and replayed timelines); ``jobs``: how
+    many processes read and model it (``dpro.io.pool.jobs_wanted``)."""
     from dpro.record.trace import analysis_file
     from dpro.report.perfetto import write_replay_trace
 
-    run = load_run(path)
-    result = analyze_run(run, iterations)
+    run = load_run(path, jobs=jobs)
+    result = analyze_run(run, iterations, jobs=jobs)
     write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule,
                        steps=result.model.steps)
     return result.analysis

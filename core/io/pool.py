@@ -13,21 +13,23 @@ there the items are read in this process, one after another, as with ``jobs=1``.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dpro.errors import UsageError
 from dpro.record.protocol import usable_cpus
 
-__all__ = ["JOBS_ENV", "jobs_wanted", "map_ordered"]
+__all__ = ["JOBS_ENV", "jobs_wanted", "map_ordered", "map_shared"]
 
 JOBS_ENV = "DPRO_JOBS"
 T = TypeVar("T")
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 def jobs_wanted(jobs: int | None = None) -> int:
@@ -49,13 +51,43 @@ def jobs_wanted(jobs: int | None = None) -> int:
     return jobs
 
 
+def map_shared(fn: Callable[[S, T], R], shared: S, items: Iterable[T], jobs: int) -> Iterator[R]:
+    """``fn(shared, item)`` for each item, as ``map_ordered`` runs them: ``shared`` (a loaded run, say) reaches the
+    forked workers as they start, in the memory they share with this process, never pickled."""
+    if jobs <= 1 or not _can_fork():
+        for item in items:
+            yield fn(shared, item)
+        return
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_receive, initargs=(shared,))
+    try:
+        yield from pool.map(functools.partial(_with_shared, fn), items)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+_received: list[Any] = []  # in a worker of ``map_shared`` only: what its parent shared
+
+
+def _receive(shared: Any) -> None:
+    _received.append(shared)
+
+
+def _with_shared(fn: Callable[[Any, T], R], item: T) -> R:
+    return fn(_received[0], item)
+
+
+def _can_fork() -> bool:
+    return threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
+
+
 def map_ordered(fn: Callable[[T], R], items: Iterable[T], jobs: int, chunksize: int = 1) -> Iterator[R]:
     """``fn`` over ``items`` in ``jobs`` forked processes (in this one when ``jobs`` is 1 or other threads run),
     results in order.
 
     ``fn`` must be a module-level function; items and results cross processes pickled, so keep them plain.
     """
-    if jobs <= 1 or threading.active_count() > 1 or "fork" not in multiprocessing.get_all_start_methods():
+    if jobs <= 1 or not _can_fork():
         yield from map(fn, items)
         return
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork"))
