@@ -16,10 +16,12 @@ import numpy as np
 from dpro.dag.align import Alignment
 from dpro.dag.wiring import WiredStep, wire_once
 from dpro.errors import GraphError
+from dpro.io.events import EventTable
 from dpro.io.load import RankTrace, Run, format_steps
 from dpro.record.trace import CATEGORIES
 
 STEP_CODE = CATEGORIES.index("STEP")
+NESTING_CODES = [CATEGORIES.index("FW"), CATEGORIES.index("BW")]  # modules nest; collectives in flight together do not
 StepEvent = tuple[str, str, int, float, float, dict[str, Any]]  # name, category, tid, ts, dur, args
 
 __all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "RankStep", "StepModel", "far_out_steps", "occurrence_name",
@@ -136,22 +138,6 @@ def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
     q1, _, q3 = statistics.quantiles(durations.values(), n=4)
     fence = FAR_OUT_IQR * (q3 - q1)
     return {step: d for step, d in sorted(durations.items()) if d > q3 + fence or d < q1 - fence}
-
-
-def _contained(events: list[StepEvent]) -> set[int]:
-    """Indices of FW/BW events that contain another on the same queue (parent modules: keep the leaves)."""
-    out = set()
-    by_queue: dict[int, list[int]] = defaultdict(list)
-    for i, e in enumerate(events):
-        if e[1] in ("FW", "BW"):  # modules nest; collectives in flight together do not
-            by_queue[e[2]].append(i)
-    for idxs in by_queue.values():
-        idxs.sort(key=lambda i: (events[i][3], -events[i][4]))
-        for a, b in zip(idxs, idxs[1:], strict=False):
-            ea, eb = events[a], events[b]
-            if eb[3] + eb[4] <= ea[3] + ea[4] + 1e-3 and eb[3] >= ea[3]:
-                out.add(a)
-    return out
 
 
 def _same_collective_order(ops: dict[int, list[OpStats]]) -> None:
@@ -320,31 +306,50 @@ class RankStep:
 
 
 def rank_steps(trace: RankTrace, steps: Iterable[int]) -> dict[int, RankStep | None]:
-    """Each of ``steps`` of one rank, read off its columns (None: the rank has no STEP event for it)."""
+    """Each of ``steps`` of one rank, read off its columns (None: the rank has no STEP event for it): its STEP mark
+    (the first), and its other events in start order, each event containing another on its queue left out
+    (``_contained``, on the columns)."""
     t = trace.table
     wanted = sorted(set(steps))
     index = np.flatnonzero(np.isin(t.step, wanted))
     index = index[np.argsort(t.step[index], kind="stable")]  # by step, file order within a step
-    cuts = np.searchsorted(t.step[index], wanted, side="left").tolist() + [index.size]
+    is_mark = t.cat[index] == STEP_CODE
+    marks = index[is_mark]
+    first_mark = dict(zip(t.step[marks][::-1].tolist(), marks[::-1].tolist(), strict=True))  # the first one wins
+    work = index[~is_mark]
+    work = work[~_contained_columns(t, work)]
+    work = work[np.lexsort((t.ts[work], t.step[work]))]  # start order within each step (stable: file order on ties)
+    cuts = np.searchsorted(t.step[work], wanted, side="left").tolist() + [work.size]
     names, arg_sets, queues = t.names, t.arg_sets, trace.queues
-    rows = list(zip([names[n] for n in t.name[index].tolist()], [CATEGORIES[c] for c in t.cat[index].tolist()],
-                    t.tid[index].tolist(), t.ts[index].tolist(), t.dur[index].tolist(),
-                    [arg_sets[a] for a in t.arg[index].tolist()], strict=True))
+    rows = list(zip([names[n] for n in t.name[work].tolist()], [CATEGORIES[c] for c in t.cat[work].tolist()],
+                    t.tid[work].tolist(), t.ts[work].tolist(), t.dur[work].tolist(),
+                    [arg_sets[a] for a in t.arg[work].tolist()], strict=True))
     out: dict[int, RankStep | None] = {}
-    for k, step in enumerate(wanted):
-        out[step] = _rank_step(rows[cuts[k]:cuts[k + 1]], queues)
+    for k, s in enumerate(wanted):
+        mark = first_mark.get(s)
+        out[s] = None if mark is None else _rank_step(float(t.ts[mark]), float(t.dur[mark]),
+                                                      rows[cuts[k]:cuts[k + 1]], queues)
     return out
 
 
-def _rank_step(events: list[StepEvent], queues: dict[int, str]) -> RankStep | None:
-    boundary = next((e for e in events if e[1] == "STEP"), None)
-    if boundary is None:
-        return None
-    t0 = boundary[3]
-    work = [e for e in events if e[1] != "STEP"]
-    drop = _contained(work)
-    work = [e for i, e in enumerate(work) if i not in drop]
-    work.sort(key=lambda e: e[3])
+def _contained_columns(t: EventTable, work: np.ndarray) -> np.ndarray:
+    """``_contained`` over the events ``work`` of several steps (by step, file order within one): a mask of the FW/BW
+    events that contain the next one on their queue, in (start, longest first) order within their step."""
+    out = np.zeros(work.size, dtype=bool)
+    nesting = np.flatnonzero(np.isin(t.cat[work], NESTING_CODES))
+    if nesting.size < 2:
+        return out
+    ev = work[nesting]
+    ts, dur = t.ts[ev], t.dur[ev]
+    order = np.lexsort((-dur, ts, t.tid[ev], t.step[ev]))  # stable: the list's order on ties
+    ts, dur, step, tid = ts[order], dur[order], t.step[ev][order], t.tid[ev][order]
+    a, b = slice(None, -1), slice(1, None)
+    inside = (step[a] == step[b]) & (tid[a] == tid[b]) & (ts[b] + dur[b] <= ts[a] + dur[a] + 1e-3) & (ts[b] >= ts[a])
+    out[nesting[order[:-1][inside]]] = True
+    return out
+
+
+def _rank_step(t0: float, duration: float, work: list[StepEvent], queues: dict[int, str]) -> RankStep:
     launch_of = _gradient_launches(work)
     runs: dict[str, int] = defaultdict(int)
     ops = []
@@ -354,7 +359,7 @@ def _rank_step(events: list[StepEvent], queues: dict[int, str]) -> RankStep | No
         if cat == "BW" and args.get("grads"):
             args = _with_ready_times(ts, dur, args, launch_of)
         ops.append((node, cat, queues.get(tid, str(tid)), ts - t0, dur, args, ts))
-    return RankStep(t0, boundary[4], ops)
+    return RankStep(t0, duration, ops)
 
 
 def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None,
@@ -396,17 +401,18 @@ def wired_step_model(run: Run, alignment: Alignment, *, transfers: str | None = 
             steps = kept
         left_out = far_out_steps(run, steps)
         steps = [step for step in steps if step not in left_out]
-    per_op: dict[tuple[int, str], _OpSamples] = {}
+    per_rank: dict[int, tuple[dict[str, _OpSamples], dict[str, str]]] = {}  # rank -> its ops' samples, queues
     step_us: dict[int, list[float]] = defaultdict(list)
     comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
     starts: dict[tuple[int, int], float] = {}
     spans: dict[tuple[int, int], tuple[float, float]] = {}
-    queue_of: dict[tuple[int, str], str] = {}
     cat_of: dict[str, str] = {}
     transfer_queues: dict[str, tuple[str, ...]] = {}
     for rank, trace in run.ranks.items():
         shift = alignment.offset_us.get(rank, 0.0)
         recorded = rank_steps(trace, steps)
+        samples_of: dict[str, _OpSamples] = {}
+        queue_of: dict[str, str] = {}
         for step in steps:
             one = recorded[step]
             if one is None:
@@ -416,21 +422,24 @@ def wired_step_model(run: Run, alignment: Alignment, *, transfers: str | None = 
             spans[(rank, step)] = (one.t0 - shift, one.t0 - shift + one.duration)
             step_us[rank].append(one.duration)
             for name, cat, q, start, dur, args, ts in one.ops:
-                got = per_op.get((rank, name))
+                got = samples_of.get(name)
                 if got is None:
-                    got = per_op[(rank, name)] = _OpSamples([], [], [])
+                    got = samples_of[name] = _OpSamples([], [], [])
                 got.starts.append(start)
                 got.durations.append(dur)
                 got.args.append(args)
-                queue_of[(rank, name)] = q
+                queue_of[name] = q
                 cat_of[name] = cat
                 if cat == "COMM":
                     comm_by_step[(name, step)][rank] = (ts - shift, ts + dur - shift)
                     queues = engine.transfer_queues(run, args)
                     if queues:
                         transfer_queues[name] = queues
+        per_rank[rank] = (samples_of, queue_of)
     ops: dict[int, list[OpStats]] = defaultdict(list)
-    for (rank, name), samples in per_op.items():
+    for rank, name, samples, queue in ((rank, name, samples, queue_of[name])
+                                       for rank, (samples_of, queue_of) in per_rank.items()
+                                       for name, samples in samples_of.items()):
         n = len(samples.starts)
         if 2 * n < len(steps) and cat_of[name] != "COMM":
             # an op in fewer than half of the steps (a source whose ops split or merge differently from step to
@@ -441,11 +450,12 @@ def wired_step_model(run: Run, alignment: Alignment, *, transfers: str | None = 
         if transfers == "in-step" and cat_of[name] == "COMM":
             ends = [a + b for a, b in zip(samples.starts, samples.durations, strict=True)]
             duration = max(0.0, math.fsum(ends) / n - order)  # ends at its mean end
-        args = {k: v for k, v in samples.args[-1].items() if k != "_ts"}
+        args = dict(samples.args[-1])
+        args.pop("_ts", None)
         if cat_of[name] == "BW":
             args["grads_ready_offset_us"] = _median_ready_offsets(samples.args)
         ops[rank].append(OpStats(
-            name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
+            name=name, category=cat_of[name], queue=queue, rank=rank,
             order=order, duration=duration, gap=None, args=args, samples=samples.durations))
     if not ops:
         raise GraphError(f"{run.path}: the profiled steps ({format_steps(steps)}) hold no operation besides their STEP "
