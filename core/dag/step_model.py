@@ -283,6 +283,8 @@ class _OpSamples:
 def _median_ready_offsets(samples: list[dict]) -> dict[str, float]:
     """When each gradient of a backward op is ready, from the op's start (median over steps): a collective of a
     gradient can start then, before the op ends (it goes on computing other gradients and its input's)."""
+    if not any(args.get("grads") for args in samples):
+        return {}
     offsets: dict[str, list[float]] = defaultdict(list)
     for args in samples:
         t0 = args.get("_ts")

@@ -25,7 +25,7 @@ def _ready_splits(op: OpStats) -> list[tuple[float, list[str]]]:
     """Where a backward op's gradients are ready (µs into the op) when clearly before its end: the points to split
     it at, each with the gradients ready there, in order; empty when every gradient is ready at the end."""
     offsets = op.args.get("grads_ready_offset_us")
-    if not isinstance(offsets, dict):
+    if not offsets or not isinstance(offsets, dict):
         return []
     points: list[tuple[float, list[str]]] = []
     for grad, offset in sorted(offsets.items(), key=lambda kv: kv[1]):
@@ -251,6 +251,7 @@ def _wire_iteration(b: GraphBuilder, model: StepModel, it: int, ranks: list[int]
                                          if own_end[c] <= op.order]
             if op.category == "COMM" and model.chained_launch and last_transfer is not None:
                 deps.append(last_transfer)
+            splits = _ready_splits(op) if op.category == "BW" else []
             queue = f"r{rank}/{op.queue}"
             if queue in queue_last:
                 deps.append(queue_last[queue])
@@ -291,10 +292,10 @@ def _wire_iteration(b: GraphBuilder, model: StepModel, it: int, ranks: list[int]
                 late = model.done_after.get(op.name, {}).get(rank, 0.0)
                 if late > 0:
                     node = b.add(f"{op.name}.done", "XFER", rank, it, None, late, 0.0, [node])
-            elif op.category == "BW" and _ready_splits(op):
+            elif splits:
                 # gradients ready part-way through the op: a collective waits for the part before its gradient
                 done, node = 0.0, None
-                for at, grads in _ready_splits(op):
+                for at, grads in splits:
                     node = b.add(op.name if node is None else f"{op.name}.rest", op.category, rank, it, queue,
                                  at - done, gap if node is None else 0.0, deps if node is None else [node])
                     head = node if head is None else head
@@ -327,7 +328,7 @@ def _wire_iteration(b: GraphBuilder, model: StepModel, it: int, ranks: list[int]
             last[op.category] = node
             if op.category == "BW":
                 bw_nodes.append(node)
-                if not _ready_splits(op):  # a split op registered its ready parts above
+                if not splits:  # a split op registered its ready parts above
                     for g in op.args.get("grads", []):
                         # the latest pass so far: under gradient accumulation a collective after the last
                         # backward waits for that pass's gradients, not the first micro-batch's
