@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_doc import printed_lines, write_bench_doc  # noqa: E402
 from run_builder import make_wide_run  # noqa: E402
 
+from dpro.io.pool import collector_paused  # noqa: E402
+
 LAYERS, STEPS = 200, range(3, 13)
 
 
@@ -170,14 +172,8 @@ def stage_rows(work: Path, ranks: list[int], jobs: int | None, traced: bool) -> 
         base = _rss_mb()
         total = 0.0
         for name, stage in _stages(run_dir, jobs, state):
-            if traced:
-                tracemalloc.start()
-            t0 = time.perf_counter()
-            stage()
-            took = time.perf_counter() - t0
-            peak = tracemalloc.get_traced_memory()[1] / 2**20 if traced else 0.0
-            if traced:
-                tracemalloc.stop()
+            with collector_paused():  # as dpro analyze runs them (analyze_path)
+                took, peak = _timed(stage, traced)
             total += took
             rss = _rss_mb()
             print(f"{name:<34} {took:>7.2f} {1000 * took / n:>8.1f} {rss:>7.0f} {(rss - base) / n:>8.2f}"
@@ -185,6 +181,19 @@ def stage_rows(work: Path, ranks: list[int], jobs: int | None, traced: bool) -> 
         print(f"{'total':<34} {total:>7.2f} {1000 * total / n:>8.1f}   (graph: {state['g'].size:,} nodes, recorded "
               f"steps' graph {state['recorded'].graph.size:,})")
         state.clear()
+
+
+def _timed(stage: Callable[[], None], traced: bool) -> tuple[float, float]:
+    """Seconds ``stage`` took, and its peak of traced allocations in MB (0 unless ``traced``)."""
+    if traced:
+        tracemalloc.start()
+    t0 = time.perf_counter()
+    stage()
+    took = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1] / 2**20 if traced else 0.0
+    if traced:
+        tracemalloc.stop()
+    return took, peak
 
 
 def main() -> int:

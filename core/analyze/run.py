@@ -21,6 +21,7 @@ from dpro.dag.graph import Graph
 from dpro.dag.step_model import StepModel, wired_step_model
 from dpro.dag.wiring import graph_of_wired
 from dpro.io.load import Run, load_run, overhead_of
+from dpro.io.pool import collector_paused
 from dpro.sim.interference import fit_interference
 from dpro.sim.replay import Schedule, critical_path, plan_levels, predicted_step_us, replay
 from dpro.sim.steps import replay_recorded_run
@@ -312,6 +313,11 @@ class AnalyzedRun:
 def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> AnalyzedRun:
     """Align, build the DAG, replay it and measure the prediction error of one run directory (``jobs``: processes
     for the recorded steps' check, ``dpro.sim.steps.replay_recorded_run``)."""
+    with collector_paused():
+        return _analyzed(run, iterations, jobs)
+
+
+def _analyzed(run: Run, iterations: int, jobs: int | None) -> AnalyzedRun:
     alignment = align(run)
     model, wired = wired_step_model(run, alignment)
     g = graph_of_wired(model, wired, iterations)
@@ -382,8 +388,9 @@ def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS, *, jobs
     from dpro.record.trace import analysis_file
     from dpro.report.perfetto import write_replay_trace
 
-    run = load_run(path, jobs=jobs)
-    result = analyze_run(run, iterations, jobs=jobs)
-    write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule,
-                       steps=result.model.steps)
-    return result.analysis
+    with collector_paused():
+        run = load_run(path, jobs=jobs)
+        result = analyze_run(run, iterations, jobs=jobs)
+        write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule,
+                           steps=result.model.steps)
+        return result.analysis

@@ -256,8 +256,8 @@ def _wire_iteration(b: GraphBuilder, model: StepModel, it: int, ranks: list[int]
             if queue in queue_last:
                 deps.append(queue_last[queue])
             deps = list(dict.fromkeys(deps))
-            ready = max((measured_end[d] for d in deps if d in measured_end), default=0.0)
             if op.gap is None:
+                ready = max((measured_end[d] for d in deps if d in measured_end), default=0.0)
                 op.gap = max(0.0, op.order - ready)
             gap = op.gap
             if op.category == "COMM" and op.name in model.exchanges:

@@ -38,7 +38,7 @@ from dpro.io.limits import (
     stream_bytes,
     world_size_limit,
 )
-from dpro.io.pool import jobs_wanted, map_ordered
+from dpro.io.pool import collector_paused, jobs_wanted, map_ordered
 from dpro.progress import Progress
 from dpro.record.trace import (
     CATEGORIES,
@@ -828,7 +828,11 @@ def load_run(path: str | Path, *, jobs: int | None = None) -> Run:
     Raises:
         TraceError: ``path`` is not a run directory, or one of its files is unreadable or invalid.
     """
-    root = Path(path)
+    with collector_paused():
+        return _load_run(Path(path), jobs)
+
+
+def _load_run(root: Path, jobs: int | None) -> Run:
     if not root.exists():
         raise TraceError(root, "no such directory")
     if not root.is_dir():
