@@ -18,8 +18,9 @@ import numpy as np
 
 from dpro.dag.align import Alignment, align
 from dpro.dag.graph import Graph
-from dpro.dag.step_model import StepModel, wired_step_model
+from dpro.dag.step_model import StepModel, model_steps, wired_step_model
 from dpro.dag.wiring import graph_of_wired
+from dpro.errors import GraphError
 from dpro.io.load import Run, load_run, overhead_of
 from dpro.io.pool import collector_paused
 from dpro.sim.interference import fit_interference
@@ -319,6 +320,13 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | N
 
 def _analyzed(run: Run, iterations: int, jobs: int | None) -> AnalyzedRun:
     alignment = align(run)
+    # the recorded steps' check first, while the process holds only the run: its workers and its graph of every
+    # recorded step are the biggest things analysis makes, and the mean step's model need not be alive beside them
+    try:
+        as_recorded = _as_recorded_note(run, alignment, model_steps(run)[0], jobs)
+    except GraphError:
+        wired_step_model(run, alignment)  # the mean step's model fails first where it fails (as it ran first)
+        raise
     model, wired = wired_step_model(run, alignment)
     g = graph_of_wired(model, wired, iterations)
     sched = replay(g, plan_levels(g))
@@ -330,7 +338,7 @@ def _analyzed(run: Run, iterations: int, jobs: int | None) -> AnalyzedRun:
     per_rank = [{"rank": r, "measured_step_ms": model.step_us_by_rank[r] / 1000.0,
                  "predicted_step_ms": predicted.get(r, float("nan")) / 1000.0,
                  **{k + "_ms": parts[r][k] / 1000.0 for k in keys}} for r in sorted(parts)]
-    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model, jobs)] + _unrecorded_note(run, pred) + \
+    notes = _left_out_note(model) + [as_recorded] + _unrecorded_note(run, pred) + \
         [fit_interference(run, model.steps).describe()]
     analysis = Analysis(
         source=str(run.path), measured_step_ms=measured / 1000.0, predicted_step_ms=pred / 1000.0,
@@ -359,9 +367,9 @@ def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
             "a step where this replay says what it recorded"]
 
 
-def _as_recorded_note(run: Run, alignment: Alignment, model: StepModel, jobs: int | None) -> str:
+def _as_recorded_note(run: Run, alignment: Alignment, steps: list[int], jobs: int | None) -> str:
     """How the recorded steps replay as they were, each with its own times: a check of the DAG's wiring."""
-    recorded = replay_recorded_run(run, alignment, model.steps, jobs=jobs)
+    recorded = replay_recorded_run(run, alignment, steps, jobs=jobs)
     replayed, measured = recorded.predicted_step_us, recorded.measured_step_us
     return (f"the recorded steps replayed as they were, each with its own times, take {replayed / 1000.0:.2f} ms "
             f"against their measured {measured / 1000.0:.2f} ms ({error_pct(replayed, measured):+.2f} %; means of "

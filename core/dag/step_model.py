@@ -24,8 +24,8 @@ STEP_CODE = CATEGORIES.index("STEP")
 NESTING_CODES = [CATEGORIES.index("FW"), CATEGORIES.index("BW")]  # modules nest; collectives in flight together do not
 StepEvent = tuple[str, str, int, float, float, dict[str, Any]]  # name, category, tid, ts, dur, args
 
-__all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "RankStep", "StepModel", "far_out_steps", "occurrence_name",
-           "rank_steps", "step_model",
+__all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "RankStep", "StepModel", "far_out_steps", "model_steps",
+           "occurrence_name", "rank_steps", "step_model",
            "wired_step_model"]
 
 
@@ -364,6 +364,25 @@ def _rank_step(t0: float, duration: float, work: list[StepEvent], queues: dict[i
     return RankStep(t0, duration, ops)
 
 
+def model_steps(run: Run) -> tuple[list[int], dict[int, float]]:
+    """The steps ``step_model`` summarises (those every rank recorded, less those the engine set aside while
+    ``MIN_MODEL_STEPS`` others remain, less those far outside the others), and the far-out ones (``far_out_steps``).
+
+    Raises:
+        GraphError: the ranks have no recorded step in common.
+    """
+    steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
+    if not steps:
+        listed = ", ".join(f"rank {r}: {format_steps(t.steps)}" for r, t in sorted(run.ranks.items()))
+        raise GraphError(f"{run.path}: the ranks have no profiled step in common ({listed}); "
+                         "record the same window on every rank")
+    kept = [step for step in steps if step not in run.set_aside]
+    if len(kept) >= MIN_MODEL_STEPS:
+        steps = kept
+    left_out = far_out_steps(run, steps)
+    return [step for step in steps if step not in left_out], left_out
+
+
 def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None,
                steps: list[int] | None = None) -> StepModel:
     """The step model of ``run`` (``wired_step_model``, without its wiring)."""
@@ -393,16 +412,7 @@ def wired_step_model(run: Run, alignment: Alignment, *, transfers: str | None = 
     chained = engine.chained_launch
     left_out: dict[int, float] = {}
     if steps is None:
-        steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
-        if not steps:
-            listed = ", ".join(f"rank {r}: {format_steps(t.steps)}" for r, t in sorted(run.ranks.items()))
-            raise GraphError(f"{run.path}: the ranks have no profiled step in common ({listed}); "
-                             "record the same window on every rank")
-        kept = [step for step in steps if step not in run.set_aside]
-        if len(kept) >= MIN_MODEL_STEPS:
-            steps = kept
-        left_out = far_out_steps(run, steps)
-        steps = [step for step in steps if step not in left_out]
+        steps, left_out = model_steps(run)
     per_rank: dict[int, tuple[dict[str, _OpSamples], dict[str, str]]] = {}  # rank -> its ops' samples, queues
     step_us: dict[int, list[float]] = defaultdict(list)
     comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
