@@ -10,12 +10,12 @@ Two tables:
 - per stage, in this process (one run, ``--profile-ranks``): seconds and the RSS after it, so growth per rank shows
   which stage holds what. ``--tracemalloc`` adds each stage's peak of traced Python allocations (slower).
 
-The run directories are written once under ``--work`` (outside the repository) and reused. ``--pythonpath DIR`` runs
-the measured command with another checkout's package first on the path (the code before a change: a ``dpro``
-link to its ``core/``).
+The run directories are written once under ``--work`` (outside the repository) and reused. ``--before DIR`` also
+measures the command with another checkout's package first on the path (the code before a change: DIR holds a
+``dpro`` link to that checkout's ``core/``).
 
-    python bench/many_ranks.py --ranks 64,256,1024 --repeat 3 --profile-ranks 64,256 \\
-        [--doc docs/benchmarks/many-ranks.md]
+    python bench/many_ranks.py --ranks 64,256,1024 --repeat 3 --profile-ranks 64,256,1024 \\
+        [--before DIR --before-ranks 64,256] [--doc docs/benchmarks/many-ranks.md]
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def command_rows(work: Path, ranks: list[int], repeat: int, pythonpath: str | No
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    label = f"PYTHONPATH={pythonpath}" if pythonpath else "this checkout"
+    label = f"before: PYTHONPATH={pythonpath}" if pythonpath else "this checkout"
     extra = [] if jobs is None else ["--jobs", str(jobs)]
     jobs_flag = f" --jobs {jobs}" if jobs else ""
     print(f"dpro -q analyze RUN{jobs_flag} ({label}; {repeat} runs each: median [min..max])")
@@ -115,6 +115,37 @@ def command_rows(work: Path, ranks: list[int], repeat: int, pythonpath: str | No
         rows = [measure([sys.executable, "-m", "dpro", "-q", "analyze", str(run), *extra], env) for _ in range(repeat)]
         print(f"{n:>6} {size:>7.0f} {_spread(rows, 'wall_s', '.1f'):>20} {_spread(rows, 'cpu_s', '.1f'):>20} "
               f"{_spread(rows, 'rss_mb', '.0f'):>22} {_spread(rows, 'pss_mb', '.0f'):>22}", flush=True)
+
+
+# what dpro analyze calls, before and after the change (cumulative cProfile seconds of each, where it exists)
+PROFILED = ("load_run", "align", "step_model", "wired_step_model", "graph_from_steps", "graph_of_wired", "replay",
+            "breakdown", "critical_ops", "stragglers", "_as_recorded_note", "fit_interference", "write_replay_trace")
+
+
+def cprofile_rows(work: Path, ranks: list[int], pythonpath: str | None) -> None:
+    """``dpro -q analyze RUN`` under cProfile (its own process): cumulative seconds in each of ``PROFILED``."""
+    import pstats
+    import tempfile
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    for n in ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "analyze.prof"
+            subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "dpro", "-q", "analyze",
+                            str(wide_run(work, n))], env=env, check=True, stdout=subprocess.DEVNULL)
+            stats = pstats.Stats(str(out)).stats  # (file, line, function) -> (calls, ..., tottime, cumtime, ...)
+        total = max(v[3] for v in stats.values())
+        print(f"\ncProfile of dpro analyze, {n} ranks ({'before: ' + pythonpath if pythonpath else 'this checkout'}; "
+              f"in the main process; {total:.1f} s under the profiler)")
+        print(f"{'function':<22} {'calls':>6} {'cum s':>8} {'ms/rank':>8} {'share':>6}")
+        for name in PROFILED:
+            rows = [v for (path, _, fn), v in stats.items() if fn == name and "/dpro/" in path or
+                    fn == name and "/core/" in path]
+            if rows:
+                calls, cum = sum(r[0] for r in rows), max(r[3] for r in rows)
+                print(f"{name:<22} {calls:>6} {cum:>8.2f} {1000 * cum / n:>8.1f} {100 * cum / total:>5.0f}%")
 
 
 def _rss_mb() -> float:
@@ -204,16 +235,24 @@ def main() -> int:
     parser.add_argument("--tracemalloc", action="store_true", help="also each stage's traced allocation peak")
     parser.add_argument("--jobs", type=int, default=None, help="dpro analyze --jobs (default: its own)")
     parser.add_argument("--work", default="/tmp/dpro-many-ranks", help="where the run directories are written")
-    parser.add_argument("--pythonpath", default=None, help="measure the command with this PYTHONPATH first")
+    parser.add_argument("--before", default=None, metavar="PYTHONPATH",
+                        help="also measure the code at PYTHONPATH (a checkout before a change) on --before-ranks")
+    parser.add_argument("--before-ranks", default="64,256", help="rank counts measured with --before")
     parser.add_argument("--doc", default=None, help="also write the tables to this page (e.g. docs/benchmarks/...)")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     with printed_lines() as lines:
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
+        if args.before:
+            before_ranks = [int(n) for n in args.before_ranks.split(",")]
+            command_rows(work, before_ranks, args.repeat, args.before, None)
+            if args.profile_ranks:
+                cprofile_rows(work, before_ranks, args.before)
         if args.ranks:
-            command_rows(work, [int(n) for n in args.ranks.split(",")], args.repeat, args.pythonpath, args.jobs)
+            command_rows(work, [int(n) for n in args.ranks.split(",")], args.repeat, None, args.jobs)
         if args.profile_ranks:
+            cprofile_rows(work, [int(n) for n in args.profile_ranks.split(",")][:1], None)
             stage_rows(work, [int(n) for n in args.profile_ranks.split(",")], args.jobs, args.tracemalloc)
     if args.doc:
         write_bench_doc(args.doc, "dpro analyze of many ranks: time and memory, stage by stage", lines)
