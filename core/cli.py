@@ -64,7 +64,7 @@ def _add_analyze(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print the analysis as one JSON object")
     parser.add_argument("--iterations", type=int, default=4, help="consecutive steps to replay (default 4)")
     parser.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
-                        help="processes that read and model a big run (default: $DPRO_JOBS, else the usable CPUs)")
+                        help="processes that read a big run or many traces (default: $DPRO_JOBS, else the usable CPUs)")
     parser.set_defaults(func=_cmd_analyze)
 
 
@@ -79,7 +79,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     else:
         from dpro.analyze.traces import analyze_kineto
 
-        analysis = analyze_kineto([Path(p) for p in args.run])
+        analysis = analyze_kineto([Path(p) for p in args.run], jobs=args.jobs)
     print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
     return 0
 

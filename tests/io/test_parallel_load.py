@@ -90,3 +90,19 @@ def test_jobs_come_from_the_argument_then_the_environment(monkeypatch):
     assert jobs_wanted(None) >= 1
     with pytest.raises(UsageError, match="at least 1"):
         jobs_wanted(0)
+
+
+def test_traces_parsed_in_workers_are_the_traces_parsed_here(tmp_path):
+    """Kineto traces, one per rank, parsed in worker processes: the same traces, and the same first error."""
+    from dpro.io.kineto import load_traces
+
+    data = Path(__file__).resolve().parents[1] / "data" / "kineto"
+    paths = [data / "ddp2_rank0_nccl.json.gz", data / "single_gpu_rank0.json.gz"]
+    assert load_traces(paths, jobs=2) == load_traces(paths, jobs=1)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(TraceError) as serial:
+        load_traces([paths[0], bad], jobs=1)
+    with pytest.raises(TraceError) as parallel:
+        load_traces([paths[0], bad], jobs=2)
+    assert str(parallel.value) == str(serial.value)
