@@ -148,6 +148,11 @@ def cprofile_rows(work: Path, ranks: list[int], pythonpath: str | None) -> None:
                 print(f"{name:<22} {calls:>6} {cum:>8.2f} {1000 * cum / n:>8.1f} {100 * cum / total:>5.0f}%")
 
 
+def _peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -157,7 +162,7 @@ def _stages(run_dir: Path, jobs: int | None, state: dict[str, Any]) -> list[tupl
     """The calls ``analyze_path`` makes, one per stage, each leaving its result in ``state``."""
     from dpro.analyze.run import breakdown, critical_ops, stragglers
     from dpro.dag.align import align
-    from dpro.dag.step_model import wired_step_model
+    from dpro.dag.step_model import model_steps, wired_step_model
     from dpro.dag.wiring import graph_of_wired
     from dpro.io.load import load_run
     from dpro.record.trace import analysis_file
@@ -176,6 +181,8 @@ def _stages(run_dir: Path, jobs: int | None, state: dict[str, Any]) -> list[tupl
     return [
         ("load (parse, check, columns)", lambda: state.update(run=load_run(run_dir, jobs=jobs))),
         ("align", lambda: state.update(alignment=align(state["run"]))),
+        ("recorded steps replayed (check)", lambda: state.update(recorded=replay_recorded_run(
+            state["run"], state["alignment"], model_steps(state["run"])[0], jobs=jobs).graph.size)),
         ("step model (+ its wiring)", model),
         ("graph (stitched iterations)", lambda: state.update(g=graph_of_wired(state["model"], state["wired"], 4))),
         ("replay", lambda: state.update(sched=replay(state["g"], plan_levels(state["g"])))),
@@ -184,8 +191,6 @@ def _stages(run_dir: Path, jobs: int | None, state: dict[str, Any]) -> list[tupl
             parts=breakdown(state["g"], state["sched"]))),
         ("critical path", lambda: state.update(critical=critical_ops(state["g"], state["sched"]))),
         ("stragglers", lambda: state.update(stragglers=stragglers(state["model"]))),
-        ("recorded steps replayed (check)", lambda: state.update(recorded=replay_recorded_run(
-            state["run"], state["alignment"], state["model"].steps, jobs=jobs))),
         ("interference fit", lambda: state.update(fit=fit_interference(state["run"], state["model"].steps))),
         ("replay.json (Perfetto)", perfetto),
     ]
@@ -210,7 +215,7 @@ def stage_rows(work: Path, ranks: list[int], jobs: int | None, traced: bool) -> 
             print(f"{name:<34} {took:>7.2f} {1000 * took / n:>8.1f} {rss:>7.0f} {(rss - base) / n:>8.2f}"
                   + (f" {peak:>10.0f}" if traced else ""), flush=True)
         print(f"{'total':<34} {total:>7.2f} {1000 * total / n:>8.1f}   (graph: {state['g'].size:,} nodes, recorded "
-              f"steps' graph {state['recorded'].graph.size:,})")
+              f"steps' graph {state['recorded']:,}; peak RSS {_peak_mb():.0f} MB)")
         state.clear()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from array import array
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ __all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "RankStep", "StepModel"
            "wired_step_model"]
 
 
-@dataclass
+@dataclass(slots=True)  # a thousand ranks' mean step holds hundreds of thousands of these
 class OpStats:
     """One op of one rank, summarised over the profiled steps (means)."""
 
@@ -271,11 +272,12 @@ def _with_ready_times(ts: float, dur: float, args: dict, launch_of: dict[str, fl
     return {**args, "_ts": ts, "grads_ready_us": ready}
 
 
-@dataclass
+@dataclass(slots=True)
 class _OpSamples:
-    """One op of one rank over the steps read: its start in each step, its duration, its args."""
+    """One op of one rank over the steps read: its start in each step (packed doubles: millions of them, alive only
+    until the means), its duration, its args."""
 
-    starts: list[float]
+    starts: array
     durations: list[float]
     args: list[dict]
 
@@ -436,7 +438,7 @@ def wired_step_model(run: Run, alignment: Alignment, *, transfers: str | None = 
             for name, cat, q, start, dur, args, ts in one.ops:
                 got = samples_of.get(name)
                 if got is None:
-                    got = samples_of[name] = _OpSamples([], [], [])
+                    got = samples_of[name] = _OpSamples(array("d"), [], [])
                 got.starts.append(start)
                 got.durations.append(dur)
                 got.args.append(args)

@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from sys import intern
 from typing import Any
 
 from dpro.errors import TraceError, kind_of, shown
@@ -862,6 +863,8 @@ def _load_run(root: Path, jobs: int | None) -> Run:
     with Progress(len(files), "loading rank files", quiet=None if total >= PROGRESS_BYTES else True) as bar:
         for (rank, file, _, _), (trace, cut) in zip(tasks, map_ordered(
                 _load_one, tasks, workers, chunksize=max(1, len(tasks) // (8 * workers))), strict=True):
+            # one string per op name, not one per rank: the step models and graphs of every rank share it
+            trace.table.names[:] = [intern(name) for name in trace.table.names]
             ranks[rank] = trace
             if cut is not None:
                 cut_lines[rank] = cut
