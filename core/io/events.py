@@ -28,6 +28,7 @@ __all__ = ["CATEGORY_CODE", "EventTable", "events_of", "table_from_events"]
 CATEGORY_CODE = {cat: i for i, cat in enumerate(CATEGORIES)}
 STANDARD_KEYS = ("name", "cat", "ph", "ts", "dur", "pid", "tid", "args")
 TS_INT, DUR_INT = 1, 2   # bits of ``EventTable.ints``: the number was a JSON integer
+INEXACT = 4              # ... an integer a float64 cannot hold: the event is kept as read (``EventTable.odd``)
 
 
 @dataclass
@@ -95,11 +96,11 @@ def table_from_events(events: Iterable[dict[str, Any]], rank: int) -> EventTable
         args.append(k)
         flags = 0
         if type(ts) is int:
-            flags = TS_INT if abs(ts) <= 2**53 else 4
+            flags = TS_INT if abs(ts) <= 2**53 else INEXACT
         if type(dur) is int:
-            flags |= DUR_INT if dur <= 2**53 else 4
+            flags |= DUR_INT if dur <= 2**53 else INEXACT
         ints.append(flags)
-        if flags & 4 or tuple(ev) != STANDARD_KEYS or ev["ph"] != "X" or ev["pid"] != rank:
+        if flags & INEXACT or tuple(ev) != STANDARD_KEYS or ev["ph"] != "X" or ev["pid"] != rank:
             odd[i] = ev  # kept as read: laid out otherwise, or an integer a float64 cannot hold
     return EventTable(list(name_id), np.array(names, dtype=np.int32), np.array(cats, dtype=np.int8),
                       np.array(tids, dtype=np.int64), np.array(tss, dtype=np.float64),

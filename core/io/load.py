@@ -76,6 +76,7 @@ _RANK_FILE = re.compile(r"rank-(\d+)\.json")
 _JOURNAL_FILE = re.compile(r"rank-(\d+)\.partial\.jsonl")
 _REQUIRED = ("name", "cat", "ph", "ts", "dur")
 PROGRESS_BYTES = 50 * 2**20  # rank files together this big take seconds to read: say so as they load
+INT64 = 2**63  # queue ids and step numbers are kept as 64-bit integers
 PARALLEL_BYTES = 16 * 2**20  # rank files together this big are read on several cores (unless jobs is given)
 
 
@@ -331,7 +332,8 @@ def _laid_out_events(path: Path, raw: list[Any], rank: int, where: str,
             continue
         name, cat, ph, ts, dur, pid, tid, args = ev.values()
         if not (ph == "X" and type(name) is str and name and cat in categories and type(tid) is int
-                and type(args) is dict and type(args.get("step")) is int and pid == rank):
+                and type(args) is dict and type(args.get("step")) is int and pid == rank
+                and -INT64 <= tid < INT64 and -INT64 <= args["step"] < INT64):
             return None
         if not ((type(ts) is float or type(ts) is int) and (type(dur) is float or type(dur) is int)
                 and ts - ts == 0 and dur - dur == 0 and dur >= 0):  # x - x is 0 for a finite number only
@@ -386,6 +388,9 @@ def _check_x_event(path: Path, ev: dict[str, Any], rank: int, at: str) -> None:
     if not isinstance(args, dict) or not _is_int(args.get("step")):
         found = args.get("step") if isinstance(args, dict) else args
         raise TraceError(path, f"args.step must be the integer step index, found {found!r}", at)
+    for what, value in (("'tid'", ev["tid"]), ("args.step", args["step"])):
+        if not -INT64 <= value < INT64:  # kept in 64-bit columns (dpro.io.events)
+            raise TraceError(path, f"{what} {shown(value, 40)} is beyond 64 bits", at)
     if ev["cat"] == "COMM" and "bytes" in args and not (is_finite_number(args["bytes"]) and args["bytes"] >= 0):
         raise TraceError(path, f"COMM args.bytes must be a non-negative number, found {args['bytes']!r}", at)
     _check_list_args(path, args, at)

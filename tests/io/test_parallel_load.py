@@ -106,3 +106,14 @@ def test_traces_parsed_in_workers_are_the_traces_parsed_here(tmp_path):
     with pytest.raises(TraceError) as parallel:
         load_traces([paths[0], bad], jobs=2)
     assert str(parallel.value) == str(serial.value)
+
+
+def test_queue_ids_and_steps_must_fit_the_columns():
+    from dpro.io.load import validate_events
+
+    event = {"name": "FW.a", "cat": "FW", "ph": "X", "ts": 1.0, "dur": 1.0, "pid": 0, "tid": 2**70, "args": {"step": 1}}
+    with pytest.raises(TraceError, match="'tid' int 1180591620717411303424 is beyond 64 bits"):
+        validate_events(Path("rank-0.json"), [event], rank=0)
+    event.update(tid=0, args={"step": -(2**64)})
+    with pytest.raises(TraceError, match="args.step .* is beyond 64 bits"):
+        validate_events(Path("rank-0.json"), [event], rank=0)
