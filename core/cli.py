@@ -64,6 +64,8 @@ def _add_analyze(subparsers: Any) -> None:
     parser.add_argument("run", metavar="RUN", nargs="+", help="a run directory, or PyTorch profiler trace files")
     parser.add_argument("--json", action="store_true", help="print the analysis as one JSON object")
     parser.add_argument("--iterations", type=int, default=4, help="consecutive steps to replay (default 4)")
+    parser.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                        help="processes that read a big run or many traces (default: $DPRO_JOBS, else the usable CPUs)")
     parser.set_defaults(func=_cmd_analyze)
 
 
@@ -76,9 +78,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if paths:
         from dpro.analyze.traces import analyze_kineto
 
-        analysis = analyze_kineto(paths)
+        analysis = analyze_kineto(paths, jobs=args.jobs)
     else:
-        analysis = analyze_path(args.run[0], iterations=args.iterations)
+        analysis = analyze_path(args.run[0], iterations=args.iterations, jobs=args.jobs)
     print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
     return 0
 
@@ -91,6 +93,17 @@ def _trace_paths(given: list[str]) -> list[Path]:
     if len(given) == 1 and Path(given[0]).is_dir():
         return run_trace_files(given[0])
     return [Path(p) for p in given]
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (``--jobs``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of processes, at least 1")
+    return value
 
 
 def _knob_help() -> str:

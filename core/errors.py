@@ -65,6 +65,10 @@ class TraceError(DproError):
         at = f" ({where})" if where else ""
         super().__init__(f"{self.path}{at}: {problem}")
 
+    def __reduce__(self) -> tuple[type, tuple[Path, str, str | None]]:
+        # raised in a reading process (dpro.io.pool): it crosses back pickled, with its parts
+        return (type(self), (self.path, self.problem, self.where))
+
 
 class ConfigError(DproError):
     """An applied config (``config.json``) that cannot be read, or that does not fit the job.

@@ -154,3 +154,22 @@ def test_the_perfetto_trace_shows_the_last_steps_measured(tmp_path):
     measured = {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] < 1000}
     assert measured == set(range(43 - DEFAULT_MEASURED_STEPS, 43))
     assert any(e["pid"] >= 1000 for e in trace["traceEvents"] if e["ph"] == "X")
+
+
+@pytest.mark.slow
+def test_parallel_and_serial_analysis_agree_on_a_ddp_run(tmp_path):
+    """The rank files read and the recorded steps modelled in worker processes give the analysis read here."""
+    import numpy as np
+
+    from dpro.analyze.run import analyze_run
+
+    run_dir = tmp_path / "run"
+    torchrun("ddp_job.py", "--model", "mlp", "--steps", "8", "--profile", "2:7", "--run-dir", str(run_dir),
+             "--bucket-cap-mb", "0.25")
+    serial, parallel = load_run(run_dir, jobs=1), load_run(run_dir, jobs=2)
+    for rank, trace in serial.ranks.items():
+        assert trace.events == parallel.ranks[rank].events
+    here, workers = analyze_run(serial, jobs=1), analyze_run(parallel, jobs=2)
+    assert here.analysis == workers.analysis
+    for key in ("duration", "gap", "pred_idx"):
+        assert np.array_equal(getattr(here.graph, key), getattr(workers.graph, key))

@@ -18,12 +18,14 @@ import numpy as np
 
 from dpro.dag.align import Alignment, align
 from dpro.dag.graph import Graph
-from dpro.dag.step_model import StepModel, step_model
-from dpro.dag.wiring import graph_from_steps
+from dpro.dag.step_model import StepModel, model_steps, wired_step_model
+from dpro.dag.wiring import graph_of_wired
+from dpro.errors import GraphError
 from dpro.io.load import Run, load_run, overhead_of
+from dpro.io.pool import collector_paused
 from dpro.sim.interference import fit_interference
 from dpro.sim.replay import Schedule, critical_path, plan_levels, predicted_step_us, replay
-from dpro.sim.steps import one_step_models, replay_recorded
+from dpro.sim.steps import replay_recorded_run
 
 __all__ = [
     "Analysis",
@@ -106,27 +108,40 @@ def _xfer_members(g: Graph) -> dict[int, list[int]]:
     return out
 
 
+def _nodes_by_rank(g: Graph, it: int, members: dict[int, list[int]]) -> dict[int, list[int]]:
+    """The nodes of iterations ``it - 1`` and ``it`` each rank takes part in: its own, and the transfers it is a
+    member of; one pass over the nodes, so a per-rank figure costs its own nodes, not the whole graph's."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for node in np.flatnonzero((g.iteration == it) | (g.iteration == it - 1)).tolist():
+        if g.category[node] == "XFER":
+            for rank in members.get(node, ()):
+                out[rank].append(node)
+        else:
+            out[int(g.rank[node])].append(node)
+    return out
+
+
 def breakdown(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
     """Per rank, over the last replayed iteration: compute, communication, overlapped communication
     (communication hidden under compute) and idle time, in µs."""
     last = max(it for _, it in g.step_end)
-    members = _xfer_members(g)
+    nodes_of = _nodes_by_rank(g, last, _xfer_members(g))
     out = {}
     for (rank, it), end_node in g.step_end.items():
         if it != last or (rank, it - 1) not in g.step_end:
             continue
         t0, t1 = sched.end[g.step_end[(rank, it - 1)]], sched.end[end_node]
         compute, comm = [], []
-        for node in np.flatnonzero((g.iteration == it) | (g.iteration == it - 1)):
+        for node in nodes_of.get(rank, ()):
             s, e = max(sched.start[node], t0), min(sched.end[node], t1)
             if e <= s:
                 continue
             cat = g.category[node]
-            if cat == "XFER" and rank in members.get(int(node), ()):
+            if cat == "XFER":
                 comm.append((s, e))
-            elif g.rank[node] == rank and cat == "COMM" and g.duration[node] > 0:
+            elif cat == "COMM" and g.duration[node] > 0:
                 comm.append((s, e))
-            elif g.rank[node] == rank and cat in ("FW", "BW", "UPDATE", "RECOMPUTE", "COMPUTE"):
+            elif cat in ("FW", "BW", "UPDATE", "RECOMPUTE", "COMPUTE"):
                 compute.append((s, e))
         cu, mu = union_intervals(compute), union_intervals(comm)
         overlap = overlap_length(cu, mu)
@@ -152,23 +167,19 @@ def time_by_category(g: Graph, sched: Schedule) -> dict[int, dict[str, float]]:
     Markers (STEP) and host-side bookkeeping without duration are not counted.
     """
     last = max(it for _, it in g.step_end)
-    members = _xfer_members(g)
+    nodes_of = _nodes_by_rank(g, last, _xfer_members(g))
     out: dict[int, dict[str, float]] = {}
     for (rank, it), end_node in g.step_end.items():
         if it != last or (rank, it - 1) not in g.step_end:
             continue
         t0, t1 = float(sched.end[g.step_end[(rank, it - 1)]]), float(sched.end[end_node])
         spans: list[tuple[float, float, str]] = []
-        for node in np.flatnonzero((g.iteration == it) | (g.iteration == it - 1)):
+        for node in nodes_of.get(rank, ()):
             s, e = max(float(sched.start[node]), t0), min(float(sched.end[node]), t1)
             cat = g.category[node]
             if e <= s or cat == "STEP":
                 continue
-            if cat == "XFER":
-                if rank in members.get(int(node), ()):
-                    spans.append((s, e, "communication"))
-            elif g.rank[node] == rank:
-                spans.append((s, e, "communication" if cat in COMM_CATEGORIES else cat))
+            spans.append((s, e, "communication" if cat in COMM_CATEGORIES else cat))
         out[rank] = _charge_instants(spans, t0, t1)
     return out
 
@@ -300,11 +311,24 @@ class AnalyzedRun:
     model: StepModel
 
 
-def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
-    """Align, build the DAG, replay it and measure the prediction error of one run directory."""
+def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> AnalyzedRun:
+    """Align, build the DAG, replay it and measure the prediction error of one run directory (``jobs``: processes
+    for the recorded steps' check, ``dpro.sim.steps.replay_recorded_run``)."""
+    with collector_paused():
+        return _analyzed(run, iterations, jobs)
+
+
+def _analyzed(run: Run, iterations: int, jobs: int | None) -> AnalyzedRun:
     alignment = align(run)
-    model = step_model(run, alignment)
-    g = graph_from_steps(model, iterations=iterations)
+    # the recorded steps' check first, while the process holds only the run: its workers and its graph of every
+    # recorded step are the biggest things analysis makes, and the mean step's model need not be alive beside them
+    try:
+        as_recorded = _as_recorded_note(run, alignment, model_steps(run)[0], jobs)
+    except GraphError:
+        wired_step_model(run, alignment)  # the mean step's model fails first where it fails (as it ran first)
+        raise
+    model, wired = wired_step_model(run, alignment)
+    g = graph_of_wired(model, wired, iterations)
     sched = replay(g, plan_levels(g))
     predicted = predicted_step_us(g, sched)
     pred, measured = statistics.median(predicted.values()), model.measured_step_us
@@ -314,7 +338,7 @@ def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS) -> AnalyzedRun:
     per_rank = [{"rank": r, "measured_step_ms": model.step_us_by_rank[r] / 1000.0,
                  "predicted_step_ms": predicted.get(r, float("nan")) / 1000.0,
                  **{k + "_ms": parts[r][k] / 1000.0 for k in keys}} for r in sorted(parts)]
-    notes = _left_out_note(model) + [_as_recorded_note(run, alignment, model)] + _unrecorded_note(run, pred) + \
+    notes = _left_out_note(model) + [as_recorded] + _unrecorded_note(run, pred) + \
         [fit_interference(run, model.steps).describe()]
     analysis = Analysis(
         source=str(run.path), measured_step_ms=measured / 1000.0, predicted_step_ms=pred / 1000.0,
@@ -343,10 +367,9 @@ def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
             "a step where this replay says what it recorded"]
 
 
-def _as_recorded_note(run: Run, alignment: Alignment, model: StepModel) -> str:
+def _as_recorded_note(run: Run, alignment: Alignment, steps: list[int], jobs: int | None) -> str:
     """How the recorded steps replay as they were, each with its own times: a check of the DAG's wiring."""
-    steps, one_step = one_step_models(run, alignment, model.steps)
-    recorded = replay_recorded(steps, one_step)
+    recorded = replay_recorded_run(run, alignment, steps, jobs=jobs)
     replayed, measured = recorded.predicted_step_us, recorded.measured_step_us
     return (f"the recorded steps replayed as they were, each with its own times, take {replayed / 1000.0:.2f} ms "
             f"against their measured {measured / 1000.0:.2f} ms ({error_pct(replayed, measured):+.2f} %; means of "
@@ -367,13 +390,15 @@ def _engine_notes(run: Run) -> list[str]:
     return get_engine((run.meta or {}).get("engine")).notes(run)
 
 
-def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS) -> Analysis:
-    """Analyze a run directory, and write ``analysis/replay.json`` (measured and replayed timelines)."""
+def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> Analysis:
+    """Analyze a run directory, and write ``analysis/replay.json`` (measured and replayed timelines); ``jobs``: how
+    many processes read and model it (``dpro.io.pool.jobs_wanted``)."""
     from dpro.record.trace import analysis_file
     from dpro.report.perfetto import write_replay_trace
 
-    run = load_run(path)
-    result = analyze_run(run, iterations)
-    write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule,
-                       steps=result.model.steps)
-    return result.analysis
+    with collector_paused():
+        run = load_run(path, jobs=jobs)
+        result = analyze_run(run, iterations, jobs=jobs)
+        write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule,
+                           steps=result.model.steps)
+        return result.analysis

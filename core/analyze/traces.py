@@ -290,6 +290,7 @@ def _rank_median(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def analyze_kineto(paths: list[Path], steps: list[int] | None = None) -> Analysis:
-    """``dpro analyze FILE...``: load one Kineto trace per rank, replay, report (see ``analyze_traces``)."""
-    return analyze_traces(load_traces(paths), steps)
+def analyze_kineto(paths: list[Path], steps: list[int] | None = None, *, jobs: int | None = None) -> Analysis:
+    """``dpro analyze FILE...``: load one Kineto trace per rank (in ``jobs`` processes, ``load_traces``), replay,
+    report (see ``analyze_traces``)."""
+    return analyze_traces(load_traces(paths, jobs=jobs), steps)

@@ -12,7 +12,10 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dpro.io.load import Run
+from dpro.record.trace import CATEGORIES
 
 __all__ = [
     "Alignment",
@@ -23,6 +26,7 @@ __all__ = [
 ]
 
 
+COMM_CODE = CATEGORIES.index("COMM")
 SAME_HOST_TOLERANCE_US = 1000.0  # ping-pong noise on one host is tens of µs; beyond this, trust the data
 
 
@@ -61,9 +65,12 @@ def collective_offsets(run: Run, prior: dict[int, float]) -> dict[int, float]:
     """
     ends: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     for rank, trace in run.ranks.items():
-        for e in trace.events:
-            if e["cat"] == "COMM":
-                ends[(e["name"], e["args"].get("step"))][rank] = e["ts"] + e["dur"] - prior.get(rank, 0.0)
+        t = trace.table
+        comm = np.flatnonzero(t.cat == COMM_CODE)
+        shift = prior.get(rank, 0.0)
+        for name, step, ts, dur in zip(t.name[comm].tolist(), t.step[comm].tolist(), t.ts[comm].tolist(),
+                                       t.dur[comm].tolist(), strict=True):
+            ends[(t.names[name], step)][rank] = ts + dur - shift
     diffs: dict[int, list[float]] = defaultdict(list)
     for members in ends.values():
         if 0 in members:

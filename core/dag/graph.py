@@ -86,6 +86,7 @@ class GraphBuilder:
     queue_names: list[str] = field(default_factory=list)
     _queue_id: dict[str, int] = field(default_factory=dict)
     _queue_last: dict[int, int] = field(default_factory=dict)
+    _queue_first: dict[int, int] = field(default_factory=dict)
     step_end: dict[tuple[int, int], int] = field(default_factory=dict)
     _flows: list[tuple[int, str, tuple[str, ...]]] = field(default_factory=list)  # node, connection, links
     _occupants: dict[int, str] = field(default_factory=dict)  # node -> the link it takes a share of
@@ -110,6 +111,7 @@ class GraphBuilder:
             if last is not None and last not in deps:
                 deps.append(last)
             self._queue_last[qid] = node
+            self._queue_first.setdefault(qid, node)
         self.names.append(name)
         self.category.append(category)
         self.rank.append(rank)
@@ -137,6 +139,14 @@ class GraphBuilder:
         """Make ``node`` (already added; not a message) take a share of ``link`` while it runs, at its own pace:
         the messages on the link move slower meanwhile (a worker's compute on the CPUs its host's servers use)."""
         self._occupants[node] = link
+
+    def queue_first(self) -> dict[int, int]:
+        """Queue id -> the first node added on it."""
+        return dict(self._queue_first)
+
+    def queue_last(self) -> dict[int, int]:
+        """Queue id -> the node the next op on it would wait for."""
+        return dict(self._queue_last)
 
     def occupy(self, queue: str, node: int) -> None:
         """Make ``node`` the op the next op on ``queue`` waits for (a collective's transfer)."""

@@ -4,19 +4,33 @@ out; ``dpro.dag.wiring`` turns it into a ``Graph``."""
 
 from __future__ import annotations
 
+import math
 import statistics
+from array import array
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from dpro.dag.align import Alignment
-from dpro.dag.wiring import graph_from_steps
+from dpro.dag.wiring import WiredStep, wire_once
 from dpro.errors import GraphError
-from dpro.io.load import Run, format_steps
+from dpro.io.events import EventTable
+from dpro.io.load import RankTrace, Run, format_steps
+from dpro.record.trace import CATEGORIES
 
-__all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "StepModel", "far_out_steps", "occurrence_name", "step_model"]
+STEP_CODE = CATEGORIES.index("STEP")
+NESTING_CODES = [CATEGORIES.index("FW"), CATEGORIES.index("BW")]  # modules nest; collectives in flight together do not
+StepEvent = tuple[str, str, int, float, float, dict[str, Any]]  # name, category, tid, ts, dur, args
+
+__all__ = ["MIN_MODEL_STEPS", "ExchangePart", "OpStats", "RankStep", "StepModel", "far_out_steps", "model_steps",
+           "occurrence_name", "rank_steps", "step_model",
+           "wired_step_model"]
 
 
-@dataclass
+@dataclass(slots=True)  # a thousand ranks' mean step holds hundreds of thousands of these
 class OpStats:
     """One op of one rank, summarised over the profiled steps (means)."""
 
@@ -110,9 +124,11 @@ def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
     wanted = set(steps)
     by_step: dict[int, list[float]] = defaultdict(list)
     for trace in run.ranks.values():
-        for e in trace.events:
-            if e["cat"] == "STEP" and e["args"].get("step") in wanted:
-                by_step[e["args"]["step"]].append(e["dur"])
+        t = trace.table
+        marks = np.flatnonzero(t.cat == STEP_CODE)
+        for step, dur in zip(t.step[marks].tolist(), t.dur[marks].tolist(), strict=True):
+            if step in wanted:
+                by_step[step].append(dur)
     durations = {step: statistics.median(v) for step, v in by_step.items()}
     if len(durations) < 3:
         return {}
@@ -123,22 +139,6 @@ def far_out_steps(run: Run, steps: list[int]) -> dict[int, float]:
     q1, _, q3 = statistics.quantiles(durations.values(), n=4)
     fence = FAR_OUT_IQR * (q3 - q1)
     return {step: d for step, d in sorted(durations.items()) if d > q3 + fence or d < q1 - fence}
-
-
-def _contained(events: list[dict]) -> set[int]:
-    """Indices of FW/BW events that contain another on the same queue (parent modules: keep the leaves)."""
-    out = set()
-    by_queue: dict[int, list[int]] = defaultdict(list)
-    for i, e in enumerate(events):
-        if e["cat"] in ("FW", "BW"):  # modules nest; collectives in flight together do not
-            by_queue[e["tid"]].append(i)
-    for idxs in by_queue.values():
-        idxs.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
-        for a, b in zip(idxs, idxs[1:], strict=False):
-            ea, eb = events[a], events[b]
-            if eb["ts"] + eb["dur"] <= ea["ts"] + ea["dur"] + 1e-3 and eb["ts"] >= ea["ts"]:
-                out.add(a)
-    return out
 
 
 def _same_collective_order(ops: dict[int, list[OpStats]]) -> None:
@@ -248,35 +248,47 @@ def _transfer_times_in_step(comm_by_step: dict[tuple[str, int], dict[int, tuple[
     return out, ends, done_after
 
 
-def _gradient_launches(events: list[dict]) -> dict[str, float]:
+def _gradient_launches(events: list[StepEvent]) -> dict[str, float]:
     """Gradient -> when the first collective carrying it was launched (µs, the rank's clock)."""
     out: dict[str, float] = {}
     for e in events:
-        if e["cat"] == "COMM":
-            for grad in e["args"].get("tensors") or ():
-                out[grad] = min(out.get(grad, e["ts"]), e["ts"])
+        if e[1] == "COMM":
+            for grad in e[5].get("tensors") or ():
+                out[grad] = min(out.get(grad, e[3]), e[3])
     return out
 
 
-def _with_ready_times(bw: dict, launch_of: dict[str, float]) -> dict:
+def _with_ready_times(ts: float, dur: float, args: dict, launch_of: dict[str, float]) -> dict:
     """A backward event's args with ``_ts`` and a ready time per gradient: the recorded one (its op's end when none
     is), or the launch of the collective carrying the gradient when that came first, since a collective cannot start
     before its gradient exists (a recorder that marks a whole layer's gradients ready at the layer's end; TensorFlow
     computes the weight gradient before the input's)."""
-    grads = bw["args"]["grads"]
-    ready = bw["args"].get("grads_ready_us") or []
+    grads = args["grads"]
+    ready = args.get("grads_ready_us") or []
     if len(ready) != len(grads):
-        ready = [bw["ts"] + bw["dur"]] * len(grads)
-    ready = [min(t, launch_of[g]) if bw["ts"] < launch_of.get(g, float("-inf")) < t else t
+        ready = [ts + dur] * len(grads)
+    ready = [min(t, launch_of[g]) if ts < launch_of.get(g, float("-inf")) < t else t
              for g, t in zip(grads, ready, strict=True)]
-    return {**bw["args"], "_ts": bw["ts"], "grads_ready_us": ready}
+    return {**args, "_ts": ts, "grads_ready_us": ready}
 
 
-def _median_ready_offsets(samples: list[tuple[float, float, float, dict]]) -> dict[str, float]:
+@dataclass(slots=True)
+class _OpSamples:
+    """One op of one rank over the steps read: its start in each step (packed doubles: millions of them, alive only
+    until the means), its duration, its args."""
+
+    starts: array
+    durations: list[float]
+    args: list[dict]
+
+
+def _median_ready_offsets(samples: list[dict]) -> dict[str, float]:
     """When each gradient of a backward op is ready, from the op's start (median over steps): a collective of a
     gradient can start then, before the op ends (it goes on computing other gradients and its input's)."""
+    if not any(args.get("grads") for args in samples):
+        return {}
     offsets: dict[str, list[float]] = defaultdict(list)
-    for _, _, _, args in samples:
+    for args in samples:
         t0 = args.get("_ts")
         ready = args.get("grads_ready_us") or []
         if t0 is None or len(ready) != len(args.get("grads") or []):
@@ -286,7 +298,101 @@ def _median_ready_offsets(samples: list[tuple[float, float, float, dict]]) -> di
     return {grad: statistics.median(v) for grad, v in offsets.items()}
 
 
-def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) -> StepModel:
+@dataclass
+class RankStep:
+    """One rank's one recorded step as the step model reads it: its STEP mark (the rank's clock) and its ops in start
+    order, each ``(node name, category, queue, start in the step, duration, args, ts)``; a backward op's args carry
+    its gradients' ready times (``_with_ready_times``)."""
+
+    t0: float
+    duration: float
+    ops: list[tuple[str, str, str, float, float, dict, float]]
+
+
+def rank_steps(trace: RankTrace, steps: Iterable[int]) -> dict[int, RankStep | None]:
+    """Each of ``steps`` of one rank, read off its columns (None: the rank has no STEP event for it): its STEP mark
+    (the first), and its other events in start order, each event containing another on its queue left out
+    (``_contained``, on the columns)."""
+    t = trace.table
+    wanted = sorted(set(steps))
+    index = np.flatnonzero(np.isin(t.step, wanted))
+    index = index[np.argsort(t.step[index], kind="stable")]  # by step, file order within a step
+    is_mark = t.cat[index] == STEP_CODE
+    marks = index[is_mark]
+    first_mark = dict(zip(t.step[marks][::-1].tolist(), marks[::-1].tolist(), strict=True))  # the first one wins
+    work = index[~is_mark]
+    work = work[~_contained_columns(t, work)]
+    work = work[np.lexsort((t.ts[work], t.step[work]))]  # start order within each step (stable: file order on ties)
+    cuts = np.searchsorted(t.step[work], wanted, side="left").tolist() + [work.size]
+    names, arg_sets, queues = t.names, t.arg_sets, trace.queues
+    rows = list(zip([names[n] for n in t.name[work].tolist()], [CATEGORIES[c] for c in t.cat[work].tolist()],
+                    t.tid[work].tolist(), t.ts[work].tolist(), t.dur[work].tolist(),
+                    [arg_sets[a] for a in t.arg[work].tolist()], strict=True))
+    out: dict[int, RankStep | None] = {}
+    for k, s in enumerate(wanted):
+        mark = first_mark.get(s)
+        out[s] = None if mark is None else _rank_step(float(t.ts[mark]), float(t.dur[mark]),
+                                                      rows[cuts[k]:cuts[k + 1]], queues)
+    return out
+
+
+def _contained_columns(t: EventTable, work: np.ndarray) -> np.ndarray:
+    """``_contained`` over the events ``work`` of several steps (by step, file order within one): a mask of the FW/BW
+    events that contain the next one on their queue, in (start, longest first) order within their step."""
+    out = np.zeros(work.size, dtype=bool)
+    nesting = np.flatnonzero(np.isin(t.cat[work], NESTING_CODES))
+    if nesting.size < 2:
+        return out
+    ev = work[nesting]
+    ts, dur = t.ts[ev], t.dur[ev]
+    order = np.lexsort((-dur, ts, t.tid[ev], t.step[ev]))  # stable: the list's order on ties
+    ts, dur, step, tid = ts[order], dur[order], t.step[ev][order], t.tid[ev][order]
+    a, b = slice(None, -1), slice(1, None)
+    inside = (step[a] == step[b]) & (tid[a] == tid[b]) & (ts[b] + dur[b] <= ts[a] + dur[a] + 1e-3) & (ts[b] >= ts[a])
+    out[nesting[order[:-1][inside]]] = True
+    return out
+
+
+def _rank_step(t0: float, duration: float, work: list[StepEvent], queues: dict[int, str]) -> RankStep:
+    launch_of = _gradient_launches(work)
+    runs: dict[str, int] = defaultdict(int)
+    ops = []
+    for name, cat, tid, ts, dur, args in work:
+        node = occurrence_name(name, runs[name])
+        runs[name] += 1
+        if cat == "BW" and args.get("grads"):
+            args = _with_ready_times(ts, dur, args, launch_of)
+        ops.append((node, cat, queues.get(tid, str(tid)), ts - t0, dur, args, ts))
+    return RankStep(t0, duration, ops)
+
+
+def model_steps(run: Run) -> tuple[list[int], dict[int, float]]:
+    """The steps ``step_model`` summarises (those every rank recorded, less those the engine set aside while
+    ``MIN_MODEL_STEPS`` others remain, less those far outside the others), and the far-out ones (``far_out_steps``).
+
+    Raises:
+        GraphError: the ranks have no recorded step in common.
+    """
+    steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
+    if not steps:
+        listed = ", ".join(f"rank {r}: {format_steps(t.steps)}" for r, t in sorted(run.ranks.items()))
+        raise GraphError(f"{run.path}: the ranks have no profiled step in common ({listed}); "
+                         "record the same window on every rank")
+    kept = [step for step in steps if step not in run.set_aside]
+    if len(kept) >= MIN_MODEL_STEPS:
+        steps = kept
+    left_out = far_out_steps(run, steps)
+    return [step for step in steps if step not in left_out], left_out
+
+
+def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None,
+               steps: list[int] | None = None) -> StepModel:
+    """The step model of ``run`` (``wired_step_model``, without its wiring)."""
+    return wired_step_model(run, alignment, transfers=transfers, steps=steps)[0]
+
+
+def wired_step_model(run: Run, alignment: Alignment, *, transfers: str | None = None,
+                     steps: list[int] | None = None) -> tuple[StepModel, WiredStep]:
     """Summarise the profiled steps of every rank (aligned clocks) into one mean step: each op's mean start and
     duration (means, not medians: a step is a sum of its ops; medians of skewed parts add up to no step, and
     replay short). Steps far outside the others are left out first
@@ -297,6 +403,8 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     step's transfer, ``_transfer_times``) or ``"in-step"`` (from mean arrival and end times within
     the step, ``_transfer_times_in_step``); default: what the run's engine says
     (``Engine.transfer_calibration``, ``"in-step"`` unless an engine says otherwise).
+
+    ``steps``: a model of exactly these steps, none set aside or left out (``dpro.sim.steps``: one recorded step).
     """
     from dpro.engines import get_engine  # the registry imports engine modules, which import this one
 
@@ -304,80 +412,65 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
     if transfers is None:
         transfers = engine.transfer_calibration
     chained = engine.chained_launch
-    steps = sorted(set.intersection(*(set(t.steps) for t in run.ranks.values()))) if run.ranks else []
-    if not steps:
-        raise GraphError(f"{run.path}: the ranks have no profiled step in common "
-                         f"({', '.join(f'rank {r}: {format_steps(t.steps)}' for r, t in sorted(run.ranks.items()))}); "
-                         "record the same window on every rank")
-    kept = [step for step in steps if step not in run.set_aside]
-    if len(kept) >= MIN_MODEL_STEPS:
-        steps = kept
-    left_out = far_out_steps(run, steps)
-    steps = [step for step in steps if step not in left_out]
-    wanted = set(steps)
-    per_op: dict[tuple[int, str], list[tuple[float, float, float, dict]]] = defaultdict(list)
+    left_out: dict[int, float] = {}
+    if steps is None:
+        steps, left_out = model_steps(run)
+    per_rank: dict[int, tuple[dict[str, _OpSamples], dict[str, str]]] = {}  # rank -> its ops' samples, queues
     step_us: dict[int, list[float]] = defaultdict(list)
     comm_by_step: dict[tuple[str, int], dict[int, tuple[float, float]]] = defaultdict(dict)
     starts: dict[tuple[int, int], float] = {}
     spans: dict[tuple[int, int], tuple[float, float]] = {}
-    queue_of: dict[tuple[int, str], str] = {}
     cat_of: dict[str, str] = {}
     transfer_queues: dict[str, tuple[str, ...]] = {}
     for rank, trace in run.ranks.items():
         shift = alignment.offset_us.get(rank, 0.0)
-        by_step: dict[int, list[dict]] = defaultdict(list)
-        for e in trace.events:
-            if e["args"].get("step") in wanted:
-                by_step[e["args"]["step"]].append(e)
+        recorded = rank_steps(trace, steps)
+        samples_of: dict[str, _OpSamples] = {}
+        queue_of: dict[str, str] = {}
         for step in steps:
-            events = by_step[step]
-            boundary = next((e for e in events if e["cat"] == "STEP"), None)
-            if boundary is None:
+            one = recorded[step]
+            if one is None:
                 raise GraphError(f"{run.path}: rank {rank} has events of step {step} but no STEP event marking "
                                  "its boundaries")
-            t0 = boundary["ts"]
-            starts[(rank, step)] = t0 - shift
-            spans[(rank, step)] = (t0 - shift, t0 - shift + boundary["dur"])
-            step_us[rank].append(boundary["dur"])
-            work = [e for e in events if e["cat"] != "STEP"]
-            drop = _contained(work)
-            work = [e for i, e in enumerate(work) if i not in drop]
-            work.sort(key=lambda e: e["ts"])
-            launch_of = _gradient_launches(work)
-            last_end: dict[int, float] = {}
-            runs: dict[str, int] = defaultdict(int)
-            for e in work:
-                q = trace.queues.get(e["tid"], str(e["tid"]))
-                start = e["ts"] - t0
-                gap = max(0.0, start - last_end.get(e["tid"], 0.0))
-                last_end[e["tid"]] = max(last_end.get(e["tid"], 0.0), start + e["dur"])
-                name = occurrence_name(e["name"], runs[e["name"]])
-                runs[e["name"]] += 1
-                args = _with_ready_times(e, launch_of) if e["cat"] == "BW" and e["args"].get("grads") else e["args"]
-                per_op[(rank, name)].append((start, e["dur"], gap, args))
-                queue_of[(rank, name)] = q
-                cat_of[name] = e["cat"]
-                if e["cat"] == "COMM":
-                    comm_by_step[(name, step)][rank] = (e["ts"] - shift, e["ts"] + e["dur"] - shift)
-                    queues = engine.transfer_queues(run, e["args"])
+            starts[(rank, step)] = one.t0 - shift
+            spans[(rank, step)] = (one.t0 - shift, one.t0 - shift + one.duration)
+            step_us[rank].append(one.duration)
+            for name, cat, q, start, dur, args, ts in one.ops:
+                got = samples_of.get(name)
+                if got is None:
+                    got = samples_of[name] = _OpSamples(array("d"), [], [])
+                got.starts.append(start)
+                got.durations.append(dur)
+                got.args.append(args)
+                queue_of[name] = q
+                cat_of[name] = cat
+                if cat == "COMM":
+                    comm_by_step[(name, step)][rank] = (ts - shift, ts + dur - shift)
+                    queues = engine.transfer_queues(run, args)
                     if queues:
                         transfer_queues[name] = queues
+        per_rank[rank] = (samples_of, queue_of)
     ops: dict[int, list[OpStats]] = defaultdict(list)
-    for (rank, name), samples in per_op.items():
-        if 2 * len(samples) < len(steps) and cat_of[name] != "COMM":
+    for rank, name, samples, queue in ((rank, name, samples, queue_of[name])
+                                       for rank, (samples_of, queue_of) in per_rank.items()
+                                       for name, samples in samples_of.items()):
+        n = len(samples.starts)
+        if 2 * n < len(steps) and cat_of[name] != "COMM":
             # an op in fewer than half of the steps (a source whose ops split or merge differently from step to
             # step) is no part of the mean step: its time stays in the gap before the op after it
             continue
-        order = statistics.fmean(s[0] for s in samples)
-        duration = statistics.fmean(s[1] for s in samples)
+        order = math.fsum(samples.starts) / n  # statistics.fmean's own sum, without its per-call overhead
+        duration = math.fsum(samples.durations) / n
         if transfers == "in-step" and cat_of[name] == "COMM":
-            duration = max(0.0, statistics.fmean(s[0] + s[1] for s in samples) - order)  # ends at its mean end
-        args = {k: v for k, v in samples[-1][3].items() if k != "_ts"}
+            ends = [a + b for a, b in zip(samples.starts, samples.durations, strict=True)]
+            duration = max(0.0, math.fsum(ends) / n - order)  # ends at its mean end
+        args = dict(samples.args[-1])
+        args.pop("_ts", None)
         if cat_of[name] == "BW":
-            args["grads_ready_offset_us"] = _median_ready_offsets(samples)
+            args["grads_ready_offset_us"] = _median_ready_offsets(samples.args)
         ops[rank].append(OpStats(
-            name=name, category=cat_of[name], queue=queue_of[(rank, name)], rank=rank,
-            order=order, duration=duration, gap=None, args=args, samples=[sample[1] for sample in samples]))
+            name=name, category=cat_of[name], queue=queue, rank=rank,
+            order=order, duration=duration, gap=None, args=args, samples=samples.durations))
     if not ops:
         raise GraphError(f"{run.path}: the profiled steps ({format_steps(steps)}) hold no operation besides their STEP "
                          "markers; nothing to replay")
@@ -416,6 +509,6 @@ def step_model(run: Run, alignment: Alignment, *, transfers: str | None = None) 
         left_out_steps=left_out,
     )
     # wiring it once fills in the measured gaps and tails, so that a what-if's transformed copy keeps them (a tail
-    # filled in on a changed step would stretch that step back to the measured one)
-    graph_from_steps(model, iterations=1)
-    return model
+    # filled in on a changed step would stretch that step back to the measured one); the wiring is returned too, so
+    # the replay chains copies of it (``dpro.dag.wiring.stitch``) instead of wiring the ops again
+    return model, wire_once(model)

@@ -17,6 +17,7 @@ from typing import Any
 
 from dpro.errors import TraceError
 from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
+from dpro.io.pool import collector_paused, jobs_wanted, map_ordered
 
 __all__ = [
     "Collective",
@@ -337,17 +338,26 @@ def _collective(k: dict[str, Any], args: dict[str, Any]) -> Collective:
         dtype=dtype, bytes=n * width if width and n else None, group_size=_opt_int(args.get("Group size")))
 
 
-def load_traces(paths: list[Path]) -> list[KinetoTrace]:
-    """``load_kineto`` of each path, with progress when the files together are big (seconds to read)."""
+PARALLEL_BYTES = 16 * 2**20  # traces together this big are parsed on several cores (unless jobs is given)
+
+
+def load_traces(paths: list[Path], *, jobs: int | None = None) -> list[KinetoTrace]:
+    """``load_kineto`` of each path, with progress when the files together are big (seconds to read), in ``jobs``
+    processes (``dpro.io.pool.jobs_wanted``; by default once they hold ``PARALLEL_BYTES``); the first bad file in
+    ``paths``' order is the error, as read one after another."""
     from dpro.io.load import PROGRESS_BYTES
     from dpro.progress import Progress
 
     size = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
+    workers = min(jobs_wanted(jobs), max(1, len(paths)))
+    if jobs is None and size < PARALLEL_BYTES:
+        workers = 1
     traces = []
     with Progress(len(paths), "loading traces", quiet=None if size >= PROGRESS_BYTES // 4 else True) as bar:
-        for p in paths:
-            traces.append(load_kineto(p))
-            bar.advance(note=Path(p).name)
+        with collector_paused():
+            for p, trace in zip(paths, map_ordered(load_kineto, list(paths), workers), strict=True):
+                traces.append(trace)
+                bar.advance(note=Path(p).name)
     return traces
 
 

@@ -25,9 +25,11 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from sys import intern
 from typing import Any
 
 from dpro.errors import TraceError, kind_of, shown
+from dpro.io.events import EventTable, events_of, table_from_events
 from dpro.io.limits import (
     STEPS_ENV,
     WORLD_SIZE_ENV,
@@ -37,6 +39,7 @@ from dpro.io.limits import (
     stream_bytes,
     world_size_limit,
 )
+from dpro.io.pool import collector_paused, jobs_wanted, map_ordered
 from dpro.progress import Progress
 from dpro.record.trace import (
     CATEGORIES,
@@ -73,6 +76,8 @@ _RANK_FILE = re.compile(r"rank-(\d+)\.json")
 _JOURNAL_FILE = re.compile(r"rank-(\d+)\.partial\.jsonl")
 _REQUIRED = ("name", "cat", "ph", "ts", "dur")
 PROGRESS_BYTES = 50 * 2**20  # rank files together this big take seconds to read: say so as they load
+INT64 = 2**63  # queue ids and step numbers are kept as 64-bit integers
+PARALLEL_BYTES = 16 * 2**20  # rank files together this big are read on several cores (unless jobs is given)
 
 
 @dataclass
@@ -101,6 +106,40 @@ class RankTrace:
     def from_journal(self) -> bool:
         """True when this trace was read from ``rank-<r>.partial.jsonl`` (the rank never finished)."""
         return self.path.name.endswith(".partial.jsonl")
+
+    @property
+    def table(self) -> EventTable:
+        """The events as columns (``dpro.io.events``): what analysis reads. Made anew from ``events`` on every call
+        while those are out (they may change at any time; ``compact`` ends that), else kept from loading."""
+        kept = self.__dict__
+        if kept.get("_events") is not None:
+            return table_from_events(kept["_events"], self.rank)
+        return kept["_table"]
+
+    def compact(self) -> RankTrace:
+        """Keep the events as columns only (``table``), until something asks for ``events`` again."""
+        kept = self.__dict__
+        if kept.get("_table") is None:
+            kept["_table"] = table_from_events(kept["_events"], self.rank)
+        kept["_events"] = None
+        return self
+
+
+def _trace_events(trace: RankTrace) -> list[dict[str, Any]]:
+    kept = trace.__dict__
+    if kept.get("_events") is None:
+        kept["_events"] = events_of(kept["_table"], trace.rank)
+    kept["_table"] = None  # the caller may change the events: the columns are rebuilt from them when asked
+    return kept["_events"]
+
+
+def _set_trace_events(trace: RankTrace, events: list[dict[str, Any]]) -> None:
+    trace.__dict__["_events"] = events
+    trace.__dict__["_table"] = None
+
+
+# the "X" events in file order, as dicts: made from the columns on first use (a loaded trace keeps columns only)
+RankTrace.events = property(_trace_events, _set_trace_events)  # type: ignore[assignment]
 
 
 @dataclass
@@ -250,6 +289,9 @@ def validate_events(
     if not isinstance(raw, list):
         raise TraceError(path, f"'{key}' must be a list of events, found {kind_of(raw)}", where or None)
     marks = step_marks if step_marks is not None else {}
+    fast = _laid_out_events(path, raw, rank, where, marks)
+    if fast is not None:
+        return fast
     events: list[dict[str, Any]] = []
     queues: dict[int, str] = {}
     for i, ev in enumerate(raw):
@@ -264,6 +306,53 @@ def validate_events(
             _check_x_event(path, ev, rank, at)
             _check_step_once(path, ev, marks, at)
             events.append(ev)
+    return events, queues
+
+
+_LAID_OUT = ("name", "cat", "ph", "ts", "dur", "pid", "tid", "args")  # an X event as dpro's writers lay it out
+
+
+def _laid_out_events(path: Path, raw: list[Any], rank: int, where: str,
+                     marks: dict[int, str]) -> tuple[list[dict[str, Any]], dict[int, str]] | None:
+    """``validate_events``'s answer for events laid out as dpro writes them, checked in one tight pass (a thousand
+    ranks' events are millions); None at the first event it does not vouch for, and ``validate_events`` checks the
+    list the long way (which names what is wrong). ``marks`` changes only on success."""
+    events: list[dict[str, Any]] = []
+    queues: dict[int, str] = {}
+    added: dict[int, str] = {}
+    categories = CATEGORIES
+    for i, ev in enumerate(raw):
+        if type(ev) is not dict:
+            return None
+        if tuple(ev) != _LAID_OUT:
+            if ev.get("ph") != "M" or ev.get("name") is None:
+                return None
+            at = f"{where}, event {i}" if where else f"event {i}"
+            _read_metadata(path, ev, queues, f"{at} {str(ev['name'])[:80]!r}")
+            continue
+        name, cat, ph, ts, dur, pid, tid, args = ev.values()
+        if not (ph == "X" and type(name) is str and name and cat in categories and type(tid) is int
+                and type(args) is dict and type(args.get("step")) is int and pid == rank
+                and -INT64 <= tid < INT64 and -INT64 <= args["step"] < INT64):
+            return None
+        if not ((type(ts) is float or type(ts) is int) and (type(dur) is float or type(dur) is int)
+                and ts - ts == 0 and dur - dur == 0 and dur >= 0):  # x - x is 0 for a finite number only
+            return None
+        if len(args) > 1:
+            try:
+                if cat == "COMM" and "bytes" in args and not (is_finite_number(args["bytes"]) and args["bytes"] >= 0):
+                    return None
+                _check_list_args(path, args, "")
+            except TraceError:
+                return None
+        if cat == "STEP":
+            step = args["step"]
+            if step in marks or step in added:
+                return None
+            at = f"{where}, event {i}" if where else f"event {i}"
+            added[step] = f"{at} {name[:80]!r}"
+        events.append(ev)
+    marks.update(added)
     return events, queues
 
 
@@ -299,6 +388,9 @@ def _check_x_event(path: Path, ev: dict[str, Any], rank: int, at: str) -> None:
     if not isinstance(args, dict) or not _is_int(args.get("step")):
         found = args.get("step") if isinstance(args, dict) else args
         raise TraceError(path, f"args.step must be the integer step index, found {found!r}", at)
+    for what, value in (("'tid'", ev["tid"]), ("args.step", args["step"])):
+        if not -INT64 <= value < INT64:  # kept in 64-bit columns (dpro.io.events)
+            raise TraceError(path, f"{what} {shown(value, 40)} is beyond 64 bits", at)
     if ev["cat"] == "COMM" and "bytes" in args and not (is_finite_number(args["bytes"]) and args["bytes"] >= 0):
         raise TraceError(path, f"COMM args.bytes must be a non-negative number, found {args['bytes']!r}", at)
     _check_list_args(path, args, at)
@@ -731,8 +823,9 @@ def _check_model_entry(path: Path, key: str, item: dict[str, Any], where: str) -
 # ---- a run ---------------------------------------------------------------------------------------
 
 
-def load_run(path: str | Path) -> Run:
-    """Load and validate a run directory.
+def load_run(path: str | Path, *, jobs: int | None = None) -> Run:
+    """Load and validate a run directory: rank files are read in ``jobs`` processes (``dpro.io.pool.jobs_wanted``;
+    by default only when they hold ``PARALLEL_BYTES`` or more), each kept as columns (``RankTrace.table``).
 
     Returns:
         A ``Run`` whose ``problems`` list what analysis must work around (missing or unfinished ranks,
@@ -741,7 +834,11 @@ def load_run(path: str | Path) -> Run:
     Raises:
         TraceError: ``path`` is not a run directory, or one of its files is unreadable or invalid.
     """
-    root = Path(path)
+    with collector_paused():
+        return _load_run(Path(path), jobs)
+
+
+def _load_run(root: Path, jobs: int | None) -> Run:
     if not root.exists():
         raise TraceError(root, "no such directory")
     if not root.is_dir():
@@ -763,13 +860,19 @@ def load_run(path: str | Path) -> Run:
     ranks: dict[int, RankTrace] = {}
     cut_lines: dict[int, list[str]] = {}
     files = {rank: finals.get(rank) or journals[rank] for rank in sorted(set(finals) | set(journals))}
-    big = sum(_size(f) for f in files.values()) >= PROGRESS_BYTES
-    with Progress(len(files), "loading rank files", quiet=None if big else True) as bar:
-        for rank, file in files.items():
-            if rank in finals:
-                ranks[rank] = load_rank_file(file, rank)
-            else:
-                ranks[rank], cut_lines[rank] = load_journal(file, rank)
+    total = sum(_size(f) for f in files.values())
+    workers = min(jobs_wanted(jobs), len(files))
+    if jobs is None and total < PARALLEL_BYTES:
+        workers = 1  # starting the processes would take longer than reading
+    tasks = [(rank, file, rank in finals, None) for rank, file in files.items()]
+    with Progress(len(files), "loading rank files", quiet=None if total >= PROGRESS_BYTES else True) as bar:
+        for (rank, file, _, _), (trace, cut) in zip(tasks, map_ordered(
+                _load_one, tasks, workers, chunksize=max(1, len(tasks) // (8 * workers))), strict=True):
+            # one string per op name, not one per rank: the step models and graphs of every rank share it
+            trace.table.names[:] = [intern(name) for name in trace.table.names]
+            ranks[rank] = trace
+            if cut is not None:
+                cut_lines[rank] = cut
             bar.advance(note=file.name)
     _share_windows(ranks, files, finals, cut_lines)
     run = Run(path=root, meta=meta, model=model, ranks=ranks, problems=problems)
@@ -783,7 +886,18 @@ def load_run(path: str | Path) -> Run:
         run.problems.append(f"rank {rank} never returned from {what}")
     run.problems.extend(_step_set_problems(run))
     _prepare_for_engine(run)
+    for trace in run.ranks.values():
+        trace.compact()  # what the engine changed, as columns again
     return run
+
+
+def _load_one(task: tuple[int, Path, bool, int | None]) -> tuple[RankTrace, list[str] | None]:
+    """One rank's file read, checked and reduced to columns (``RankTrace.compact``): the unit of a parallel load."""
+    rank, file, final, upto = task
+    if final:
+        return load_rank_file(file, rank, upto=upto).compact(), None
+    trace, cut = load_journal(file, rank, upto=upto)
+    return trace.compact(), cut
 
 
 def _share_windows(ranks: dict[int, RankTrace], files: dict[int, Path], finals: dict[int, Path],
@@ -796,10 +910,9 @@ def _share_windows(ranks: dict[int, RankTrace], files: dict[int, Path], finals: 
     upto = min(ends)
     for rank, trace in list(ranks.items()):
         if trace.skipped_steps and trace.steps and max(trace.steps) > upto:
-            if rank in finals:
-                ranks[rank] = load_rank_file(files[rank], rank, upto=upto)
-            else:
-                ranks[rank], cut_lines[rank] = load_journal(files[rank], rank, upto=upto)
+            ranks[rank], cut = _load_one((rank, files[rank], rank in finals, upto))
+            if cut is not None:
+                cut_lines[rank] = cut
 
 
 def _size(path: Path) -> int:

@@ -27,6 +27,7 @@ __all__ = [
     "TRACE_SCHEMA",
     "analysis_file",
     "event_row",
+    "write_chunks_atomic",
     "busy_file",
     "journal_file",
     "model_fingerprint",
@@ -132,17 +133,25 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` via a temp file and a rename, so readers never see half a file."""
-    write_bytes_atomic(path, text.encode("utf-8"))
+    write_chunks_atomic(path, [text])
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temp file and a rename, so readers never see half a file."""
+    write_chunks_atomic(path, [data])
+    return Path(path)
+
+
+def write_chunks_atomic(path: str | Path, chunks: Iterable[str | bytes]) -> None:
+    """Write ``chunks`` (text as UTF-8, or bytes) one after another to ``path`` via a temp file and a rename: a file
+    too big to hold in memory at once (a thousand ranks' timelines), which readers still never see half written."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a trace is an ordinary file
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in chunks:
+                f.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

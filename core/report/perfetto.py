@@ -7,20 +7,31 @@ side spans a few steps, and a recording of thousands of steps would make a trace
 Perfetto draws the slices of one track (pid, tid) as a stack: two slices there must nest fully or not overlap, or
 it shows them wrongly (and reports an import error). Concurrent collectives on one comm queue, or a replayed
 transfer shown on every member rank, do overlap; ``nest_tracks`` moves each slice that would break the nesting to
-another track of the same process (``comm (2)``, ...), and ``nesting_problems`` checks a finished trace."""
+another track of the same process (``comm (2)``, ...), and ``nesting_problems`` checks a finished trace. The trace
+is written a process at a time, each nested on its own (a track never spans processes)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dpro.dag.align import Alignment
 from dpro.dag.graph import Graph
+from dpro.io.events import events_of
 from dpro.io.load import Run
-from dpro.record.trace import write_json_atomic
+from dpro.record.trace import CATEGORIES, write_chunks_atomic
 from dpro.sim.replay import Schedule
+
+try:  # a fast encoder for a thousand ranks' timelines; the standard library's otherwise
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
 
 __all__ = [
     "REPLAY_PID_BASE",
@@ -34,69 +45,115 @@ __all__ = [
 
 REPLAY_PID_BASE = 1000
 DEFAULT_MEASURED_STEPS = 20
+STEP_CODE = CATEGORIES.index("STEP")
 
 
 def write_replay_trace(path: Path, run: Run, alignment: Alignment, g: Graph, sched: Schedule,
                        steps: Iterable[int] | None = None, measured_steps: int = DEFAULT_MEASURED_STEPS) -> Path:
-    """One Chrome trace: measured events (pid = rank) and replayed ones (pid = 1000 + rank).
+    """One Chrome trace: measured events (pid = rank) and replayed ones (pid = 1000 + rank), written a rank at a
+    time (a thousand ranks' events would not fit in memory as dicts at once).
 
     Args:
         steps: the steps the model was built from (default: every step in the traces); the measured side shows
             the last ``measured_steps`` of them.
     """
-    events: list[dict[str, Any]] = []
-    origin = None
     shown = _shown_steps(run, steps, measured_steps)
-    for rank, trace in sorted(run.ranks.items()):
-        shift = alignment.offset_us.get(rank, 0.0)
-        events.append(_meta("process_name", rank, 0, {"name": f"rank {rank} measured"}))
-        for tid, name in trace.queues.items():
-            events.append(_meta("thread_name", rank, tid, {"name": name}))
-        for e in trace.events:
-            if e["args"].get("step") not in shown:
-                continue
-            aligned = dict(e, ts=e["ts"] - shift)
-            events.append(aligned)
-            if e["cat"] == "STEP" and (origin is None or aligned["ts"] < origin):
-                origin = aligned["ts"]
-    events += replayed_events(g, sched, origin or 0.0)
+    origin = _origin(run, alignment, shown)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"displayTimeUnit": "ms", "traceEvents": nest_tracks(events)})
+    chunks = itertools.chain(_measured(run, alignment, shown), _replayed(g, sched, origin))
+    write_chunks_atomic(path, _document(nest_tracks(events) for events in chunks))
     return path
 
 
 def write_graph_trace(path: Path, g: Graph, sched: Schedule, origin: float = 0.0) -> Path:
     """The replayed timeline of any graph (a profiler trace's: its measured side is the trace itself)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"displayTimeUnit": "ms", "traceEvents": nest_tracks(replayed_events(g, sched, origin))})
+    write_chunks_atomic(path, _document(nest_tracks(events) for events in _replayed(g, sched, origin)))
     return path
 
 
 def replayed_events(g: Graph, sched: Schedule, origin: float) -> list[dict[str, Any]]:
-    """The replayed nodes as Chrome events: pid = 1000 + rank, a thread per queue, a collective's transfer on the
-    comm queue of each of its ranks, times from ``origin`` (µs)."""
-    events: list[dict[str, Any]] = []
-    queue_tid: dict[str, int] = {}
+    """The replayed nodes as Chrome events (pid = 1000 + rank, a thread per queue, a collective's transfer on the
+    comm queue of each of its ranks, times from ``origin`` µs), every process's tracks nested."""
+    return [e for events in _replayed(g, sched, origin) for e in nest_tracks(events)]
+
+
+def _document(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[bytes]:
+    """``{"displayTimeUnit":"ms","traceEvents":[...]}``, the events coming in chunks."""
+    yield b'{"displayTimeUnit":"ms","traceEvents":['
+    first = True
+    for events in chunks:
+        if not events:
+            continue
+        body = _dumps(events)
+        yield body[1:-1] if first else b"," + body[1:-1]
+        first = False
+    yield b"]}"
+
+
+def _dumps(value: Any) -> bytes:
+    if _orjson is not None:
+        try:
+            return _orjson.dumps(value)
+        except TypeError:  # an integer beyond 64 bits: the standard library writes it
+            pass
+    return json.dumps(value, separators=(",", ":")).encode("utf-8")
+
+
+def _origin(run: Run, alignment: Alignment, shown: set[int | None]) -> float:
+    """The earliest aligned start of a shown step (0 without one): the replayed side starts there."""
+    origin = None
+    wanted = sorted(s for s in shown if s is not None)
+    for rank, trace in sorted(run.ranks.items()):
+        t = trace.table
+        marks = (t.cat == STEP_CODE) & np.isin(t.step, wanted)
+        if marks.any():
+            first = float((t.ts[marks] - alignment.offset_us.get(rank, 0.0)).min())
+            origin = first if origin is None or first < origin else origin
+    return origin or 0.0
+
+
+def _measured(run: Run, alignment: Alignment, shown: set[int | None]) -> Iterator[list[dict[str, Any]]]:
+    """Per rank: its process and queue names, then its events of the shown steps on the aligned clock."""
+    wanted = sorted(s for s in shown if s is not None)
+    for rank, trace in sorted(run.ranks.items()):
+        shift = alignment.offset_us.get(rank, 0.0)
+        events = [_meta("process_name", rank, 0, {"name": f"rank {rank} measured"})]
+        events += [_meta("thread_name", rank, tid, {"name": name}) for tid, name in trace.queues.items()]
+        t = trace.table
+        for e in events_of(t.take(np.flatnonzero(np.isin(t.step, wanted))), rank, copy=False):
+            e["ts"] = e["ts"] - shift
+            events.append(e)
+        yield events
+
+
+def _replayed(g: Graph, sched: Schedule, origin: float) -> Iterator[list[dict[str, Any]]]:
+    """The replayed nodes, a rank's process at a time (pid = 1000 + rank; a transfer on each rank taking part)."""
+    start, end = sched.start.tolist(), sched.end.tolist()
+    ranks, queues, gaps, durations, iterations = (g.rank.tolist(), g.queue.tolist(), g.gap.tolist(),
+                                                 g.duration.tolist(), g.iteration.tolist())
+    nodes_of: dict[int, list[int]] = defaultdict(list)
     for node in range(g.size):
-        members = [int(g.rank[node])]
         if g.category[node] == "XFER":
-            members = sorted({int(g.rank[p]) for p in g.preds(node) if g.rank[p] >= 0})
-        qname = g.queue_names[g.queue[node]].split("/", 1)[1] if g.queue[node] >= 0 else "comm"
-        for rank in members:
-            pid = REPLAY_PID_BASE + rank
-            key = f"{pid}/{qname}"
-            if key not in queue_tid:
-                queue_tid[key] = len([k for k in queue_tid if k.startswith(f"{pid}/")])
-                events.append(_meta("thread_name", pid, queue_tid[key], {"name": qname}))
-                if queue_tid[key] == 0:
-                    events.append(_meta("process_name", pid, 0, {"name": f"rank {rank} replayed"}))
-            if g.duration[node] <= 0 and g.category[node] != "STEP":
+            for rank in sorted({int(g.rank[p]) for p in g.preds(node) if g.rank[p] >= 0}):
+                nodes_of[rank].append(node)
+        else:
+            nodes_of[ranks[node]].append(node)
+    for rank in sorted(nodes_of):
+        pid = REPLAY_PID_BASE + rank
+        events = [_meta("process_name", pid, 0, {"name": f"rank {rank} replayed"})]
+        queue_tid: dict[str, int] = {}
+        for node in nodes_of[rank]:
+            qname = g.queue_names[queues[node]].split("/", 1)[1] if queues[node] >= 0 else "comm"
+            if qname not in queue_tid:
+                queue_tid[qname] = len(queue_tid)
+                events.append(_meta("thread_name", pid, queue_tid[qname], {"name": qname}))
+            if durations[node] <= 0 and g.category[node] != "STEP":
                 continue
             events.append({"name": g.names[node], "cat": g.category[node], "ph": "X", "pid": pid,
-                           "tid": queue_tid[key], "ts": origin + float(sched.start[node]),
-                           "dur": float(sched.end[node] - sched.start[node]),
-                           "args": {"iteration": int(g.iteration[node]), "gap_us": float(g.gap[node])}})
-    return events
+                           "tid": queue_tid[qname], "ts": origin + start[node], "dur": end[node] - start[node],
+                           "args": {"iteration": iterations[node], "gap_us": gaps[node]}})
+        yield events
 
 
 def _span_ns(e: dict[str, Any]) -> tuple[int, int]:
@@ -184,6 +241,7 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 def _shown_steps(run: Run, steps: Iterable[int] | None, limit: int) -> set[int | None]:
     if steps is None:
-        steps = {e["args"].get("step") for trace in run.ranks.values() for e in trace.events}
-        steps.discard(None)
+        steps = set()
+        for trace in run.ranks.values():
+            steps.update(np.unique(trace.table.step).tolist())
     return set(sorted(steps)[-limit:])

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dpro.io.kineto import is_nccl
+from dpro.record.trace import CATEGORIES
 
 if TYPE_CHECKING:  # types only: this module reads traces and replays, it builds neither
     from dpro.dag.graph import Graph
     from dpro.io.kineto import KinetoTrace
-    from dpro.io.load import Run
+    from dpro.io.load import RankTrace, Run
     from dpro.sim.replay import Schedule
 
 __all__ = ["COMPUTE_CATEGORIES", "KINETO_COMM", "KINETO_COMPUTE", "Interference", "fit_interference",
@@ -108,46 +109,63 @@ def _covered(start: float, end: float, busy: list[tuple[float, float]]) -> float
     return total / (end - start)
 
 
-def _leaves(events: list[dict]) -> list[dict]:
-    """Compute events that hold no other compute event of their queue (a parent module's FW holds its
-    children's: its overlap is theirs)."""
-    by_queue: dict[object, list[dict]] = defaultdict(list)
+def _leaves(events: list[tuple[str, str, int, float, float]]) -> list[tuple[str, str, int, float, float]]:
+    """Compute events ``(name, category, tid, ts, dur)`` that hold no other compute event of their queue (a parent
+    module's FW holds its children's: its overlap is theirs)."""
+    by_queue: dict[object, list[tuple[str, str, int, float, float]]] = defaultdict(list)
     for e in events:
-        by_queue[e.get("tid")].append(e)
+        by_queue[e[2]].append(e)
     out = []
     for items in by_queue.values():
-        items.sort(key=lambda e: (e["ts"], -e["dur"]))
+        items.sort(key=lambda e: (e[3], -e[4]))
         for i, e in enumerate(items):
             nxt = items[i + 1] if i + 1 < len(items) else None
-            if nxt is not None and nxt["ts"] + nxt["dur"] <= e["ts"] + e["dur"] and nxt["ts"] >= e["ts"]:
+            if nxt is not None and nxt[3] + nxt[4] <= e[3] + e[4] and nxt[3] >= e[3]:
                 continue
             out.append(e)
     return out
 
 
+def _steps_of(trace: RankTrace, wanted: set[int] | None) -> list[list[tuple[str, str, int, float, float]]]:
+    """A rank's events ``(name, category, tid, ts, dur)`` per step (steps in the order they first appear in the
+    file, events in file order), of the ``wanted`` steps (all: None)."""
+    t = trace.table
+    index = np.arange(len(t)) if wanted is None else np.flatnonzero(np.isin(t.step, sorted(wanted)))
+    _, first, inverse = np.unique(t.step[index], return_index=True, return_inverse=True)
+    place = np.empty(first.size, dtype=np.int64)
+    place[np.argsort(first, kind="stable")] = np.arange(first.size)  # each step's place in file order
+    key = place[inverse.reshape(-1)]
+    by_step = np.argsort(key, kind="stable")
+    index, key = index[by_step], key[by_step]
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    rows = list(zip([t.names[n] for n in t.name[index].tolist()], [CATEGORIES[c] for c in t.cat[index].tolist()],
+                    t.tid[index].tolist(), t.ts[index].tolist(), t.dur[index].tolist(), strict=True))
+    bounds = [0, *cuts.tolist(), len(rows)] if rows else []
+    return [rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
 def fit_interference(run: Run, steps: list[int] | None = None) -> Interference:
-    """Fit the slowdown of overlapped compute from ``run``'s recorded steps (all, or ``steps``)."""
+    """Fit the slowdown of overlapped compute from ``run``'s recorded steps (all, or ``steps``); the recorder's
+    probe, where it ran, instead."""
+    probed = _from_probe(run)
+    if probed is not None:
+        return probed
     wanted = set(steps) if steps is not None else None
     xs: list[float] = []
     ys: list[float] = []
     ops = 0
     for trace in run.ranks.values():
-        by_step: dict[int, list[dict]] = defaultdict(list)
-        for e in trace.events:
-            step = e["args"].get("step")
-            if step is not None and (wanted is None or step in wanted):
-                by_step[step].append(e)
         samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for events in by_step.values():
-            busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in TRACE_COMM])
+        for events in _steps_of(trace, wanted):
+            busy = _union([(e[3], e[3] + e[4]) for e in events if e[1] in TRACE_COMM])
             if not busy:
                 continue
             seen: dict[str, int] = defaultdict(int)
-            for e in _leaves([e for e in events if e["cat"] in COMPUTE_CATEGORIES]):
-                seen[e["name"]] += 1
-                key = e["name"] if seen[e["name"]] == 1 else f"{e['name']}#{seen[e['name']]}"
-                samples[key].append((_covered(e["ts"], e["ts"] + e["dur"], busy), float(e["dur"])))
-        for values in samples.values():
+            for name, _, _, ts, dur in _leaves([e for e in events if e[1] in COMPUTE_CATEGORIES]):
+                seen[name] += 1
+                key = name if seen[name] == 1 else f"{name}#{seen[name]}"
+                samples[key].append((_covered(ts, ts + dur, busy), float(dur)))
+    for values in samples.values():
             if len(values) < MIN_STEPS:
                 continue
             fs = [f for f, _ in values]
@@ -167,7 +185,7 @@ def fit_interference(run: Run, steps: list[int] | None = None) -> Interference:
         stderr = math.sqrt(float(residual @ residual) / max(len(xs) - 1, 1) / sxx)
         fitted = Interference(slope, stderr, ops, len(xs),
                               "each op's duration against how much of it overlapped communication, step to step")
-    return _from_probe(run) or fitted
+    return fitted
 
 
 def _from_probe(run: Run) -> Interference | None:
@@ -198,7 +216,7 @@ def fit_trace_interference(traces: list[KinetoTrace]) -> Interference:
     for trace in traces:
         kernels = [e for e in trace.gpu_ops if str(e.get("cat", "")).lower() == "kernel"]
         comm = [e for e in kernels if is_nccl(e)] if kernels else list(trace.cpu_comms)
-        compute = [e for e in kernels if not is_nccl(e)] if kernels else _leaves(
+        compute = [e for e in kernels if not is_nccl(e)] if kernels else _leaf_ops(
             [e for e in trace.cpu_ops if not _is_comm_op(e)])
         busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
         if not busy or not compute:
@@ -227,6 +245,13 @@ def fit_trace_interference(traces: list[KinetoTrace]) -> Interference:
     stderr = math.sqrt(float(residual @ residual) / max(len(xs) - groups - 1, 1) / sxx)
     return Interference(slope, stderr, groups, len(xs), "runs of one operator on the same shapes inside one step, "
                         "more and less overlapped by communication", probed=True)
+
+
+def _leaf_ops(ops: list[dict]) -> list[dict]:
+    """The host operators that hold no other operator of their thread (``_leaves`` over trace events)."""
+    kept = _leaves([(str(e.get("name", "")), "", e.get("tid"), float(e["ts"]), float(e["dur"])) for e in ops])
+    at = {(e.get("tid"), float(e["ts"]), float(e["dur"])): e for e in ops}
+    return [at[(tid, ts, dur)] for _, _, tid, ts, dur in kept]
 
 
 def _is_comm_op(e: dict) -> bool:

@@ -12,19 +12,18 @@ little, and unlike a median it does not move when the replay shifts time from on
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-from collections import defaultdict
 from dataclasses import dataclass
 
 from dpro.dag.align import Alignment
 from dpro.dag.graph import Graph
-from dpro.dag.step_model import StepModel, step_model
-from dpro.dag.wiring import graph_from_step_sequence
+from dpro.dag.step_model import StepModel, step_model, wired_step_model
+from dpro.dag.wiring import WiredStep, graph_from_step_sequence, stitch
 from dpro.io.load import Run
+from dpro.io.pool import jobs_wanted, map_shared
 from dpro.sim.replay import Schedule, plan_levels, replay
 
-__all__ = ["MAX_STEPS", "StepReplay", "one_step_models", "replay_recorded", "typical_step_us"]
+__all__ = ["MAX_STEPS", "StepReplay", "one_step_models", "replay_recorded", "replay_recorded_run", "typical_step_us"]
 
 MAX_STEPS = 256  # a longer window is thinned to this many evenly spaced steps (each is a model of its own)
 
@@ -57,26 +56,52 @@ def typical_step_us(durations: list[float]) -> float:
     return statistics.fmean(values[cut:len(values) - cut])
 
 
-def _single_step_runs(run: Run, steps: list[int]) -> list[Run]:
-    """One ``Run`` per step holding only that step's events (read once, not once per step)."""
-    events: dict[tuple[int, int], list[dict]] = defaultdict(list)
-    wanted = set(steps)
-    for rank, trace in run.ranks.items():
-        for e in trace.events:
-            step = e["args"].get("step")
-            if step in wanted:
-                events[(rank, step)].append(e)
-    return [dataclasses.replace(run, ranks={
-        rank: dataclasses.replace(trace, steps=[step], events=events[(rank, step)])
-        for rank, trace in run.ranks.items()}) for step in steps]
-
-
 def one_step_models(run: Run, alignment: Alignment, steps: list[int]) -> tuple[list[int], list[StepModel]]:
     """A ``StepModel`` of each step (up to ``MAX_STEPS``, evenly spaced), on the aligned clock."""
     if len(steps) > MAX_STEPS:
         stride = len(steps) / MAX_STEPS
         steps = [steps[int(i * stride)] for i in range(MAX_STEPS)]
-    return steps, [step_model(one, alignment) for one in _single_step_runs(run, steps)]
+    return steps, [step_model(run, alignment, steps=[step]) for step in steps]
+
+
+PARALLEL_EVENTS = 1_000_000  # runs with this many events build their steps' models on several cores
+
+
+def replay_recorded_run(run: Run, alignment: Alignment, steps: list[int], *, jobs: int | None = None) -> StepReplay:
+    """``replay_recorded(*one_step_models(run, alignment, steps))``, holding one step's model at a time: each is
+    wired once and dropped, and the replay chains the wirings (``dpro.dag.wiring.stitch``). The steps' models are
+    built in ``jobs`` forked processes (``dpro.io.pool``; by default when the run holds ``PARALLEL_EVENTS``)."""
+    if len(steps) > MAX_STEPS:
+        stride = len(steps) / MAX_STEPS
+        steps = [steps[int(i * stride)] for i in range(MAX_STEPS)]
+    workers = min(jobs_wanted(jobs), len(steps))
+    if jobs is None and sum(len(t.table) for t in run.ranks.values()) < PARALLEL_EVENTS:
+        workers = 1
+    parts: list[WiredStep] = []
+    step_us: list[dict[int, float]] = []
+    ranks: set[int] | None = None
+    for wired, us, modelled in map_shared(_wired_step, (run, alignment), steps, workers):
+        if wired is None:  # not stitched: the models are wired together
+            return replay_recorded(*one_step_models(run, alignment, steps))
+        parts.append(wired)
+        step_us.append(us)
+        ranks = modelled if ranks is None else ranks & modelled
+    ordered = sorted(ranks or ())
+    if len(parts) == 1:
+        parts, step_us = parts * 2, step_us * 2
+    g = stitch(parts)
+    schedule = replay(g, plan_levels(g))
+    measured = {r: [us[r] for us in step_us[1:]] for r in ordered}
+    return StepReplay(steps[-len(parts) + 1:], measured, _periods(g, schedule, ordered, len(parts)), g, schedule)
+
+
+def _wired_step(shared: tuple[Run, Alignment], step: int) -> tuple[WiredStep | None, dict[int, float], set[int]]:
+    """One recorded step's model, wired (None where it cannot be stitched), its step times and its ranks."""
+    run, alignment = shared
+    model, wired = wired_step_model(run, alignment, steps=[step])
+    if model.exchanges or model.transfer_queues:
+        return None, {}, set()
+    return wired, model.step_us_by_rank, set(model.ops)
 
 
 def _periods(g: Graph, schedule: Schedule, ranks: list[int], iterations: int) -> dict[int, list[float]]:

@@ -66,3 +66,27 @@ def test_a_what_if_that_overlaps_more_slows_the_overlapped_compute():
     assert slowed.duration[0] > 1000.0 and slowed.duration[2] == pytest.approx(1000.0)
     assert sched.end[0] == pytest.approx(slowed.duration[0])
     assert interfered_graph(recorded, recorded, 0.5).duration.tolist() == recorded.duration.tolist()
+
+
+def test_on_a_cpu_trace_the_innermost_host_operators_are_compared():
+    """A CPU backend's collectives run on threads of their own; the host's innermost operators are the compute
+    (a parent operator holds its children's time and overlap)."""
+    windows, ops, comms = [], [], []
+    for i in range(4):
+        t0 = i * 100_000.0
+        windows.append(StepWindow(i, t0, 90_000.0))
+        at = t0 + 1000.0
+        for k in range(4):
+            dur = 1000.0 * (1.0 + K if k >= 2 else 1.0)
+            ops.append({"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: MmBackward0",
+                        "tid": 1, "ts": at - 5.0, "dur": dur + 10.0, "args": {}})
+            ops.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": at, "dur": dur,
+                        "args": {"Input Dims": [[64, 64], [64, 64]]}})
+            at += dur + 20.0
+        comms.append({"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "tid": 9,
+                      "ts": t0 + 1000.0 + 2 * 1030.0, "dur": 4000.0, "args": {}})
+    trace = KinetoTrace(path=Path("c.json"), rank=0, world_size=2, backend="gloo", base_time_ns=0, steps=windows,
+                        main_tid=1, cpu_ops=ops, annotations=[], runtime=[], gpu_ops=[], gpu_annotations=[],
+                        cpu_comms=comms)
+    fitted = fit_trace_interference([trace])
+    assert fitted.slowdown == pytest.approx(K / (1.0 + K / 2.0), rel=0.1) and fitted.applies
