@@ -107,6 +107,18 @@ def test_a_recording_that_knows_its_cpus_prices_a_second_server_on_them(tmp_path
     assert predict(ctx, {NUM_SERVERS: 1}).predicted_step_ms > two
 
 
+def test_the_search_tries_no_more_servers_than_their_machines_have_cpus(tmp_path):
+    from dpro.engines.mxnet_ps import max_servers
+
+    run, _ = _with_cpus(tmp_path)
+    assert max_servers(run) == 2  # both servers on the one 2-CPU machine
+    result = optimize(context(run))
+    env = result.knobs.get("env") or {}
+    assert int(env.get("DMLC_NUM_SERVER", 2)) <= 2
+    assert "at most 2 server(s)" in " ".join(item["why"] for item in result.explain)
+    assert max_servers(load_run(RECORDED)) is None or max_servers(load_run(RECORDED)) >= 1
+
+
 def _recommends_only_what_both_fits_gain(ctx, model, plain) -> None:
     """The recorded step cannot tell a wait per message from a slower link: the search weighs a setting by the less
     hopeful of the two fits."""
