@@ -75,7 +75,7 @@ class Case:
     def label(self, value: float | None) -> str:
         if value is None:
             return "as written"
-        return f"{self.knob.rsplit('.', 1)[-1]}={int(value) if float(value).is_integer() else value:g}"
+        return f"{self.knob.rsplit('.', 1)[-1]}={int(value) if float(value).is_integer() else f'{value:g}'}"
 
     def config_knobs(self, value: float) -> dict:
         """The config's knobs that run the script at ``value``."""
