@@ -423,9 +423,10 @@ class _State:
     def at_exit(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
-        is_rank = any(os.environ.get(v) is not None for v in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"))
-        if self.record and self.run_dir and is_rank and _rank() == 0 and (
-                self.recorder is None or not self.recorder.started):  # not the launcher's agents, which run here too
+        # only a rank that built something: the launcher's agents and the helper processes a job starts (torch.compile's
+        # workers inherit RANK) load the auto-attach too, and a note written early would make the run directory taken
+        if self.record and self.run_dir and (self.built or self.steps_seen) and _rank() == 0 and (
+                self.recorder is None or not self.recorder.started):
             self._write_seen(Path(self.run_dir))
         if self.elsewhere and self.run_dir and _rank() == 0:
             root = Path(self.run_dir).resolve()
