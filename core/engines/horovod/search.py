@@ -344,16 +344,21 @@ def interfered_loop(loop: HorovodLoop, steps: list[list[Unit]], threshold: float
     """``simulate_loop`` with compute slowed by the allreduces that overlap it (``dpro.sim.interference``).
 
     The recorded launch times already hold the slowdown of the recorded setting's overlap (``recorded``: that
-    setting simulated). Under another setting a gradient is launched later by ``slowdown`` times the extra
-    allreduce time before it (earlier, when there is less): its backward ran that much more (less) overlapped.
-    The shift moves the buffers, so it is settled over a few rounds."""
+    setting simulated). Compute of ``t`` µs, ``b`` of them overlapped, ran ``slowdown * b / (1 + slowdown * b / t)``
+    longer than it would alone (``d0 * (1 + k f)`` with ``f = b / t``): under another setting a gradient is launched
+    later by what its allreduce time before it adds, less what the recorded one's added (earlier, when it adds
+    less). The shift moves the buffers, so it is settled over a few rounds."""
     run = simulate_loop(loop, steps, threshold, cycle_ms, uncached)
     if slowdown <= 0.0 or recorded is None:
         return run
+
+    def added(busy: float, elapsed: float) -> float:
+        return slowdown * busy / (1.0 + slowdown * busy / elapsed) if elapsed > 0 else 0.0
+
     shifted = steps
     for _ in range(INTERFERENCE_ROUNDS):
-        shifted = [[(names, nbytes, ready + slowdown * (_busy_before(run.buffers, now) -
-                                                        _busy_before(recorded.buffers, ready)))
+        shifted = [[(names, nbytes, ready + added(_busy_before(run.buffers, now), now) -
+                     added(_busy_before(recorded.buffers, ready), ready))
                     for (names, nbytes, ready), (_, _, now) in zip(units, moved, strict=True)]
                    for units, moved in zip(steps, shifted, strict=True)]
         run = simulate_loop(loop, shifted, threshold, cycle_ms, uncached)
@@ -587,6 +592,7 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
     explain: list[dict[str, Any]] = []
     gain = current["predicted_step_ms"] - best["predicted_step_ms"]
     worth, shown = clears(ctx, gain, current["predicted_step_ms"] + level, floor=HOROVOD_MIN_GAIN)
+    worth = worth and best["predicted_step_ms"] + level > 0  # a step of no time is a model gone wrong, not a gain
     chosen = best if worth else current
     env = {"HOROVOD_FUSION_THRESHOLD": str(chosen["threshold_bytes"]),
            "HOROVOD_CYCLE_TIME": f"{chosen['cycle_time_ms']:g}"}
