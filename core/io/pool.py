@@ -13,9 +13,7 @@ there the items are read in this process, one after another, as with ``jobs=1``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import multiprocessing
 import os
 import threading
@@ -25,6 +23,7 @@ from typing import Any, TypeVar
 
 from dpro.errors import UsageError
 from dpro.record.protocol import usable_cpus
+from dpro.record.writer import collector_paused
 
 __all__ = ["JOBS_ENV", "collector_paused", "jobs_wanted", "map_ordered", "map_shared"]
 
@@ -32,21 +31,6 @@ JOBS_ENV = "DPRO_JOBS"
 T = TypeVar("T")
 R = TypeVar("R")
 S = TypeVar("S")
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's garbage collector off while the block runs (as it was before, after). Reading and modelling a
-    thousand ranks makes millions of small objects that live until the block ends; each collection they set off
-    walks every object alive, the whole run included, and took two thirds of the time. They hold no cycles, so
-    reference counting frees them; workers forked inside the block inherit the pause."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def jobs_wanted(jobs: int | None = None) -> int:

@@ -39,7 +39,8 @@ from dpro.record.trace import (
     write_json_atomic,
 )
 
-__all__ = ["RankTraceWriter", "model_document", "run_document", "write_model_json", "write_run_json"]
+__all__ = ["RankTraceWriter", "collector_paused", "model_document", "run_document", "write_model_json",
+           "write_run_json"]
 
 
 def run_document(*, framework: str, engine: str, versions: dict[str, str], world_size: int, hosts: list[str],
@@ -99,11 +100,11 @@ def write_model_json(run_dir: Path, doc: dict[str, Any]) -> Path:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's garbage collector off while the block runs (as it was before, after). Writing a rank's trace makes a
-    few objects per event, all alive until the file is written: the collections they set off promote them, until a
-    full collection of the whole process runs (over torch's many objects: a long stall in the step that closes a
-    long window). They hold no cycles, so reference counting frees them all once the file is written."""
+def collector_paused() -> Iterator[None]:
+    """Python's garbage collector off while the block runs (as it was before, after). Writing a rank's trace, or
+    reading and modelling a thousand ranks, makes many small objects that live until the block ends; each
+    collection they set off walks every object alive (torch's, the whole loaded run) again. They hold no cycles, so
+    reference counting frees them; workers forked inside the block inherit the pause."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -181,7 +182,7 @@ class RankTraceWriter:
         if self.finished:
             return self.run_dir / rank_file(self.rank)
         self.finished = True
-        with _collector_paused():
+        with collector_paused():  # a few objects per event, all alive until the file is written
             return self._write_rank_file(complete=complete, note=note)
 
     def _write_rank_file(self, *, complete: bool, note: str) -> Path:
