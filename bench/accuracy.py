@@ -13,7 +13,7 @@ The PyTorch profiler traces in tests/data/kineto (real A100 / V100 runs) are rep
 table when present.
 
     python bench/accuracy.py [--models mlp,transformer,wide_mlp] [--buckets 1,25] [--networks loopback,1gbit]
-                             [--frameworks ddp,lightning,horovod,keras,mxnet] [--repeat 3]
+                             [--frameworks ddp,lightning,horovod,keras,mxnet,torch] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from bench_doc import printed_lines, write_bench_doc
 
 from dpro import testbed
 from dpro.analyze import analyze_path
+from dpro.analyze.traces import analyze_kineto
+from dpro.io.kineto import run_trace_files
 from dpro.io.load import interrupted_calls
 
 KINETO_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "kineto"
@@ -54,6 +56,11 @@ MXNET_CASES = {  # dist_sync on ps-lite, 2 workers and 2 servers; run by .venv-m
                                                                   "--hybridize"]),
 }
 MXNET_PYTHON = Path(__file__).resolve().parents[1] / ".venv-mxnet" / "bin" / "python"
+TORCH_CASES = {  # plain PyTorch scripts dpro-launch records unmodified: FSDP2 (by the profiler), compiled DDP
+    "fsdp2 encoder (fsdp_train)": (SCRIPTS / "fsdp_train.py", []),
+    "compiled ddp, a block": (JOBS / "compiled_ddp.py", ["--compile", "block"]),
+    "compiled ddp, whole": (JOBS / "compiled_ddp.py", ["--compile", "ddp"]),
+}
 HOROVOD_CASES = {
     "horovod mlp (plain_hvd)": (JOBS / "plain_hvd.py", ["--width", "512"]),
     "horovod gru (hvd_train)": (SCRIPTS / "hvd_train.py", []),
@@ -118,10 +125,6 @@ def record_emulated(cluster: testbed.Cluster, model: str, bucket_mb: float, run_
 
 
 def kineto_rows() -> list[tuple[str, str, str, float, float, float]]:
-    try:
-        from dpro.analyze.traces import analyze_kineto
-    except ImportError:
-        return []
     rows = []
     for path in sorted(KINETO_DIR.glob("*.json.gz")):
         a = analyze_kineto([path])
@@ -149,13 +152,15 @@ def measure(args: argparse.Namespace) -> None:
             cases += [(c, "horovod") for c in HOROVOD_CASES if "horovod" in frameworks]
             cases += [(c, "keras") for c in KERAS_CASES if "keras" in frameworks]
             cases += [(c, "mxnet") for c in MXNET_CASES if "mxnet" in frameworks and MXNET_PYTHON.exists()]
+            cases += [(c, "torch") for c in TORCH_CASES if "torch" in frameworks]
             for case, kind in cases:
                 run_dir = Path(tmp) / f"{kind}-{len(by_case.get(case, []))}-{abs(hash(case))}"
                 script, script_args = {"lightning": LIGHTNING_CASES, "horovod": HOROVOD_CASES,
-                                       "keras": KERAS_CASES, "mxnet": MXNET_CASES}[kind][case]
+                                       "keras": KERAS_CASES, "mxnet": MXNET_CASES, "torch": TORCH_CASES}[kind][case]
                 run_dir = record_with_launcher(script, script_args, run_dir, args.lightning_steps,
                                                args.lightning_profile, kind)
-                a = analyze_path(run_dir)
+                traces = run_trace_files(run_dir)  # a run recorded by the profiler (FSDP)
+                a = analyze_kineto(traces) if traces else analyze_path(run_dir)
                 by_case.setdefault(case, []).append(a.error_pct)
                 show(("loopback", case, "-", a.measured_step_ms, a.predicted_step_ms, a.error_pct))
         for network in (args.networks.split(",") if "ddp" in frameworks else []):
@@ -206,7 +211,7 @@ def main() -> int:
     parser.add_argument("--networks", default="loopback,1gbit", help="loopback and/or tc rates such as 1gbit")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--profile", default="8:20")
-    parser.add_argument("--frameworks", default="ddp,lightning,horovod,keras,mxnet")
+    parser.add_argument("--frameworks", default="ddp,lightning,horovod,keras,mxnet,torch")
     parser.add_argument("--repeat", type=int, default=3, help="recordings of each Lightning and Horovod case")
     parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
     parser.add_argument("--lightning-steps", type=int, default=40, help="steps of each Lightning / Horovod job")
