@@ -244,8 +244,6 @@ def parse_size(text: str) -> int:
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dpro.io.load import load_run
     from dpro.optimize import config_document, optimize, write_config_files
     from dpro.progress import Progress
@@ -283,8 +281,6 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dpro.engines import REGISTRY, get_engine
     from dpro.errors import UsageError
     from dpro.io.kineto import load_traces
@@ -371,8 +367,6 @@ def _add_report(subparsers: Any) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dpro.record.trace import analysis_file, write_text_atomic
     from dpro.report.collect import collect_run, collect_traces
     from dpro.report.html import render_report
@@ -407,8 +401,6 @@ def _add_compare(subparsers: Any) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dpro.record.trace import write_text_atomic
     from dpro.report.compare import compare_runs, format_comparison, render_comparison
 
@@ -443,8 +435,6 @@ def _add_export(subparsers: Any) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dpro.report.export import export_run, export_traces
 
     if len(args.run) == 1 and Path(args.run[0]).is_dir():

@@ -36,7 +36,7 @@ WHO = "DproTrainerCallback"
 def ddp_wrapping(model: nn.Module) -> DistributedDataParallel | None:
     """The live ``DistributedDataParallel`` that wraps ``model`` (or a compiled ``model``), or None."""
     for obj in gc.get_objects():
-        if type(obj) is DistributedDataParallel or isinstance(obj, DistributedDataParallel):
+        if issubclass(type(obj), DistributedDataParallel):  # type(): no object's __class__ is asked
             inner = obj.module
             if inner is model or getattr(inner, "_orig_mod", None) is model:
                 return obj
