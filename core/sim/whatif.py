@@ -443,7 +443,8 @@ def scale_out(ctx: Context, model: StepModel, knobs: dict[str, Any], seeds: int 
     ordered = sorted(steps)
     p90 = ordered[min(len(ordered) - 1, int(math.ceil(0.9 * len(ordered))) - 1)]
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(steps),
-                      predicted_peak_memory_bytes=peak_memory(ctx, knobs), graph_nodes=nodes, spread={"seeds": steps, "p50": statistics.median(steps), "p90": p90})
+                      predicted_peak_memory_bytes=peak_memory(ctx, knobs), graph_nodes=nodes,
+                      spread={"seeds": steps, "p50": statistics.median(steps), "p90": p90})
 
 
 INTERFERENCE_ROUNDS = 3  # replays that let the scaled durations and the overlap they cause settle
@@ -464,7 +465,8 @@ def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iteratio
             sched = replay(g, plan)
     per_rank = predicted_step_us(g, sched)
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
-                      predicted_peak_memory_bytes=peak_memory(ctx, knobs), graph_nodes=g.size, per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
+                      predicted_peak_memory_bytes=peak_memory(ctx, knobs), graph_nodes=g.size,
+                      per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
 
 
 def _recorded_overlap(ctx: Context, iterations: int) -> dict[tuple[int, str], float]:
