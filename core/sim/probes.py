@@ -9,8 +9,8 @@ batch as recorded (the probes run outside the step, without communication, so on
   keeps a cast copy of the weights while the forward runs (half their bytes).
 - ``micro_batches`` k: each op's time against its batch is fitted as t(b) = a + s b (least squares over the probes
   at the recorded batch and its slices), and the op runs k times per step at t(B/k) / t(B) of its time. Collectives
-  run once, after the last micro-batch's backward (the engine skips synchronising the others). Activations scale as the probes'
-  kept bytes did at B/k (1/k where B/k was not probed).
+  run once, after the last micro-batch's backward (the engine skips synchronising the others). Activations scale as
+  the probes' kept bytes did at B/k (1/k where B/k was not probed).
 
 Ops the probes did not time (an engine's own work after the forward, the optimizer, IO) keep their recorded time.
 """
