@@ -338,7 +338,11 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
     """The mean step under ``knobs`` (names from ``whatif_knobs()``)."""
     _validate(knobs)
     model = ctx.base
-    if knobs.get("amp"):
+    recorded_amp = ctx.knobs.get("amp")
+    if knobs.get("amp", recorded_amp) != recorded_amp:
+        if recorded_amp:
+            raise UsageError(f"amp={knobs['amp']}: this run was recorded under {recorded_amp} autocast; its probes "
+                             "price another precision only from a run recorded without it")
         model = with_amp(model, ctx.probes, knobs["amp"])
     if int(knobs.get("micro_batches") or 1) > 1:
         model = with_micro_batches(model, ctx.probes, int(knobs["micro_batches"]))

@@ -1000,10 +1000,12 @@ class TorchRecorder:
                 knobs["torch.ddp.bucket_cap_mb_list"] = [c / 2**20 for c in caps]
         if self.optimizer is not None:
             knobs["optimizer"] = type(self.optimizer).__name__
-        from dpro.plugins.torch.apply import recomputed
+        from dpro.plugins.torch.apply import amp_in_force, recomputed
 
         if recomputed(self.module):
             knobs["recompute"] = recomputed(self.module)
+        if amp_in_force(self.module):
+            knobs["amp"] = amp_in_force(self.module)
         knobs.update(self.extra_knobs)
         return knobs
 
