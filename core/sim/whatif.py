@@ -296,14 +296,17 @@ def add_recompute(ctx: Context, model: StepModel, modules: list[str]) -> StepMod
             raise UsageError(f"recompute={module!r}: no recorded module has that path")
         for rank, ops in out.ops.items():
             fw_names = set(inside) | {f"FW.{module}"}
-            cost = sum(op.duration for op in ops if op.name in fw_names)
-            first_bw = next((i for i, op in enumerate(ops) if op.category == "BW" and
-                             (op.name == f"BW.{module}" or op.name.startswith(f"BW.{prefix}"))), None)
-            if first_bw is None:
-                continue
-            anchor = ops[first_bw]
-            ops.insert(first_bw, OpStats(f"RECOMPUTE.{module}", "RECOMPUTE", anchor.queue, rank,
-                                         anchor.order - 1e-3, cost, 0.0, {}))
+            # each pass of the step (one per micro-batch) recomputes its own forward
+            for run in sorted({_pass_of(op.name) for op in ops if op.category == "BW"}, reverse=True):
+                cost = sum(op.duration for op in ops if op.name in {occurrence_name(n, run - 1) for n in fw_names})
+                first_bw = next((i for i, op in enumerate(ops) if op.category == "BW" and _pass_of(op.name) == run
+                                 and (op.name.partition("#")[0] == f"BW.{module}"
+                                      or op.name.startswith(f"BW.{prefix}"))), None)
+                if first_bw is None:
+                    continue
+                anchor = ops[first_bw]
+                ops.insert(first_bw, OpStats(occurrence_name(f"RECOMPUTE.{module}", run - 1), "RECOMPUTE",
+                                             anchor.queue, rank, anchor.order - 1e-3, cost, 0.0, {}))
     return out
 
 

@@ -14,7 +14,7 @@ from dpro.errors import TraceError, UsageError
 from dpro.io.load import load_run
 from dpro.io.probes import Probe, RankProbes, read_probes
 from dpro.sim.probes import activation_scale, amp_ratios, batch_ratios, fit_line, with_amp, with_micro_batches
-from dpro.sim.whatif import context, peak_memory, predict
+from dpro.sim.whatif import context, peak_memory, predict, transformed_model
 
 OPS = ("FW.fc1", "FW.fc2", "BW.fc2", "BW.fc1")
 
@@ -161,3 +161,10 @@ def test_reader_refuses_what_the_recorder_does_not_write(tmp_path, change, probl
                                                                 **change}))
     with pytest.raises(TraceError, match=problem):
         read_probes(tmp_path)
+
+
+def test_each_micro_batch_recomputes_its_own_forward(run_with_probes):
+    ctx = context(load_run(run_with_probes))
+    names = [op.name for op in transformed_model(ctx, {"micro_batches": 2, "recompute": ["fc1"]}).ops[0]]
+    assert names.index("RECOMPUTE.fc1") == names.index("BW.fc1") - 1
+    assert names.index("RECOMPUTE.fc1#2") == names.index("BW.fc1#2") - 1
