@@ -231,6 +231,9 @@ def optimize_common(ctx: Context, *, memory_budget_bytes: int | None = None, all
 
 
 AMPS = ("bf16", "fp16")
+APPLYING_MICRO_BATCHES = ("; a framework with its own gradient accumulation (a transformers.Trainer under dpro-launch) "
+                          "gets it without a code change, a plain training loop splits its batch itself "
+                          "(dpro-launch says how)")
 
 
 def probed_choices(ctx: Context, result: OptimizeResult, *, memory_budget_bytes: int | None = None,
@@ -289,7 +292,8 @@ def _weigh_micro_batches(ctx: Context, knobs: dict[str, Any], current: Predictio
                 "knob": "micro_batches", "predicted_gain_ms": gain,
                 "why": f"{k} micro-batches bring the peak to {split.predicted_peak_memory_bytes / MB:.1f} MiB "
                        f"(budget {budget / MB:.1f} MiB) at {split.predicted_step_ms:.2f} ms a step, "
-                       + (f"{gain:+.2f} ms against {other}" if fits_already else "where nothing else fit")}
+                       + (f"{gain:+.2f} ms against {other}" if fits_already else "where nothing else fit")
+                       + APPLYING_MICRO_BATCHES}
         return knobs, current, {
             "knob": "micro_batches", "predicted_gain_ms": 0.0,
             "why": f"{k} micro-batches would fit the budget at {split.predicted_step_ms:.2f} ms a step, slower than "

@@ -4,11 +4,14 @@ left out of the model of the recorded run, pricing amp and micro_batches, and le
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from jobrunner import job_env, torchrun
+from jobrunner import JOBS, job_env, run_job, torchrun
 
 torch = pytest.importorskip("torch")
 
@@ -105,3 +108,38 @@ def test_probes_leave_training_as_it_was(tmp_path, model):
     assert (tmp_path / "run-True" / "probes" / "rank-0.json").exists()
     assert not (tmp_path / "run-False" / "probes").exists()
     assert digests[0] == digests[1]  # training went on after the probes exactly as without them
+
+
+def launch_applying(tmp_path: Path, knobs: dict, script: str, *script_args: str) -> subprocess.CompletedProcess:
+    """``dpro-launch -np 2 --no-profile --apply CONFIG --force`` of a test job (a config made for another model:
+    the knobs are what is checked), again when torch's gloo aborted a rank at exit."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"schema": "dpro.config/1", "knobs": knobs, "fingerprint": {
+        "framework": "torch", "engine": "torch-ddp", "world_size": 2, "model": "another"}}))
+    env = job_env(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    argv = [sys.executable, "-m", "dpro.launch", "-np", "2", "--no-profile", "--apply", str(config), "--force",
+            "python", str(JOBS / script), *script_args]
+    for _ in range(3):
+        proc = run_job(argv, env=env, cwd=tmp_path, timeout=180, check=False)
+        if proc.returncode == 0 or GLOO_EXIT_ABORT not in proc.stderr:
+            break
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
+def test_a_trainer_gets_micro_batches_and_amp_from_a_config(tmp_path):
+    pytest.importorskip("transformers")
+    run = tmp_path / "run"
+    launch_applying(tmp_path, {"micro_batches": 2, "amp": "bf16"}, "hf_trainer_job.py", str(run), "--steps", "6",
+                    "--window", "2:4")
+    recorded = load_run(run)
+    assert recorded.meta["knobs"]["amp"] == "bf16"
+    names = {e["name"] for e in recorded.ranks[0].events if e["args"]["step"] == 3}
+    assert "FW.bert.embeddings.word_embeddings#2" in names  # two micro-batches a step
+    assert "FW.bert.embeddings.word_embeddings#3" not in names
+    assert read_probes(run)[0].batch == 4  # the per-device batch of 8 as two of 4
+
+
+def test_a_plain_ddp_loop_is_told_the_change_micro_batches_need(tmp_path):
+    proc = launch_applying(tmp_path, {"micro_batches": 2}, "plain_ddp.py", "--steps", "3")
+    assert "micro_batches=2 needs a code change in a plain training loop" in proc.stderr
