@@ -12,7 +12,10 @@ batch as recorded (the probes run outside the step, without communication, so on
   run once, after the last micro-batch's backward (the engine skips synchronising the others). Activations scale as
   the probes' kept bytes did at B/k (1/k where B/k was not probed).
 
-Ops the probes did not time (an engine's own work after the forward, the optimizer, IO) keep their recorded time.
+Work between the recorded modules (a parent's own tensor ops, such as attention's products inside a block whose
+children are the recorded layers) is in the gaps before the forward and backward ops; the probes measure it as the
+pass less its ops (``BETWEEN``) and the gaps inside the pass scale as it did. Ops the probes did not time (an
+engine's own work after the forward, the optimizer, IO) keep their recorded time.
 """
 
 from __future__ import annotations
@@ -24,12 +27,21 @@ from dpro.dag.step_model import OpStats, StepModel, occurrence_name
 from dpro.errors import UsageError
 from dpro.io.probes import Probe, RankProbes
 
-__all__ = ["MIN_BATCH_RATIO", "activation_scale", "amp_ratios", "batch_ratios", "fit_line", "probes_of",
+__all__ = ["BETWEEN", "MIN_BATCH_RATIO", "activation_scale", "amp_ratios", "batch_ratios", "fit_line", "probes_of",
            "with_amp", "with_micro_batches"]
 
 MIN_BATCH_RATIO = 0.02  # a fitted time at a small batch is at least this share of the recorded one (a line may
 # cross zero below the batches probed)
 SCALED = ("FW", "BW", "RECOMPUTE")
+BETWEEN = "<between modules>"  # a probe pass's time outside its recorded ops: the gaps inside the pass
+BETWEEN_MIN = 0.02  # ... priced only where it is at least this share of the pass (else timer noise)
+
+
+def timed(probe: Probe) -> dict[str, float]:
+    """A probe's op times, and the pass's time outside them as ``BETWEEN`` (where it is a share worth pricing;
+    nested modules timed twice can make the ops add up to more than the pass)."""
+    between = probe.pass_us - sum(probe.ops.values())
+    return {**probe.ops, BETWEEN: between} if between >= BETWEEN_MIN * probe.pass_us else dict(probe.ops)
 
 
 def base_name(name: str) -> str:
@@ -82,7 +94,8 @@ def amp_ratios(rank_probes: RankProbes, amp: str) -> dict[str, float]:
     if probe is None:
         why = next((s["why"] for s in rank_probes.skipped if s["probe"].startswith(amp)), "not probed")
         raise UsageError(f"amp={amp}: rank {rank_probes.rank}'s probes have no {amp} pass ({why})")
-    return {op: probe.ops[op] / t for op, t in reference.ops.items() if op in probe.ops and t > 0}
+    ops, reference_ops = timed(probe), timed(reference)
+    return {op: ops[op] / t for op, t in reference_ops.items() if op in ops and t > 0}
 
 
 def batch_ratios(rank_probes: RankProbes, k: int) -> dict[str, float]:
@@ -99,8 +112,9 @@ def batch_ratios(rank_probes: RankProbes, k: int) -> dict[str, float]:
         raise UsageError(f"micro_batches={k}: rank {rank_probes.rank}'s probes ran no smaller batch than the "
                          f"recorded {full} rows")
     out: dict[str, float] = {}
-    for op, t_full in reference.ops.items():
-        points = [(float(full), t_full)] + [(float(p.batch), p.ops[op]) for p in sliced if op in p.ops]
+    sliced_ops = [(p.batch, timed(p)) for p in sliced]
+    for op, t_full in timed(reference).items():
+        points = [(float(full), t_full)] + [(float(rows), ops[op]) for rows, ops in sliced_ops if op in ops]
         a, s = fit_line(points)
         at_full = a + s * full
         if at_full <= 0:
@@ -134,18 +148,37 @@ def _scale_op(op: OpStats, ratio: float) -> None:
         op.args = {**op.args, "grads_ready_offset_us": {g: t * ratio for g, t in offsets.items()}}
 
 
+def _price(op: OpStats, ratios: dict[str, float], *, opens_pass: bool) -> None:
+    """Scale a forward/backward op by its probed ratio (a recomputed forward as its forward), and its gap by the
+    work between modules (``BETWEEN``), except the gap before a pass's first op (the loop's own work, not the
+    model's)."""
+    if op.category not in SCALED:
+        return
+    ratio = ratios.get(base_name(op.name))
+    if ratio is None and op.category == "RECOMPUTE":
+        ratio = ratios.get("FW." + base_name(op.name).split(".", 1)[1])
+    if ratio is not None:
+        _scale_op(op, ratio)
+    if not opens_pass and op.gap is not None and BETWEEN in ratios:
+        op.gap *= ratios[BETWEEN]
+
+
 def _scaled(model: StepModel, ratios_of: Callable[[int], dict[str, float]]) -> StepModel:
     out = copy.deepcopy(model)
     for rank, ops in out.ops.items():
         ratios = ratios_of(rank)
+        opened: set[int] = set()  # the passes whose first op was seen
         for op in ops:
-            if op.category in SCALED:
-                ratio = ratios.get(base_name(op.name))
-                if ratio is None and op.category == "RECOMPUTE":  # a recomputed forward is priced as the forward
-                    ratio = ratios.get("FW." + op.name.split(".", 1)[1])
-                if ratio is not None:
-                    _scale_op(op, ratio)
+            run = _pass_of(op.name)
+            _price(op, ratios, opens_pass=op.category == "FW" and run not in opened)
+            if op.category == "FW":
+                opened.add(run)
     return out
+
+
+def _pass_of(name: str) -> int:
+    head, sep, count = name.rpartition("#")
+    return int(count) if sep and count.isdigit() else 1
 
 
 def with_amp(model: StepModel, probes: dict[int, RankProbes], amp: str) -> StepModel:
@@ -193,11 +226,7 @@ def _passes(ops: list[OpStats], ratios: dict[str, float], k: int, rank: int) -> 
             copied.order += j * span
             if op.category in SCALED:
                 copied.name = occurrence_name(op.name, j)
-                ratio = ratios.get(op.name)
-                if ratio is None and op.category == "RECOMPUTE":
-                    ratio = ratios.get("FW." + op.name.split(".", 1)[1])
-                if ratio is not None:
-                    _scale_op(copied, ratio)
+                _price(copied, ratios, opens_pass=op is body[0])
             out.append(copied)
     for op in ops[last + 1:]:
         moved = copy.deepcopy(op)

@@ -168,3 +168,20 @@ def test_each_micro_batch_recomputes_its_own_forward(run_with_probes):
     names = [op.name for op in transformed_model(ctx, {"micro_batches": 2, "recompute": ["fc1"]}).ops[0]]
     assert names.index("RECOMPUTE.fc1") == names.index("BW.fc1") - 1
     assert names.index("RECOMPUTE.fc1#2") == names.index("BW.fc1#2") - 1
+
+
+def test_work_between_modules_scales_the_gaps_inside_the_pass(tmp_path):
+    run = make_run(tmp_path / "run")
+    docs = [probe_doc(r, {(None, 16): linear(0, 50, 16), (None, 8): linear(0, 50, 8),
+                          ("bf16", 16): linear(0, 50, 16)}) for r in (0, 1)]
+    for doc in docs:
+        for probe in doc["probes"]:  # outside the modules: 1 ms as recorded, 3 ms under bf16
+            probe["pass_us"] = sum(probe["ops"].values()) + (3000.0 if probe["amp"] else 1000.0)
+    write_probes(run, docs)
+    ctx = context(load_run(run))
+    for op in ctx.base.ops[0]:
+        if op.name in ("FW.fc1", "FW.fc2"):
+            op.gap = 100.0
+    gaps = {op.name: op.gap for op in with_amp(ctx.base, ctx.probes, "bf16").ops[0]}
+    assert gaps["FW.fc2"] == pytest.approx(300.0)
+    assert gaps["FW.fc1"] == 100.0  # the gap before the pass: the loop's own work
