@@ -144,11 +144,15 @@ class _State:
     built: dict[str, int] = field(default_factory=dict)  # what the script built, by kind (the same note)
     micro_batches_applied: bool = False  # a Trainer took the config's micro_batches as its own accumulation
     warned: set[str] = field(default_factory=set)
+    config_of: dict[int, tuple[weakref.ref, Any]] = field(default_factory=dict)  # id(model) -> (model, its config)
 
     # -- the config ----------------------------------------------------------------------------------
 
     def config_for(self, module: Any) -> Any:
-        """The config to apply to a model about to be wrapped in DDP, or None."""
+        """The config to apply to a model about to be wrapped in DDP (or handed to a Trainer), or None."""
+        ref, known = self.config_of.get(id(module), (None, None))
+        if ref is not None and ref() is module:  # a Trainer's model, about to be wrapped in DDP: already checked
+            return known
         path = os.environ.get(CONFIG) or None
         search = os.environ.get(APPLY_SEARCH) or None
         if self.lightning_callback or (path is None and search is None):
@@ -180,6 +184,7 @@ class _State:
             _say(f"applying {path}")
         self.config_applied = True
         self.config_source = path
+        self.config_of[id(module)] = (weakref.ref(module), config)
         return config
 
     # -- DDP ------------------------------------------------------------------------------------------

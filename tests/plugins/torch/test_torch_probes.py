@@ -134,9 +134,8 @@ def test_a_trainer_gets_micro_batches_and_amp_from_a_config(tmp_path):
                     "--window", "2:4")
     recorded = load_run(run)
     assert recorded.meta["knobs"]["amp"] == "bf16"
-    names = {e["name"] for e in recorded.ranks[0].events if e["args"]["step"] == 3}
-    assert "FW.bert.embeddings.word_embeddings#2" in names  # two micro-batches a step
-    assert "FW.bert.embeddings.word_embeddings#3" not in names
+    names = [e["name"] for e in recorded.ranks[0].events if e["args"]["step"] == 3]
+    assert names.count("FW.bert.embeddings.word_embeddings") == 2  # two micro-batches a step
     assert read_probes(run)[0].batch == 4  # the per-device batch of 8 as two of 4
 
 
