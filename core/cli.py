@@ -296,19 +296,21 @@ def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
     from dpro.engines import REGISTRY, get_engine
     from dpro.errors import UsageError
     from dpro.io.kineto import load_traces
+    from dpro.io.load import load_run_json
     from dpro.record.trace import analysis_file
-    from dpro.report.tables import format_table
+    from dpro.report.tables import format_bytes, format_table
 
-    if args.memory_budget or args.allow_compression:
-        raise UsageError("on profiler traces dpro optimize searches the engine's bucket size only (no "
-                         "--memory-budget, --allow-compression): record the job with dpro (dpro-launch --profile) "
-                         "for the rest")
+    if args.allow_compression:
+        raise UsageError("on profiler traces dpro optimize searches the engine's bucket size or resharding only (no "
+                         "--allow-compression): record the job with dpro (dpro-launch --profile) for the rest")
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    meta = load_run_json(Path(args.run[0]) / "run.json") if (Path(args.run[0]) / "run.json").is_file() else None
     traces = load_traces(paths)
     searches = [get_engine(name).trace_optimize for name in REGISTRY if get_engine(name).trace_optimize]
     result, refusals = None, []
     for search in searches:
         try:
-            result = search(traces)
+            result = search(traces, budget, meta)
             break
         except UsageError as err:  # not this engine's traces
             refusals.append(err)
@@ -329,8 +331,10 @@ def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
     else:
         print(f"measured step {result['measured_step_ms']:.2f} ms; replayed as recorded "
               f"{result['recorded_modelled_step_ms']:.2f} ms\n")
-        print(format_table(["setting", "predicted ms"], [[c["setting"], f"{c['predicted_step_ms']:.2f}"]
-                                                        for c in result["candidates"]], align="<>"))
+        peaks = [c.get("predicted_peak_memory_bytes") for c in result["candidates"]]
+        rows = [[c["setting"], f"{c['predicted_step_ms']:.2f}", "" if peak is None else format_bytes(peak)]
+                for c, peak in zip(result["candidates"], peaks, strict=True)]
+        print(format_table(["setting", "predicted ms", "peak memory"], rows, align="<>>"))
     print("\n" + result["config"]["explain"][0]["why"])
     print(f"config written to {out} (made from traces: dpro-launch --apply FILE --force applies it)")
     return 0
