@@ -11,7 +11,8 @@ Parse time, on the ``Launcher`` class (every launcher's flags are on the one par
 - ``processes_from_args(args, hosts, command)``: the process count and command when its own flags give them.
 - ``options_from_args(args)``: its ``LauncherOptions`` from the parsed flags (and its config file, if it reads one).
 - ``detects(script_text)``: ``--engine auto`` picks it for a script that reads like its kind of job.
-- ``default_window``, ``start_timeout_env``, ``nothing_recorded``: its defaults and words.
+- ``default_window``, ``local_only``, ``collectives``, ``start_timeout_env``, ``nothing_recorded``, ...: its
+  defaults, traits and words (class attributes).
 
 Run time, on its ``LauncherOptions`` (``LaunchConfig.options`` holds one per launcher):
 
@@ -135,7 +136,7 @@ class Launcher:
         raise NotImplementedError
 
 
-def seen_text(path: Path, window: Window, built: list[tuple[str, str]], none_built: str) -> str:
+def seen_text(path: Path, window: Window, built: tuple[tuple[str, str], ...], none_built: str) -> str:
     """What a job's auto-attach saw, in words (its ``seen.json`` at ``path``), when it recorded nothing; "" without
     one. ``built``: (key of seen.json, what it counts); ``none_built``: the words when it counted nothing."""
     try:
