@@ -29,6 +29,7 @@ import tensorflow as tf
 from dpro.engines.horovod.knobs import NAME as ENGINE_HOROVOD
 from dpro.engines.horovod.knobs import knobs_from_environment
 from dpro.engines.horovod.timeline import TIMELINE_FILE
+from dpro.engines.tf_mwms import NAME as ENGINE_MWMS
 from dpro.errors import DproError
 from dpro.plugins.tf.ops import HOROVOD_KERNEL, Layout, Pack, horovod_rows, pack_gradients, step_rows
 from dpro.plugins.tf.transport import HorovodTransport, default_transport
@@ -51,7 +52,6 @@ from dpro.record.writer import RankTraceWriter, model_document, run_document, wr
 
 __all__ = ["TFRecorder", "gradient_fingerprint", "layer_paths", "model_layout", "output_bytes_per_sample"]
 
-ENGINE_MWMS = "tf-mwms"
 # Why a worker can die in tf.profiler.experimental.stop() (seen in ~1 recorded 2-worker MWMS job in 8 here with one
 # inter-op thread, 7 in 18 with TensorFlow's default threads, whatever the window's length):
 # TraceMeRecorder::Consume (tsl) keeps pointers to a thread's end-of-activity events while it still appends to
