@@ -32,7 +32,7 @@ from dpro.engines.horovod.timeline import TIMELINE_FILE
 from dpro.engines.tf_mwms import NAME as ENGINE_MWMS
 from dpro.errors import DproError
 from dpro.plugins.tf.ops import HOROVOD_KERNEL, Layout, Pack, horovod_rows, pack_gradients, step_rows
-from dpro.plugins.tf.transport import HorovodTransport, default_transport
+from dpro.plugins.tf.transport import HorovodCollectives, default_transport
 from dpro.plugins.tf.xplane import find_xplane, read_xplane
 from dpro.record.protocol import (
     Clock,
@@ -194,7 +194,8 @@ class TFRecorder(WindowRecorder):
         self.strategy = strategy or getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.transport = transport if transport is not None else default_transport()
-        self.horovod = isinstance(self.transport, HorovodTransport)  # hvd.keras: Horovod's ranks and allreduces
+        # hvd.keras: Horovod's ranks and allreduces
+        self.horovod = isinstance(getattr(self.transport, "collectives", None), HorovodCollectives)
         self.rank, self.world_size = self.transport.rank, self.transport.world_size
         self.clock = Clock.from_env(self.rank)
         self.host = socket.gethostname()
