@@ -10,7 +10,6 @@ knobs reach every job as environment variables, whichever launcher runs it.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shlex
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpro.errors import UsageError
+from dpro.io.limits import is_finite_number
 from dpro.launch.env import applied_env, job_env
 from dpro.launch.launcher import Launcher, LauncherOptions
 from dpro.launch.node import DEFAULT_GRACE_S
@@ -121,8 +121,7 @@ _CONFIG_FILE_KEYS = {
 
 MAX_CONFIG_FILE_BYTES = 1_000_000  # PyYAML reads about a MB a second; horovodrun's own files are a few lines
 _SETTING_CHECKS: dict[str, tuple[str, Any]] = {
-    "float": ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-              and math.isfinite(v)),
+    "float": ("a finite number", is_finite_number),
     "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "str": ("text", lambda v: isinstance(v, str)),
