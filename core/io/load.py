@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import re
 import statistics
 from collections.abc import Callable, Iterable
@@ -34,8 +33,9 @@ from dpro.io.events import EventTable, events_of, table_from_events
 from dpro.io.limits import (
     STEPS_ENV,
     WORLD_SIZE_ENV,
+    is_finite_number,
     parse_bounded_json,
-    read_bounded,
+    read_file,
     steps_limit,
     stream_bytes,
     world_size_limit,
@@ -199,10 +199,7 @@ def _document(path: Path, raw: bytes) -> dict[str, Any]:
 
 
 def _read_bytes(path: Path) -> bytes:
-    try:
-        return read_bounded(path, TraceError)
-    except OSError as err:
-        raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
+    return read_file(path, TraceError)
 
 
 def _read_text(path: Path) -> str:
@@ -417,11 +414,6 @@ def _check_list_args(path: Path, args: dict[str, Any], at: str) -> None:
         raise TraceError(path, "args.grads_ready_us must hold one time per name in args.grads", at)
     if "key" in args and not _is_int(args["key"]):
         raise TraceError(path, f"args.key must be an integer kvstore key, found {args['key']!r:.40}", at)
-
-
-def is_finite_number(value: Any) -> bool:
-    """A JSON number that is a real, finite number (not a bool, NaN or infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_step_once(path: Path, ev: dict[str, Any], marks: dict[int, str], at: str) -> None:

@@ -4,7 +4,8 @@
   point-to-point op, and extra collectives from a callback could shift the strategy's collective keys). Worker
   0's host comes from ``TF_CONFIG``; the port is ``$DPRO_TF_PORT`` or worker 0's TF_CONFIG port plus
   ``PORT_OFFSET`` (``tf_socket_transport``).
-- Horovod ranks (hvd.keras): Horovod's own collectives (``HorovodTransport``).
+- Horovod ranks (hvd.keras): Horovod's own collectives (``CollectiveTransport(HorovodCollectives())``, the core's
+  transport over them, as the torch plugin's Horovod recorder does with ``horovod.torch``'s).
 
 ``default_transport`` picks the one this process needs.
 """
@@ -23,7 +24,7 @@ from dpro.record.collective_transport import CollectiveTransport
 from dpro.record.protocol import Clock
 from dpro.record.socket_transport import PORT_OFFSET, SocketTransport, side_port_of
 
-__all__ = ["PORT_OFFSET", "HorovodTransport", "SocketTransport", "default_transport", "horovod_running",
+__all__ = ["PORT_OFFSET", "HorovodCollectives", "SocketTransport", "default_transport", "horovod_running",
            "side_port_of", "tf_config", "tf_socket_transport"]
 
 PORT_VARIABLE = "DPRO_TF_PORT"
@@ -144,14 +145,7 @@ class HorovodCollectives:
         return t1 - t0, max(0.0, (ended[0] if ended else t1) - t1)
 
 
-class HorovodTransport(CollectiveTransport):
-    """Horovod's ranks as the recording protocol's transport: ``CollectiveTransport`` over ``horovod.tensorflow``."""
-
-    def __init__(self) -> None:
-        super().__init__(HorovodCollectives())
-
-
-def default_transport() -> Any:
+def default_transport() -> CollectiveTransport | SocketTransport:
     """How this worker talks to the others: Horovod's collectives in a Horovod job, else the TCP side channel of
     ``TF_CONFIG`` (one worker without it)."""
-    return HorovodTransport() if horovod_running() else tf_socket_transport()
+    return CollectiveTransport(HorovodCollectives()) if horovod_running() else tf_socket_transport()
