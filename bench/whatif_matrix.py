@@ -20,7 +20,7 @@ recommendation its measured gain over the script's own setting, and whether it w
 spread (``dpro-launch --auto`` keeps a config only when its re-run measured faster beyond the steps' spread). The
 last lines give the median and worst |error| per engine.
 
-    python bench/whatif_matrix.py [--cases trainer,accelerate,hvd-fusion,hvd-cycle,gluon-servers,
+    python bench/whatif_matrix.py [--cases trainer,trainer-unused,accelerate,hvd-fusion,hvd-cycle,gluon-servers,
                                    trainer-micro,accelerate-micro,trainer-amp]
         [--networks loopback,300mbit] [--rounds 3]
         [--doc docs/benchmarks/whatif_matrix.md]
@@ -70,8 +70,8 @@ class Case:
     args: tuple[str, ...]
     imports: str             # the module the script needs (a case without it is skipped)
     knob: str
-    values: tuple[float | str, ...]
-    own: float | str | None  # the knob's value when the script runs as written
+    values: tuple[float | bool | str, ...]
+    own: float | bool | str | None  # the knob's value when the script runs as written
     launcher: str = "torch"  # torch (torchrun's way), horovod (horovodrun --gloo) or mxnet (ps-lite, 2 servers)
     env: str | None = None   # the environment variable a config sets the knob through (else the knob itself)
     whole: bool = False      # the knob takes whole numbers (micro-batches)
@@ -79,26 +79,29 @@ class Case:
     # into micro-batches from outside (held out: the script changes its own code path, the prediction does not)
     script_option: str | None = None
 
-    def label(self, value: float | str | None) -> str:
+    def label(self, value: float | bool | str | None) -> str:
         if value is None:
             return "as written"
+        if isinstance(value, bool):
+            return f"{self.knob.rsplit('.', 1)[-1]}={str(value).lower()}"
         if isinstance(value, str):
             return f"{self.knob}={value}"
         return f"{self.knob.rsplit('.', 1)[-1]}={int(value) if float(value).is_integer() else f'{value:g}'}"
 
-    def knob_value(self, value: float | str) -> float | int | str:
+    def knob_value(self, value: float | bool | str) -> float | int | bool | str:
         """``value`` as the knob takes it (what-if and config)."""
-        if isinstance(value, str):
+        if isinstance(value, (str, bool)):
             return value
         return int(value) if (self.env or self.whole) and float(value).is_integer() else value
 
-    def config_knobs(self, value: float | int | str) -> dict:
+    def config_knobs(self, value: float | int | bool | str) -> dict:
         """The config's knobs that run the script at ``value`` (none where the script's own option does)."""
         if self.script_option is not None:
             return {}
         if self.env is None or isinstance(value, str):
             return {self.knob: value}
-        return {"env": {self.env: str(int(value)) if float(value).is_integer() else f"{value:g}"}}
+        value = float(value)
+        return {"env": {self.env: str(int(value)) if value.is_integer() else f"{value:g}"}}
 
     def script_args(self, value: float | int | str) -> tuple[str, ...]:
         return () if self.script_option is None else (self.script_option, str(value))
@@ -112,6 +115,8 @@ class Case:
 CASES = {
     "trainer": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"), "transformers",
                     "torch.ddp.bucket_cap_mb", (1.0, 5.0, 100.0), 25.0),
+    "trainer-unused": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"),
+                           "transformers", "torch.ddp.find_unused_parameters", (False,), True),
     "accelerate": Case("torch-ddp", SCRIPTS / "accelerate_train.py", ("--width", "512", "--depth", "4"),
                        "accelerate", "torch.ddp.bucket_cap_mb", (1.0, 5.0, 100.0), 25.0),
     "lightning": Case("torch-ddp", SCRIPTS / "lit_train.py", (), "lightning", "torch.ddp.bucket_cap_mb",
@@ -201,7 +206,7 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
                relative_errors: dict[str, list[float]]) -> None:
     """Record case ``name``, predict its knob's values and dpro's recommendation, run them all; say the rows."""
     case = CASES[name]
-    if args.values and case.engine == "torch-ddp":
+    if args.values and case.knob == "torch.ddp.bucket_cap_mb":
         case = dataclasses.replace(case, values=tuple(float(v) for v in args.values.split(",")))
     work.mkdir()
 

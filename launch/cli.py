@@ -93,7 +93,7 @@ horovodrun options (same names and meaning; Horovod's knobs reach the job as env
     --no-stall-check               HOROVOD_STALL_CHECK_DISABLE=1; --stall-check-warning-time-seconds,
                                    --stall-check-shutdown-time-seconds
     --log-level LEVEL              HOROVOD_LOG_LEVEL (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL)
-The table is ``dpro.launch.env.HOROVOD_KNOBS``. Any other option is an error (exit status 2).
+The table is ``dpro.launch.horovod_run.HOROVOD_KNOBS``. Any other option is an error (exit status 2).
 
 torchrun options (for users coming from torchrun; one dpro-launch starts every node, so there is no node rank):
     --nproc-per-node N             processes per node, in place of -np (an integer)
@@ -156,13 +156,13 @@ if any). After the job, RUN/launch.json records the command, hosts,
 settings and exit status.
 
 Python API: ``config_from_args(build_parser().parse_args(argv))`` or ``LaunchConfig(...)`` directly, then
-``dpro.launch.pipeline.run(config)``; launchers are ``dpro.launch.launchers.LAUNCHERS``.
+``dpro.launch.pipeline.run(config)``; launchers are ``dpro.launch.launchers.LAUNCHERS``, each a
+``dpro.launch.launcher.Launcher`` that brings its own flags, options and environment.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import traceback
 from collections.abc import Sequence
@@ -170,11 +170,10 @@ from pathlib import Path
 
 from dpro import __version__
 from dpro.errors import DproError, UsageError
+from dpro.launch.launchers import LAUNCHERS
 from dpro.launch.settings import (
     BACKWARD_MARKS,
     ENGINE_NAMES,
-    LOG_LEVELS,
-    HorovodSettings,
     Host,
     LaunchConfig,
     default_window,
@@ -182,16 +181,11 @@ from dpro.launch.settings import (
     parse_hostfile,
     parse_hosts,
     parse_window,
-    read_horovod_config_file,
 )
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
 EXIT_USAGE = 2
-
-
-def _upper(text: str) -> str:
-    return text.upper()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,66 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="known-hosts file that host keys are checked against (default ssh's ~/.ssh/known_hosts)")
     procs.add_argument("--ssh-no-host-key-check", dest="ssh_host_key_check", action="store_false",
                        help="do not check host keys (what horovodrun does); only on a network you trust")
-    controller = procs.add_mutually_exclusive_group()
-    controller.add_argument("--gloo", dest="controller", action="store_const", const="gloo",
-                            help="Horovod's Gloo controller")
-    controller.add_argument("--mpi", dest="controller", action="store_const", const="mpi",
-                            help="Horovod's MPI controller (--engine horovod)")
     procs.add_argument("--start-timeout", type=float, metavar="S", help="seconds for the hosts to start (default 30)")
     procs.add_argument("--network-interfaces", "--network-interface", dest="network_interfaces", metavar="NICS",
                        help="network interfaces for communication, comma-separated")
     procs.add_argument("--output-filename", metavar="DIR", help="write each rank's output to DIR/rank.<r>/")
     procs.add_argument("--verbose", action="store_true", help="print the commands started")
-    procs.add_argument("--disable-cache", action="store_true", help="passed to horovodrun")
-    procs.add_argument("--config-file", metavar="FILE", help="horovodrun's YAML settings; the command line wins")
 
-    params = parser.add_argument_group("tunable parameters (horovodrun; environment variables for Horovod)")
-    params.add_argument("--fusion-threshold-mb", type=float, metavar="MB", help="HOROVOD_FUSION_THRESHOLD")
-    params.add_argument("--cycle-time-ms", type=float, metavar="MS", help="HOROVOD_CYCLE_TIME")
-    params.add_argument("--cache-capacity", type=int, metavar="N", help="HOROVOD_CACHE_CAPACITY")
-    for name in ("allreduce", "allgather"):
-        group = params.add_mutually_exclusive_group()
-        group.add_argument(f"--hierarchical-{name}", dest=f"hierarchical_{name}", action="store_const", const=True,
-                           help=f"HOROVOD_HIERARCHICAL_{name.upper()}=1")
-        group.add_argument(f"--no-hierarchical-{name}", dest=f"hierarchical_{name}", action="store_const",
-                           const=False, help=f"HOROVOD_HIERARCHICAL_{name.upper()}=0")
-    tune = parser.add_argument_group("autotune (horovodrun)")
-    tune.add_argument("--autotune", action="store_const", const=True, help="HOROVOD_AUTOTUNE=1")
-    tune.add_argument("--autotune-log-file", metavar="FILE", help="HOROVOD_AUTOTUNE_LOG")
-    tune.add_argument("--autotune-warmup-samples", type=int, metavar="N", help="HOROVOD_AUTOTUNE_WARMUP_SAMPLES")
-    tune.add_argument("--autotune-steps-per-sample", type=int, metavar="N", help="HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE")
-    tune.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="N",
-                      help="HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES")
-    tune.add_argument("--autotune-gaussian-process-noise", type=float, metavar="X",
-                      help="HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE, in [0, 1]")
-    timeline = parser.add_argument_group("timeline, stall check, logging (horovodrun)")
-    timeline.add_argument("--timeline-filename", metavar="FILE", help="HOROVOD_TIMELINE")
-    timeline.add_argument("--timeline-mark-cycles", action="store_const", const=True,
-                          help="HOROVOD_TIMELINE_MARK_CYCLES=1")
-    timeline.add_argument("--no-stall-check", action="store_const", const=True, help="HOROVOD_STALL_CHECK_DISABLE=1")
-    timeline.add_argument("--stall-check-warning-time-seconds", type=int, metavar="S",
-                          help="HOROVOD_STALL_CHECK_TIME_SECONDS")
-    timeline.add_argument("--stall-check-shutdown-time-seconds", type=int, metavar="S",
-                          help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
-    timeline.add_argument("--log-level", type=_upper, choices=LOG_LEVELS, help="HOROVOD_LOG_LEVEL")
-
-    torchrun = parser.add_argument_group("torchrun options (for users coming from torchrun; one dpro-launch "
-                                         "starts every node)")
-    torchrun.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", metavar="N",
-                          help="processes per node (an integer; torchrun's 'gpu'/'cpu'/'auto' are not taken)")
-    torchrun.add_argument("--nnodes", metavar="N", help="nodes (N or N:N); several need -H with one host per node")
-    torchrun.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, metavar="R",
-                          help="0 only: dpro-launch starts the other nodes itself (give -H)")
-    torchrun.add_argument("--standalone", action="store_true", help="accepted: a single node is the default")
-    for flag in ("master-addr", "master-port", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf"):
-        torchrun.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=flag.replace("-", "_"),
-                              metavar="VALUE", help="accepted; dpro-launch hosts the rendezvous itself")
-    torchrun.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, metavar="N",
-                          help="0 only: a failed rank stops the job")
-    torchrun.add_argument("-m", "--module", dest="module", action="store_true",
-                          help="the command is a module to run with python -m (torchrun's -m)")
-    torchrun.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
-                          help="the command is run as it is, without python (torchrun's --no-python)")
+    for launcher in LAUNCHERS.values():  # each launcher's own flags and groups
+        launcher.add_arguments(parser, procs)
 
     dpro = parser.add_argument_group("dpro")
     dpro.add_argument("--engine", choices=("auto", *ENGINE_NAMES), default="auto",
@@ -284,8 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
                            "environment is replaced, with a note); mxnet: a ps-lite scheduler, --num-servers "
                            "servers and the workers with DMLC_* (local hosts only); auto (default): horovod if the "
                            "script imports horovod, else torch")
-    dpro.add_argument("--num-servers", type=int, metavar="N",
-                      help="--engine mxnet: parameter servers (default: as many as workers)")
     dpro.add_argument("--profile", default=None, metavar="START:STOP[:BLOCK]",
                       help="iterations to record (default 10:20; for Horovod 10:40:5, blocks of 5 recorded "
                            "iterations with gaps of 5; START >= 1)")
@@ -300,13 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how the torch recorder times BW (default: from the gradients' ready marks)")
     dpro.add_argument("--auto", action="store_true",
                       help="profile, optimize, re-run with the config, print before/after")
-    dpro.add_argument("--horovod-timeline", action="store_true",
-                      help="Horovod: also run Horovod's timeline in the window's last block (the fused buffers that "
-                           "price the fusion knobs; it slows the job from then on)")
+    for launcher in LAUNCHERS.values():  # each launcher's own flags among dpro's
+        launcher.add_dpro_arguments(dpro)
     return parser
-
-
-_SETTINGS = tuple(HorovodSettings.__dataclass_fields__)
 
 
 def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> LaunchConfig:
@@ -320,18 +256,8 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
     if command[:1] == ["--"]:
         command = command[1:]
     hosts = parse_hosts(args.hosts) if args.hosts else parse_hostfile(args.hostfile) if args.hostfile else []
-    np, command = _torchrun_style(args, hosts, command)
-    settings, controller = ({}, None)
-    if args.config_file:
-        settings, controller = read_horovod_config_file(args.config_file)
-    for name in _SETTINGS:  # the command line wins over the config file
-        value = getattr(args, name, None)
-        if value is not None:
-            settings[name] = value
-    try:
-        horovod = HorovodSettings(**settings)
-    except TypeError as err:
-        raise UsageError(f"--config-file {args.config_file}: {err}") from None
+    np, command = _processes(args, hosts, command)
+    options = {name: launcher.options_from_args(args) for name, launcher in LAUNCHERS.items()}
     engine = args.engine if args.engine != "auto" else detect_engine(command, cwd)
     budget = None
     if args.memory_budget:
@@ -344,60 +270,29 @@ def config_from_args(args: argparse.Namespace, *, cwd: Path | None = None) -> La
     return LaunchConfig(
         command=command, np=np, hosts=hosts, engine=engine, ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file, ssh_known_hosts=args.ssh_known_hosts,
-        ssh_host_key_check=args.ssh_host_key_check, controller=args.controller or controller, horovod=horovod,
+        ssh_host_key_check=args.ssh_host_key_check, options=options,
         start_timeout=args.start_timeout, network_interfaces=args.network_interfaces,
-        output_filename=args.output_filename, verbose=args.verbose, disable_cache=args.disable_cache,
-        horovod_config_file=args.config_file, profile=None if args.no_profile else (
+        output_filename=args.output_filename, verbose=args.verbose, profile=None if args.no_profile else (
             parse_window(args.profile) if args.profile else default_window(engine)),
         run_dir=Path(args.run_dir) if args.run_dir else None, optimize=args.optimize, apply=apply, auto=args.auto,
         memory_budget_bytes=budget, allow_compression=args.allow_compression, force=args.force,
-        backward_marks=args.backward_marks, num_servers=args.num_servers, cwd=cwd,
-        horovod_timeline=args.horovod_timeline,
+        backward_marks=args.backward_marks, cwd=cwd,
     )
 
 
-def _count(text: str | None, flag: str) -> int | None:
-    """torchrun's N, or N:N (a fixed count; an elastic range is not taken)."""
-    if text is None:
-        return None
-    low, _, high = str(text).partition(":")
-    if not low.isdigit() or (high and high != low) or int(low) < 1:
-        raise UsageError(f"{flag} {text!r}: give a positive integer (or N:N); elastic ranges and torchrun's "
-                         f"'gpu'/'cpu'/'auto' are not taken, e.g. {flag} 2")
-    return int(low)
-
-
-def _torchrun_style(args: argparse.Namespace, hosts: list[Host], command: list[str]) -> tuple[int, list[str]]:
-    """The process count and command from horovodrun's ``-np`` or torchrun's ``--nproc-per-node``/``--nnodes``
-    (with torchrun's flags the command is a script or, with ``-m``, a module, run by this interpreter).
+def _processes(args: argparse.Namespace, hosts: list[Host], command: list[str]) -> tuple[int, list[str]]:
+    """The process count and command: from the first launcher whose own flags give them, else ``-np``.
 
     Raises:
-        UsageError: no process count, both styles at once, or what one dpro-launch cannot do (a node rank other
-            than 0, restarts, several nodes without their hosts).
+        UsageError: no process count.
     """
-    per_node, nodes = _count(args.nproc_per_node, "--nproc-per-node"), _count(args.nnodes, "--nnodes")
-    if args.node_rank not in (None, 0):
-        raise UsageError(f"--node-rank {args.node_rank}: dpro-launch starts every node itself; run it once, on "
-                         "node 0, with the nodes' hosts (-H node1:4,node2:4)")
-    if args.max_restarts:
-        raise UsageError(f"--max-restarts {args.max_restarts}: not supported; a failed rank stops the job")
-    if per_node is None:
-        if args.np is None:
-            raise UsageError("give the number of processes: -np N (horovodrun) or --nproc-per-node N (torchrun)")
-        if args.module or args.no_python:
-            raise UsageError("-m and --no-python go with --nproc-per-node (torchrun's style)")
-        return args.np, command
-    if args.np is not None:
-        raise UsageError("give either -np (horovodrun) or --nproc-per-node (torchrun), not both")
-    nodes = nodes or 1
-    if nodes > 1 and len(hosts) != nodes:
-        raise UsageError(f"--nnodes {nodes}: name the nodes with -H, one host each (e.g. -H node1:{per_node},"
-                         f"node2:{per_node}); dpro-launch starts every node itself")
-    if hosts:
-        hosts[:] = [dataclasses.replace(h, slots=per_node) for h in hosts]
-    if args.no_python or not command:
-        return per_node * nodes, command
-    return per_node * nodes, [sys.executable, *(["-m"] if args.module else []), *command]
+    for launcher in LAUNCHERS.values():
+        given = launcher.processes_from_args(args, hosts, command)
+        if given is not None:
+            return given
+    if args.np is None:
+        raise UsageError("give the number of processes: -np N")
+    return args.np, command
 
 
 def main(argv: Sequence[str] | None = None) -> int:

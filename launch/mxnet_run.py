@@ -1,16 +1,19 @@
 """The ``mxnet`` launcher: MXNet's parameter server (ps-lite) roles, a scheduler, servers and workers, each with
-its ``DMLC_*`` environment, on this machine; every process is stopped when one fails."""
+its ``DMLC_*`` environment, on this machine; every process is stopped when one fails. Its flag: ``--num-servers``."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import socket
-from typing import IO
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
 
 from dpro.engines.mxnet_ps import NUM_SERVERS_ENV, SERVER_HOSTS_ENV
 from dpro.errors import UsageError
 from dpro.launch.env import applied_env, job_env
+from dpro.launch.launcher import Launcher, LauncherOptions
 from dpro.launch.node import DEFAULT_GRACE_S
 from dpro.launch.process import (
     Signals,
@@ -19,7 +22,9 @@ from dpro.launch.process import (
     free_ports,
     start_local,
 )
-from dpro.launch.settings import LaunchConfig
+
+if TYPE_CHECKING:
+    from dpro.launch.settings import LaunchConfig
 
 # ---- the mxnet engine ----------------------------------------------------------------------------------
 
@@ -33,6 +38,22 @@ def dmlc_env(role: str, *, port: int, num_servers: int, num_workers: int) -> dic
             "DMLC_NUM_SERVER": str(num_servers), "DMLC_NUM_WORKER": str(num_workers)}
 
 
+@dataclass
+class MXNetOptions(LauncherOptions):
+    """``--num-servers``: parameter servers to start (None: one per worker, as MXNet's tools/launch.py)."""
+
+    num_servers: int | None = None
+
+    def check(self, config: LaunchConfig, engine: type[Launcher]) -> None:
+        if engine is not MXNetLauncher:
+            if self.num_servers is not None:
+                raise UsageError(f"--num-servers starts MXNet parameter servers; the {engine.name} engine has none. "
+                                 "Use --engine mxnet, or drop --num-servers")
+            return
+        if self.num_servers is not None and (not isinstance(self.num_servers, int) or self.num_servers < 1):
+            raise UsageError(f"--num-servers {self.num_servers!r}: expected a positive number of servers")
+
+
 def mxnet_servers(config: LaunchConfig) -> int:
     """How many parameter servers to start: the applied config's ``DMLC_NUM_SERVER`` (what dpro optimize chose),
     else ``--num-servers``, else one per worker (MXNet's launcher's default)."""
@@ -44,13 +65,14 @@ def mxnet_servers(config: LaunchConfig) -> int:
             raise UsageError(f"{config.apply}: env {NUM_SERVERS_ENV}={applied!r} is not a number of servers") from None
         if count < 1:
             raise UsageError(f"{config.apply}: env {NUM_SERVERS_ENV}={applied!r}: at least one server is needed")
-        if config.num_servers and config.num_servers != count:
-            _say(f"{config.apply} sets {NUM_SERVERS_ENV}={count}; it overrides --num-servers {config.num_servers}")
+        given = config.options_of(MXNetOptions).num_servers
+        if given and given != count:
+            _say(f"{config.apply} sets {NUM_SERVERS_ENV}={count}; it overrides --num-servers {given}")
         return count
-    return int(config.num_servers or config.np)
+    return int(config.options_of(MXNetOptions).num_servers or config.np)
 
 
-class MXNetLauncher:
+class MXNetLauncher(Launcher):
     """MXNet jobs on ps-lite (``kvstore`` ``dist_sync`` / ``dist_async``): a scheduler, ``--num-servers`` servers
     and one worker per slot, local hosts only. Every process runs the job's command with its DMLC_* environment:
     ``import mxnet`` in the scheduler or a server serves the job and exits (what MXNet's own launcher relies on).
@@ -59,6 +81,20 @@ class MXNetLauncher:
     order; ps-lite numbers them, ``kv.rank``, in the order they connect.)"""
 
     name = "mxnet"
+    options_type = MXNetOptions
+    local_only = True
+    collectives = False
+    what = "runs a ps-lite parameter server"
+    nothing_recorded = "no gluon.Trainer.step ran in a worker (dpro records Gluon training loops)"
+
+    @staticmethod
+    def add_dpro_arguments(dpro: argparse._ArgumentGroup) -> None:
+        dpro.add_argument("--num-servers", type=int, metavar="N",
+                          help="--engine mxnet: parameter servers (default: as many as workers)")
+
+    @classmethod
+    def options_from_args(cls, args: argparse.Namespace) -> MXNetOptions:
+        return MXNetOptions(num_servers=args.num_servers)
 
     def __init__(self, *, grace_s: float = DEFAULT_GRACE_S) -> None:
         self.grace_s = grace_s

@@ -24,13 +24,12 @@ from typing import IO, Any
 from dpro.config import CONFIG_FILE, Config, read_config
 from dpro.errors import DproError, UsageError
 from dpro.io.load import interrupted_calls
-from dpro.launch.env import applied_env, horovod_env
+from dpro.launch.env import applied_env, flag_env
 from dpro.launch.launchers import LAUNCHERS
 from dpro.launch.process import ssh_options
 from dpro.launch.settings import LaunchConfig
 from dpro.logs import get_logger
 from dpro.progress import Progress
-from dpro.record import job_env
 from dpro.record.protocol import Window, claim_run_dir
 from dpro.record.trace import RUN_FILE, analysis_file, write_json_atomic
 
@@ -40,10 +39,6 @@ LAUNCH_FILE = "launch.json"
 ELSEWHERE_FILE = "recorded-elsewhere.json"  # written by dpro.plugins.torch.autoattach
 APPLIED_SUFFIX = "-applied"
 NOT_KEPT_FILE = "config.not-kept.json"  # an --auto config that did not measure faster: --apply auto passes it by
-_TORCH_NOTHING = "the job built no DistributedDataParallel model or hvd.DistributedOptimizer"
-_NOTHING_RECORDED = {"torch": _TORCH_NOTHING, "horovod": _TORCH_NOTHING,  # why, by engine
-                     "tf": "the TensorFlow job got no dpro recorder",
-                     "mxnet": "no gluon.Trainer.step ran in a worker (dpro records Gluon training loops)"}
 
 
 logger = get_logger("dpro.launch")
@@ -173,7 +168,7 @@ def _claim(config: LaunchConfig) -> LaunchConfig:
 
 
 def _note_overrides(config: LaunchConfig) -> None:
-    flags = horovod_env(config.horovod)
+    flags = flag_env(config)
     for name, value in applied_env(config).items():
         if name in flags and flags[name] != value:
             _say(f"{config.apply} sets {name}={value}; it overrides the command line's {flags[name]}")
@@ -202,33 +197,11 @@ def run_job(config: LaunchConfig) -> tuple[int, LaunchConfig, Path | None]:
         _say(f"rank {rank} died while {what}")
     recorded = find_recorded_run(config.run_dir)
     if recorded is None:
-        seen = seen_text(config.run_dir / job_env.SEEN_FILE, config.profile)
-        what = seen or (f"{_NOTHING_RECORDED.get(config.engine, _NOTHING_RECORDED['torch'])}, or ended before "
-                        f"iteration {config.profile.start}")
+        what = launcher.why_nothing_recorded(config)
         _say(f"nothing was recorded in {config.run_dir}: {what} (--profile {config.profile})")
     elif recorded != config.run_dir:
         _say(f"the script recorded itself into {recorded}")
     return status, config, recorded
-
-
-def seen_text(path: Path, window: Window) -> str:
-    """What the job's auto-attach saw, in words (its ``seen.json``), when it recorded nothing; "" without one."""
-    try:
-        seen = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ""
-    if not isinstance(seen, dict):
-        return ""
-    built = [f"{n} {what}" for n, what in ((seen.get("ddp_models"), "DistributedDataParallel model(s)"),
-                                          (seen.get("fsdp_modules"), "module(s) sharded by fully_shard"),
-                                          (seen.get("horovod_optimizers"), "hvd.DistributedOptimizer(s)"))
-             if isinstance(n, int) and n > 0]
-    steps = seen.get("optimizer_steps")
-    if not built:
-        return ("the job built no DistributedDataParallel model, fully_shard module or hvd.DistributedOptimizer "
-                "(dpro-launch records those)")
-    ran = f"ran {steps} optimizer step(s)" if isinstance(steps, int) else "ran"
-    return f"the job built {', '.join(built)} and {ran}, ending before iteration {window.start}"
 
 
 def _window_text(window: Window) -> str:
@@ -246,8 +219,10 @@ def _write_launch_file(config: LaunchConfig, status: int) -> None:
         "hosts": [{"name": h.name, "processes": n} for h, n in config.placement()],
         "profile": str(config.profile) if config.profile else None,
         "apply": str(config.apply) if config.apply is not None else None,
-        "horovod": config.horovod.given(), "exit_status": status, "cwd": str(config.cwd),
     }
+    for options in config.options.values():  # each launcher's own entries (what its flags gave)
+        doc.update(options.record())
+    doc.update({"exit_status": status, "cwd": str(config.cwd)})
     try:
         write_json_atomic(config.run_dir / LAUNCH_FILE, doc)
     except OSError as err:

@@ -1,9 +1,8 @@
-"""What every launcher shares: ssh (options, host keys, the remote environment), a supervisor that stops every
+"""What every launcher shares: ssh (options, host keys, a remote command), a supervisor that stops every
 process of a job when one fails, signal forwarding, free ports and local process start."""
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import queue
 import shlex
@@ -16,16 +15,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from dpro.errors import UsageError
 from dpro.launch.node import PORT_LINE, exit_status, rank_output_dir, start_worker
-from dpro.launch.settings import Host, LaunchConfig
 from dpro.logs import get_logger
 
+if TYPE_CHECKING:
+    from dpro.launch.settings import Host, LaunchConfig
+
 PORT_PLACEHOLDER = "{master_port}"
-FORWARDED_PREFIXES = ("DPRO_", "HOROVOD_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "MKL_", "CUDA_", "PYTHON")
-FORWARDED_NAMES = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 
 
 logger = get_logger("dpro.launch")
@@ -79,15 +78,6 @@ def check_host_keys(config: LaunchConfig, *, timeout_s: float = 60.0) -> None:
             words = " ".join(proc.stderr.split())[-400:] or f"ssh exited with status {proc.returncode}"
             raise UsageError(f"host {host.name}: ssh refused ({words}); if its host key changed on purpose, remove "
                              f"the old key (ssh-keygen -R {host.name}), or pass --ssh-no-host-key-check")
-
-
-def remote_env(added: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What a remote host's agent gets: dpro's additions plus the local variables a job depends on
-    (DPRO_*, HOROVOD_*, NCCL_*, GLOO_*, TORCH_*, OMP_*, MKL_*, CUDA_*, PYTHON*, PATH, LD_LIBRARY_PATH, VIRTUAL_ENV)."""
-    base = os.environ if base is None else base
-    env = {k: v for k, v in base.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
-    env.update(added)
-    return env
 
 
 def ssh_argv(config: LaunchConfig, host: Host, argv: list[str], env: Mapping[str, str]) -> list[str]:
@@ -268,22 +258,7 @@ class Signals:
             signal.signal(signum, handler)
 
 
-# ---- the torch engine --------------------------------------------------------------------------------
-
-
-def master_addr(config: LaunchConfig) -> str:
-    placement = config.placement()
-    first = placement[0][0]
-    if len(placement) == 1 and first.local:
-        return "127.0.0.1"
-    if first.local and first.name in ("localhost", "127.0.0.1", "::1"):
-        return socket.getfqdn() or socket.gethostname()  # a name the other hosts can reach
-    return first.name
-
-
-def job_run_id(config: LaunchConfig) -> str:
-    """TORCHELASTIC_RUN_ID of the job: the run directory's name, or a timestamp."""
-    return f"dpro-{config.run_dir.name}" if config.run_dir is not None else f"dpro-{dt.datetime.now():%Y%m%d-%H%M%S}"
+# ---- ports and local processes ---------------------------------------------------------------------------
 
 
 def free_ports(count: int) -> list[int]:

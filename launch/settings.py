@@ -7,22 +7,22 @@ says how to fix the value ("--hosts 'a:x': slots must be an integer, e.g. a:4").
 
 from __future__ import annotations
 
-import math
 import os
 import socket
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from dpro.errors import UsageError
+from dpro.launch.launcher import DEFAULT_WINDOW, LauncherOptions
+from dpro.launch.launchers import LAUNCHERS
 from dpro.record.protocol import Window
 from dpro.record.protocol import parse_window as parse_protocol_window
 
 __all__ = [
     "BACKWARD_MARKS",
+    "DEFAULT_ENGINE",
     "ENGINE_NAMES",
-    "LOG_LEVELS",
-    "HorovodSettings",
     "Host",
     "LaunchConfig",
     "detect_engine",
@@ -31,15 +31,13 @@ __all__ = [
     "parse_hosts",
     "default_window",
     "parse_window",
-    "read_horovod_config_file",
 ]
 
-ENGINE_NAMES = ("torch", "horovod", "tf", "mxnet")
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # horovod's config_parser.LOG_LEVELS
-DEFAULT_WINDOW = Window(10, 20)
-HOROVOD_WINDOW = Window(10, 40, 5)  # 10..14, 20..24, 30..34 recorded; the gaps between them measure the overhead
-BACKWARD_MARKS = ("gradients", "tensors")  # --backward-marks: the torch recorder's (a launcher imports no plugin)
-DEFAULT_START_TIMEOUT_S = 30.0  # horovodrun's default; HOROVOD_START_TIMEOUT overrides it, --start-timeout wins
+ENGINE_NAMES = tuple(LAUNCHERS)
+DEFAULT_ENGINE = ENGINE_NAMES[0]  # the launcher --engine auto falls back to, and LaunchConfig's default
+BACKWARD_MARKS = ("gradients", "tensors")  # --backward-marks: the recorder's (a launcher imports no plugin)
+DEFAULT_START_TIMEOUT_S = 30.0  # a launcher's start_timeout_env overrides it, --start-timeout wins
+_Options = TypeVar("_Options", bound=LauncherOptions)
 
 
 # ---- hosts -----------------------------------------------------------------------------------------
@@ -172,23 +170,20 @@ def parse_window(text: str) -> Window:
 
 
 def default_window(engine: str) -> Window:
-    """The window ``--profile`` defaults to: for Horovod, recorded blocks alternating with unrecorded ones, so
-    that ``dpro info`` measures what recording costs against steps of the same job (Horovod's timeline and
-    polling can slow a step in ways warm-up steps hide); for the other engines, ten steps from the tenth."""
-    return HOROVOD_WINDOW if engine == "horovod" else DEFAULT_WINDOW
+    """The window ``--profile`` defaults to: the launcher's ``default_window`` (for Horovod, recorded blocks
+    alternating with unrecorded ones, so that ``dpro info`` measures what recording costs against steps of the same
+    job; for the other engines, ten steps from the tenth)."""
+    return LAUNCHERS[engine].default_window
 
 
 # ---- which engine --------------------------------------------------------------------------------
 
 
-_HOROVOD_MARKS = ("import horovod", "from horovod", "horovod.torch")
-
-
 def detect_engine(command: list[str], cwd: Path | None = None) -> str:
-    """``--engine auto``: "horovod" when the command's script imports horovod, else "torch".
+    """``--engine auto``: the first launcher whose ``detects`` takes the command's script (Horovod's: a script that
+    imports horovod), else ``DEFAULT_ENGINE``.
 
-    The script is the first argument ending in ``.py``; its text is scanned for ``import horovod``,
-    ``from horovod`` or ``horovod.torch`` (nothing is imported or run).
+    The script is the first argument ending in ``.py``; its text is read, nothing is imported or run.
     """
     for word in command:
         if word.endswith(".py"):
@@ -198,142 +193,27 @@ def detect_engine(command: list[str], cwd: Path | None = None) -> str:
             try:
                 text = path.read_text(encoding="utf-8", errors="replace")
             except OSError:
-                return "torch"
-            return "horovod" if any(mark in text for mark in _HOROVOD_MARKS) else "torch"
-    return "torch"
+                return DEFAULT_ENGINE
+            return next((name for name, launcher in LAUNCHERS.items() if launcher.detects(text)), DEFAULT_ENGINE)
+    return DEFAULT_ENGINE
 
 
-# ---- Horovod's tunable settings ------------------------------------------------------------------------
+def default_options() -> dict[str, LauncherOptions]:
+    """Every launcher's options with nothing given, by launcher name."""
+    return {name: launcher.options_type() for name, launcher in LAUNCHERS.items()}
 
 
-@dataclass
-class HorovodSettings:
-    """horovodrun's tunable parameters (``--fusion-threshold-mb`` ...); None means "not given".
-
-    ``dpro.launch.env.HOROVOD_KNOBS`` maps each field to its environment variable and its horovodrun flag.
-    """
-
-    fusion_threshold_mb: float | None = None
-    cycle_time_ms: float | None = None
-    cache_capacity: int | None = None
-    hierarchical_allreduce: bool | None = None
-    hierarchical_allgather: bool | None = None
-    autotune: bool | None = None
-    autotune_log_file: str | None = None
-    autotune_warmup_samples: int | None = None
-    autotune_steps_per_sample: int | None = None
-    autotune_bayes_opt_max_samples: int | None = None
-    autotune_gaussian_process_noise: float | None = None
-    timeline_filename: str | None = None
-    timeline_mark_cycles: bool | None = None
-    no_stall_check: bool | None = None
-    stall_check_warning_time_seconds: int | None = None
-    stall_check_shutdown_time_seconds: int | None = None
-    log_level: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "autotune_warmup_samples",
-                     "autotune_steps_per_sample", "autotune_bayes_opt_max_samples",
-                     "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 0")
-        noise = self.autotune_gaussian_process_noise
-        if noise is not None and not 0 <= noise <= 1:
-            raise UsageError(f"--autotune-gaussian-process-noise {noise}: must be in [0, 1], e.g. 0.8")
-        if self.log_level is not None:
-            level = str(self.log_level).upper()
-            if level not in LOG_LEVELS:
-                raise UsageError(f"--log-level {self.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
-            self.log_level = level
-
-    def given(self) -> dict[str, Any]:
-        """The settings that were given (not None), by field name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
-
-# horovodrun --config-file sections -> HorovodSettings fields (horovod/runner/common/util/config_parser.py)
-_CONFIG_FILE_KEYS = {
-    ("params", "fusion_threshold_mb"): "fusion_threshold_mb",
-    ("params", "cycle_time_ms"): "cycle_time_ms",
-    ("params", "cache_capacity"): "cache_capacity",
-    ("params", "hierarchical_allreduce"): "hierarchical_allreduce",
-    ("params", "hierarchical_allgather"): "hierarchical_allgather",
-    ("autotune", "enabled"): "autotune",
-    ("autotune", "log_file"): "autotune_log_file",
-    ("autotune", "warmup_samples"): "autotune_warmup_samples",
-    ("autotune", "steps_per_sample"): "autotune_steps_per_sample",
-    ("autotune", "bayes_opt_max_samples"): "autotune_bayes_opt_max_samples",
-    ("autotune", "gaussian_process_noise"): "autotune_gaussian_process_noise",
-    ("timeline", "filename"): "timeline_filename",
-    ("timeline", "mark_cycles"): "timeline_mark_cycles",
-    ("stall_check", "warning_time_seconds"): "stall_check_warning_time_seconds",
-    ("stall_check", "shutdown_time_seconds"): "stall_check_shutdown_time_seconds",
-    ("logging", "level"): "log_level",
-}
-
-
-MAX_CONFIG_FILE_BYTES = 1_000_000  # PyYAML reads about a MB a second; horovodrun's own files are a few lines
-_SETTING_CHECKS: dict[str, tuple[str, Any]] = {
-    "float": ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-              and math.isfinite(v)),
-    "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63),
-    "bool": ("true or false", lambda v: isinstance(v, bool)),
-    "str": ("text", lambda v: isinstance(v, str)),
-}
-
-
-def _typed_setting(path: Path, key: str, name: str, value: Any) -> Any:
-    """A config-file value of the kind its ``HorovodSettings`` field holds, else a UsageError naming the key."""
-    kind = str(next(f.type for f in fields(HorovodSettings) if f.name == name)).split("|")[0].strip()
-    what, ok = _SETTING_CHECKS[kind]
-    if not ok(value):
-        raise UsageError(f"--config-file {path}: {key} must be {what}, found {value!r:.60}")
-    return value
-
-
-def read_horovod_config_file(path: str | Path) -> tuple[dict[str, Any], str | None]:
-    """Read horovodrun's YAML ``--config-file``: (settings by ``HorovodSettings`` field, controller or None).
-
-    Raises:
-        UsageError: the file is missing, not YAML, or PyYAML is not installed.
-    """
-    path = Path(path)
-    try:
-        import yaml
-    except ImportError:
-        raise UsageError(f"--config-file {path}: reading it needs PyYAML: pip install pyyaml") from None
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
-    except OSError as err:
-        raise UsageError(f"--config-file {path}: cannot be read ({err.strerror or err})") from err
-    if len(raw) > MAX_CONFIG_FILE_BYTES:
-        raise UsageError(f"--config-file {path}: larger than {MAX_CONFIG_FILE_BYTES // 1_000_000} MB; a horovodrun "
-                         "config file is a few lines of YAML")
-    try:
-        doc = yaml.safe_load(raw.decode("utf-8")) or {}
-    except UnicodeDecodeError as err:
-        raise UsageError(f"--config-file {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except yaml.YAMLError as err:
-        raise UsageError(f"--config-file {path}: not valid YAML: {err}") from err
-    except RecursionError:
-        raise UsageError(f"--config-file {path}: YAML nested deeper than the parser goes") from None
-    if not isinstance(doc, dict):
-        raise UsageError(f"--config-file {path}: expected a YAML mapping with params, autotune, timeline, ... sections")
-    settings: dict[str, Any] = {}
-    for (section, key), name in _CONFIG_FILE_KEYS.items():
-        part = doc.get(section)
-        if isinstance(part, dict) and part.get(key) is not None:
-            settings[name] = _typed_setting(path, f"{section}.{key}", name, part[key])
-    stall = doc.get("stall_check")
-    if isinstance(stall, dict) and "enabled" in stall:
-        settings["no_stall_check"] = not _typed_setting(path, "stall_check.enabled", "no_stall_check",
-                                                        stall["enabled"])
-    controller = doc.get("controller")
-    if controller is not None and str(controller).lower() not in ("gloo", "mpi"):
-        raise UsageError(f"--config-file {path}: controller {controller!r} is not gloo or mpi")
-    return settings, (str(controller).lower() if controller is not None else None)
+def _start_timeout_default() -> float:
+    """``DEFAULT_START_TIMEOUT_S``, or the seconds of a launcher's ``start_timeout_env`` that is set."""
+    for launcher in LAUNCHERS.values():
+        name = launcher.start_timeout_env
+        value = os.environ.get(name) if name else None
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                raise UsageError(f"{name}={value!r}: expected seconds, e.g. 30") from None
+    return DEFAULT_START_TIMEOUT_S
 
 
 # ---- the launch config -----------------------------------------------------------------------------
@@ -348,12 +228,9 @@ class LaunchConfig:
         np: total number of processes (``-np``).
         hosts: hosts and slots in order; processes fill each host's slots before the next (horovodrun's rule).
             Empty means ``localhost:np``.
-        engine: "torch" (dpro starts the processes, torch.distributed environment), "horovod" (horovodrun) or
-            "tf" (dpro starts the processes, TF_CONFIG for tf.distribute's MultiWorkerMirroredStrategy; local
-            hosts only) or "mxnet" (dpro starts a ps-lite scheduler, ``num_servers`` servers and the workers
-            with the DMLC_* environment; local hosts only).
-        num_servers: parameter servers of the mxnet engine (default: as many as workers, like MXNet's
-            tools/launch.py).
+        engine: the launcher that runs the job, a name of ``dpro.launch.launchers.LAUNCHERS`` (``--engine``).
+        options: each launcher's own options (``LauncherOptions``: the values of its flags), by launcher name;
+            a launcher left out gets its defaults. ``options_of(kind)`` gives one, typed.
         profile: the iterations to record (``Window``: START:STOP, optionally in blocks); None records nothing
             (``--no-profile``).
         run_dir: the run directory; None makes ``./dpro-runs/<timestamp>`` (under ``$DPRO_RUN_DIR`` if set).
@@ -362,10 +239,8 @@ class LaunchConfig:
         auto: profile, optimize, re-run with the config, and print before/after.
         memory_budget_bytes: peak memory per rank that ``optimize`` must respect (recomputation).
         force: apply a config made for another job anyway.
-        backward_marks: how the torch recorder times BW: "gradients" (from the gradients' ready marks, the default)
+        backward_marks: how the recorder times BW: "gradients" (from the gradients' ready marks, the default)
             or "tensors" (a tensor hook per module: exact per module, costlier).
-        horovod_timeline: recording a Horovod job, also run Horovod's timeline in the window's last block
-            (``HOROVOD_TIMELINE=DYNAMIC``): its cost lasts for the rest of the job, so it is asked for, not default.
 
     Raises:
         UsageError: any inconsistent or out-of-range value, with how to fix it.
@@ -374,19 +249,16 @@ class LaunchConfig:
     command: list[str]
     np: int
     hosts: list[Host] = field(default_factory=list)
-    engine: str = "torch"
+    engine: str = DEFAULT_ENGINE
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
     ssh_known_hosts: str | None = None
     ssh_host_key_check: bool = True
-    controller: str | None = None
-    horovod: HorovodSettings = field(default_factory=HorovodSettings)
+    options: dict[str, LauncherOptions] = field(default_factory=default_options)
     start_timeout: float | None = None
     network_interfaces: str | None = None
     output_filename: str | None = None
     verbose: bool = False
-    disable_cache: bool = False
-    horovod_config_file: str | None = None
     profile: Window | None = DEFAULT_WINDOW
     run_dir: Path | None = None
     optimize: bool = False
@@ -396,9 +268,7 @@ class LaunchConfig:
     allow_compression: bool = False
     force: bool = False
     backward_marks: str = "gradients"
-    num_servers: int | None = None
     cwd: Path = field(default_factory=Path.cwd)
-    horovod_timeline: bool = False
 
     def __post_init__(self) -> None:
         self.command = list(self.command)
@@ -417,24 +287,12 @@ class LaunchConfig:
                              f"lower -np or add slots, e.g. -H {self.hosts[0].name}:{self.np}")
         if self.engine not in ENGINE_NAMES:
             raise UsageError(f"--engine {self.engine!r}: expected auto, {' or '.join(ENGINE_NAMES)}")
-        if self.controller not in (None, "gloo", "mpi"):
-            raise UsageError(f"controller {self.controller!r}: expected gloo or mpi")
-        if self.controller == "mpi" and self.engine in ("torch", "tf"):
-            raise UsageError(f"--mpi selects Horovod's MPI controller; the {self.engine} engine starts its processes "
-                             "itself. Use --engine horovod, or drop --mpi")
-        if self.engine in ("tf", "mxnet"):
+        self.options = {**default_options(), **self.options}
+        runs_it = LAUNCHERS[self.engine]
+        for options in self.options.values():
+            options.check(self, runs_it)
+        if runs_it.local_only:
             self._check_local_hosts()
-        if self.num_servers is not None and self.engine != "mxnet":
-            raise UsageError(f"--num-servers starts MXNet parameter servers; the {self.engine} engine has none. "
-                             "Use --engine mxnet, or drop --num-servers")
-        if self.engine == "mxnet":
-            if self.num_servers is None:
-                self.num_servers = self.np
-            if not isinstance(self.num_servers, int) or self.num_servers < 1:
-                raise UsageError(f"--num-servers {self.num_servers!r}: expected a positive number of servers")
-            if self.controller is not None:
-                raise UsageError(f"--{self.controller} selects Horovod's controller; the mxnet engine runs a "
-                                 "ps-lite parameter server. Drop it")
         if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
             raise UsageError(f"--ssh-port {self.ssh_port}: expected a port number between 1 and 65535")
         if self.ssh_identity_file is not None:
@@ -455,11 +313,7 @@ class LaunchConfig:
                 raise UsageError(f"--ssh-known-hosts {self.ssh_known_hosts}: a directory, not a known-hosts file")
             self.ssh_known_hosts = str(known.resolve())
         if self.start_timeout is None:
-            env = os.environ.get("HOROVOD_START_TIMEOUT")
-            try:
-                self.start_timeout = float(env) if env else DEFAULT_START_TIMEOUT_S
-            except ValueError:
-                raise UsageError(f"HOROVOD_START_TIMEOUT={env!r}: expected seconds, e.g. 30") from None
+            self.start_timeout = _start_timeout_default()
         if self.start_timeout <= 0:
             raise UsageError(f"--start-timeout {self.start_timeout:g}: expected a positive number of seconds")
         if self.profile is not None and not 1 <= self.profile.start < self.profile.stop:
@@ -494,12 +348,21 @@ class LaunchConfig:
             raise UsageError(f"--memory-budget {self.memory_budget_bytes}: expected a positive size, e.g. 2GiB")
 
     def _check_local_hosts(self) -> None:
-        """--engine tf and mxnet start every process on this machine: a host that is not this machine is refused."""
+        """A launcher that starts every process on this machine (``local_only``): a host that is not this machine is
+        refused."""
+        others = " or ".join(name for name, launcher in LAUNCHERS.items() if not launcher.local_only)
         for host, _ in self.placement():
             if not host.local:
                 raise UsageError(f"--engine {self.engine}: host {host.name!r} is not this machine; only local hosts "
                                  f"({', '.join(sorted(_local_names()))}) are supported for --engine {self.engine} "
-                                 "yet. Start the job on that host, or use --engine torch or horovod for several hosts")
+                                 f"yet. Start the job on that host, or use --engine {others} for several hosts")
+
+    def options_of(self, kind: type[_Options]) -> _Options:
+        """The options of the launcher whose options are of type ``kind``."""
+        found = next((o for o in self.options.values() if type(o) is kind), None)
+        if found is None:
+            raise KeyError(f"no launcher has options of type {kind.__name__}")
+        return found
 
     @property
     def world_size(self) -> int:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from typing import IO
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
 
 from dpro.errors import UsageError
 from dpro.launch.env import job_env
+from dpro.launch.launcher import Launcher, LauncherOptions
 from dpro.launch.node import DEFAULT_GRACE_S
 from dpro.launch.process import (
     Signals,
@@ -20,7 +22,10 @@ from dpro.launch.process import (
     free_ports,
     start_local,
 )
-from dpro.launch.settings import LaunchConfig
+from dpro.launch.torch_run import socket_ifname_env
+
+if TYPE_CHECKING:
+    from dpro.launch.settings import LaunchConfig
 
 # ---- the tf engine -----------------------------------------------------------------------------------
 
@@ -42,11 +47,23 @@ def tf_config(cluster: list[str], index: int) -> str:
     return json.dumps({"cluster": {"worker": cluster}, "task": {"type": "worker", "index": index}})
 
 
-class TFLauncher:
+@dataclass
+class TFOptions(LauncherOptions):
+    """The tf launcher has no flags of its own; running the job, it gives ``--network-interfaces`` to the
+    collectives' libraries (TF's collectives go over gloo/NCCL as torch's do)."""
+
+    def engine_env(self, config: LaunchConfig) -> dict[str, str]:
+        return socket_ifname_env(config)
+
+
+class TFLauncher(Launcher):
     """TensorFlow jobs (``tf.distribute.MultiWorkerMirroredStrategy``): one process per slot, each with its
     ``TF_CONFIG``; local hosts only (``LaunchConfig`` refuses others)."""
 
     name = "tf"
+    options_type = TFOptions
+    local_only = True
+    nothing_recorded = "the TensorFlow job got no dpro recorder"
 
     def __init__(self, *, grace_s: float = DEFAULT_GRACE_S) -> None:
         self.grace_s = grace_s

@@ -24,7 +24,7 @@ from dpro.config import Knob, _count
 from dpro.dag.step_model import ExchangePart
 from dpro.engines.base import Engine
 from dpro.errors import UsageError
-from dpro.io.load import is_finite_number
+from dpro.io.limits import is_finite_number
 from dpro.sim.choices import clears, optimize_common
 from dpro.sim.cost import robust_line
 from dpro.sim.whatif import add_recompute, replay_model, scaled_compute

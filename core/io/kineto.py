@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
-from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
+from dpro.io.limits import WORLD_SIZE_ENV, is_finite_number, parse_bounded_json, read_file, world_size_limit
 from dpro.io.pool import collector_paused, jobs_wanted, map_ordered
 
 __all__ = [
@@ -152,10 +152,7 @@ def load_kineto(path: str | Path) -> KinetoTrace:
 
 
 def _read_bytes(path: Path) -> bytes:
-    try:
-        return read_bounded(path, TraceError)  # gunzipped
-    except OSError as err:
-        raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
+    return read_file(path, TraceError)  # gunzipped
 
 
 def _parse_json(path: Path, raw: bytes) -> Any:
@@ -179,7 +176,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _opt_int(value: Any) -> int | None:
-    return int(value) if _is_number(value) and math.isfinite(value) else None
+    return int(value) if is_finite_number(value) else None
 
 
 def _sort_events(path: Path, events: list[Any]) -> KinetoTrace:

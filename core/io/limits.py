@@ -11,14 +11,16 @@ machine out of memory. Each limit is documented and overridable through the envi
   million; a 200 MB rank file holds about 10 million), counted before parsing: ``[0,0,0,...]`` within the size
   limit would otherwise become gigabytes of Python objects.
 
-``read_bounded(path, error)`` reads a file under the size limit (gunzipping it when it is gzip);
-``parse_bounded_json`` parses under the depth and value limits, with orjson where it is installed (several times
-faster on big traces) and the standard library otherwise.
+``read_bounded(path, error)`` reads a file under the size limit (gunzipping it when it is gzip), ``read_file`` the
+same with a file that cannot be read said by ``error`` too; ``parse_bounded_json`` parses under the depth and value
+limits, with orjson where it is installed (several times faster on big traces) and the standard library otherwise;
+``is_finite_number`` is the check every reader makes of a JSON number.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 from collections.abc import Callable
@@ -32,8 +34,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["DEFAULT_FILE_MB", "DEFAULT_JSON_DEPTH", "DEFAULT_JSON_VALUES", "DEFAULT_STEPS", "DEFAULT_STREAM_MB",
            "DEFAULT_WORLD_SIZE", "FILE_SIZE_ENV", "JSON_DEPTH_ENV", "JSON_VALUES_ENV", "STEPS_ENV", "STREAM_ENV",
-           "WORLD_SIZE_ENV", "file_size_limit", "json_depth", "json_depth_limit", "json_values_limit",
-           "parse_bounded_json", "read_bounded", "steps_limit", "stream_bytes", "world_size_limit"]
+           "WORLD_SIZE_ENV", "file_size_limit", "is_finite_number", "json_depth", "json_depth_limit",
+           "json_values_limit", "parse_bounded_json", "read_bounded", "read_file", "steps_limit", "stream_bytes",
+           "world_size_limit"]
 
 JSON_DEPTH_ENV = "DPRO_MAX_JSON_DEPTH"
 DEFAULT_JSON_DEPTH = 64
@@ -88,6 +91,19 @@ def stream_bytes() -> int:
     """Rank files at least this big (``$DPRO_STREAM_MB`` MB, else ``DEFAULT_STREAM_MB``) are read from their end,
     piece by piece, as far back as the last ``steps_limit()`` steps reach, instead of parsed whole."""
     return _limit(STREAM_ENV, DEFAULT_STREAM_MB) * 1_000_000
+
+
+def is_finite_number(value: object) -> bool:
+    """A JSON number that is a real, finite number (not a bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_file(path: str | Path, error: Callable[[str | Path, str], Exception]) -> bytes:
+    """``read_bounded``, with a file that cannot be opened or read refused by ``error`` too ("cannot be read: ...")."""
+    try:
+        return read_bounded(path, error)
+    except OSError as err:
+        raise error(path, f"cannot be read: {err.strerror or err}") from err
 
 
 def read_bounded(path: str | Path, error: Callable[[str | Path, str], Exception]) -> bytes:

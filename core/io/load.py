@@ -20,8 +20,8 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import re
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +33,9 @@ from dpro.io.events import EventTable, events_of, table_from_events
 from dpro.io.limits import (
     STEPS_ENV,
     WORLD_SIZE_ENV,
+    is_finite_number,
     parse_bounded_json,
-    read_bounded,
+    read_file,
     steps_limit,
     stream_bytes,
     world_size_limit,
@@ -67,6 +68,8 @@ __all__ = [
     "load_run_json",
     "overhead_of",
     "read_json",
+    "RecordingCost",
+    "recording_cost",
     "run_step_times_ms",
     "step_times_ms",
     "validate_events",
@@ -196,10 +199,7 @@ def _document(path: Path, raw: bytes) -> dict[str, Any]:
 
 
 def _read_bytes(path: Path) -> bytes:
-    try:
-        return read_bounded(path, TraceError)
-    except OSError as err:
-        raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
+    return read_file(path, TraceError)
 
 
 def _read_text(path: Path) -> str:
@@ -414,11 +414,6 @@ def _check_list_args(path: Path, args: dict[str, Any], at: str) -> None:
         raise TraceError(path, "args.grads_ready_us must hold one time per name in args.grads", at)
     if "key" in args and not _is_int(args["key"]):
         raise TraceError(path, f"args.key must be an integer kvstore key, found {args['key']!r:.40}", at)
-
-
-def is_finite_number(value: Any) -> bool:
-    """A JSON number that is a real, finite number (not a bool, NaN or infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_step_once(path: Path, ev: dict[str, Any], marks: dict[int, str], at: str) -> None:
@@ -1026,6 +1021,34 @@ def overhead_of(value: Any) -> dict[str, Any] | None:
     if value.get("baseline") in ("gaps", "before"):
         out["baseline"] = value["baseline"]
     return out
+
+
+@dataclass(frozen=True)
+class RecordingCost:
+    """What recording cost the recorded steps, as the window's gaps measured it (recorded blocks against the
+    unrecorded steps between them, median over ranks): ``pct`` longer, with ``noise_pct`` the unrecorded steps'
+    own half interquartile spread (None where too few were seen)."""
+
+    pct: float
+    noise_pct: float | None
+    ranks: int
+
+    @property
+    def beyond_noise(self) -> bool:
+        """A cost the gaps can tell from their own variation (and over 1%): one the model should not replay."""
+        return self.pct > max(self.noise_pct or 0.0, 1.0)
+
+
+def recording_cost(run: Run) -> RecordingCost | None:
+    """The ``RecordingCost`` of ``run`` from its ranks' ``recording_overhead`` headers measured against gaps; None
+    where no rank measured one (a window without gaps compares with warm-up steps, which says too little)."""
+    overheads = [o for t in run.ranks.values()
+                 if (o := overhead_of(t.header.get("recording_overhead"))) and o.get("baseline") == "gaps"]
+    if not overheads:
+        return None
+    spreads = [o["wall_spread_pct"] for o in overheads if "wall_spread_pct" in o]
+    return RecordingCost(pct=statistics.median(o["wall_pct"] for o in overheads),
+                         noise_pct=statistics.median(spreads) if spreads else None, ranks=len(overheads))
 
 
 def run_step_times_ms(run: Run) -> list[float]:

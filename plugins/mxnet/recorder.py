@@ -55,16 +55,14 @@ from dpro.record.protocol import (
     Clock,
     Transport,
     agree_run_dir,
-    check_window_fits,
     claim_run_dir,
     clock_samples,
     host_cpu_busy_us,
-    parse_steps,
     usable_cpus,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
-from dpro.record.window import close_window, open_trace
-from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
+from dpro.record.window import WindowEnd, WindowRecorder, open_trace
+from dpro.record.writer import model_document, run_document, write_model_json, write_run_json
 
 __all__ = ["GluonRecorder", "Unit", "active_recorders", "block_paths", "gradient_names", "recorded_units",
            "spread"]
@@ -249,7 +247,7 @@ class _Step:
     waiters: list[Future] = field(default_factory=list)
 
 
-class GluonRecorder:
+class GluonRecorder(WindowRecorder):
     """Records steps ``steps`` of a Gluon training loop (see the module docstring).
 
     Args:
@@ -260,7 +258,13 @@ class GluonRecorder:
         total_steps: when known, a window beyond it is refused at once.
         transport: how workers talk (default: dpro's TCP side channel next to the ps-lite scheduler).
         batch_size: samples per step on this worker (kept in run.json).
+
+    It does not time its steps' ends for ``recording_overhead``: MXNet's engine runs an unrecorded step's operators
+    after the loop has moved on, so its step boundaries time only the dispatch.
     """
+
+    active = _ACTIVE
+    measures_overhead = False
 
     def __init__(self, net: Any, trainer: Any, run_dir: str | Path | None, steps: Iterable[int], *,
                  total_steps: int | None = None, transport: Transport | None = None,
@@ -269,31 +273,19 @@ class GluonRecorder:
             raise UsageError(f"{who}: net must be a gluon.Block, got {type(net).__name__}")
         if not isinstance(trainer, gluon.Trainer):
             raise UsageError(f"{who}: trainer must be a gluon.Trainer, got {type(trainer).__name__}")
-        self.who = who
         self.net, self.trainer = net, trainer
-        self.steps = parse_steps(steps)
-        check_window_fits(self.steps, total_steps, who)
-        self.window = frozenset(self.steps)
+        super().__init__(steps, total_steps=total_steps, who=who)
         self.requested_dir = run_dir
         self.transport = transport
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
         self.server_probe: dict[str, Any] | None = None
         self.link_probe: dict[str, Any] | None = None
-        self.iteration = 0
-        self.run_dir: Path | None = None
-        self._writer: RankTraceWriter | None = None
-        self._closed = False
         self._current: _Step | None = None
         self._pending: _Step | None = None   # a finished step whose pulls may still be in flight
         self._hooks: list[Any] = []
         self._patched: list[tuple[Any, str, Any]] = []
         self._units: list[Unit] = []
         self._lock = threading.Lock()
-        _ACTIVE.add(self)
-
-    @property
-    def started(self) -> bool:
-        return self._writer is not None
 
     # ---- the job's shape ------------------------------------------------------------------------------
 
@@ -311,22 +303,15 @@ class GluonRecorder:
     def _update_on_kvstore(self) -> bool:
         return bool(self._distributed() and getattr(self.trainer, "_update_on_kvstore", False))
 
-    # ---- step boundaries ------------------------------------------------------------------------------
+    # ---- step boundaries (``begin_step``: ``Profiler`` calls it, the first one also on entry; ``end_step``: after
+    # ``trainer.step``) --------------------------------------------------------------------------------------------
 
-    def begin_step(self) -> None:
-        """At the start of an iteration (``Profiler`` calls it; the first one also on entry)."""
-        if self._closed:
-            return
-        if self.iteration == self.steps[0] and not self.started:
-            self._begin_window()
+    def _on_step_begin(self) -> None:
         if self.started and self.iteration in self.window:
             # a step begins where the one before it ended: once its pulls are done (``_finish_pending``)
             self._current = _Step(self.iteration, self.clock.now())
 
-    def end_step(self) -> None:
-        """At the end of an iteration (after ``trainer.step``)."""
-        if self._closed:
-            return
+    def _on_step_end(self) -> None:
         step = self._current
         if step is not None:
             step.marked = self.clock.now()
@@ -335,9 +320,6 @@ class GluonRecorder:
             self._pending = step
             if self.iteration + 1 not in self.window:
                 self._finish_pending()
-        self.iteration += 1
-        if self.iteration > self.steps[-1]:
-            self.close()
 
     # ---- window ----------------------------------------------------------------------------------------
 
@@ -597,30 +579,15 @@ class GluonRecorder:
         except ValueError:
             return 1
 
-    # ---- close -------------------------------------------------------------------------------------------
+    # ---- close (``close``: finish the last step, write ``rank-<r>.json``) -------------------------------------
 
-    def close(self, error: BaseException | None = None) -> Path | None:
-        """End recording: finish the last step, write ``rank-<r>.json``; safe to call twice."""
-        if self._closed:
-            return self.run_dir
-        self._closed = True
-        _ACTIVE.discard(self)
-        if not self.started:
-            self._close_transport()
-            return None
+    def _end_window(self, error: BaseException | None) -> WindowEnd:
         if self._current is not None and error is None:
             self._current = None  # a step that was not marked as finished is not recorded
         self._finish_pending()
         self._uninstall()
         self._pool.shutdown(wait=True)
-        close_window(self._writer, self.steps, error=error)
-        self._close_transport()
-        return self.run_dir
-
-    def _close_transport(self) -> None:
-        closer = getattr(self.transport, "close", None)
-        if callable(closer):
-            closer()
+        return WindowEnd()
 
     # ---- run.json / model.json ---------------------------------------------------------------------------
 

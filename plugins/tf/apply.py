@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
 from dpro.engines.horovod.knobs import NAME as HOROVOD_ENGINE  # hvd.keras jobs
+from dpro.engines.tf_mwms import NAME as ENGINE
 from dpro.errors import ConfigError, UsageError
 from dpro.plugins.tf.recorder import gradient_fingerprint, is_mwms, layer_paths, model_layout
 from dpro.plugins.tf.transport import horovod_running, horovod_size, tf_config
@@ -42,7 +43,6 @@ __all__ = ["ENGINE", "FRAMEWORK", "apply_config", "apply_recompute", "apply_to_s
            "fingerprint", "job_engine", "load_config"]
 
 FRAMEWORK = "tf"
-ENGINE = "tf-mwms"
 SINGLE_WORKER_ENGINE = "tf"  # what the recorder writes for one worker (no collective to tune)
 BYTES_PER_PACK, IMPLEMENTATION = "tf.mwms.bytes_per_pack", "tf.mwms.implementation"
 RECOMPUTE = "recompute"

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpro.engines.tf_mwms import NAME as ENGINE_MWMS
 from dpro.errors import TraceError, UsageError
 from dpro.plugins.tf.ops import BACKWARD_SCOPE, Layout, Pack, step_rows
 from dpro.plugins.tf.xplane import COLLECTIVE_LINE, COMPUTE_LINE, HOST_PLANE, HostOp, Profile, _stats, read_xplane
@@ -49,7 +50,6 @@ VARIABLE_READ = "ReadVariableOp"
 UPDATE_KERNEL = re.compile(r"^(ResourceApply\w+|AssignVariableOp|AssignSubVariableOp)$")
 KNOWN_OPTIMIZERS = frozenset({"SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Ftrl",
                               "Lion", "Adafactor", "LossScaleOptimizer"})
-ENGINE_MWMS = "tf-mwms"
 
 
 @dataclass(frozen=True)

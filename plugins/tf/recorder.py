@@ -16,11 +16,12 @@ Workers agree on the run directory and exchange clock samples over a TCP side ch
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import platform
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +30,31 @@ import tensorflow as tf
 from dpro.engines.horovod.knobs import NAME as ENGINE_HOROVOD
 from dpro.engines.horovod.knobs import knobs_from_environment
 from dpro.engines.horovod.timeline import TIMELINE_FILE
+from dpro.engines.tf_mwms import NAME as ENGINE_MWMS
 from dpro.errors import DproError
 from dpro.plugins.tf.ops import HOROVOD_KERNEL, Layout, Pack, horovod_rows, pack_gradients, step_rows
-from dpro.plugins.tf.transport import HorovodTransport, default_transport
+from dpro.plugins.tf.transport import HorovodCollectives, default_transport
 from dpro.plugins.tf.xplane import find_xplane, read_xplane
 from dpro.record.protocol import (
+    PROBE_BYTES,
     Clock,
     Transport,
     agree_run_dir,
-    check_window_fits,
+    allreduce_probe,
     claim_run_dir,
     clock_samples,
+    interference_probe,
     last_block_start,
-    parse_steps,
-    step_ended,
     wall_minus_clock_ns,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
-from dpro.record.window import close_window, open_trace
-from dpro.record.writer import RankTraceWriter, model_document, run_document, write_model_json, write_run_json
+from dpro.record.window import WindowEnd, WindowRecorder, open_trace
+from dpro.record.writer import model_document, run_document, write_model_json, write_run_json
 
 __all__ = ["TFRecorder", "gradient_fingerprint", "layer_paths", "model_layout", "output_bytes_per_sample"]
 
-ENGINE_MWMS = "tf-mwms"
+logger = logging.getLogger("dpro.plugins.tf")
+
 # Why a worker can die in tf.profiler.experimental.stop() (seen in ~1 recorded 2-worker MWMS job in 8 here with one
 # inter-op thread, 7 in 18 with TensorFlow's default threads, whatever the window's length):
 # TraceMeRecorder::Consume (tsl) keeps pointers to a thread's end-of-activity events while it still appends to
@@ -152,6 +155,19 @@ def _drain() -> None:
     context.async_wait()
 
 
+def _probe_kernel() -> Callable[[], None]:
+    """The interference probe's compute: matrix products of a fixed size, a few ms on one CPU core."""
+    a = tf.random.normal((256, 256), seed=0)
+
+    def compute() -> None:
+        out = a
+        for _ in range(12):
+            out = tf.linalg.matmul(a, a)
+        out.numpy()  # eager ops may run asynchronously: the time is the products'
+
+    return compute
+
+
 def gradient_fingerprint(grads: list[dict[str, Any]]) -> str:
     """The model hash of run.json and configs: (name, shape, dtype) of the gradients of ``model_layout``."""
     return model_fingerprint((g["name"], g["shape"], g["dtype"]) for g in grads)
@@ -172,7 +188,7 @@ def is_mwms(strategy: Any) -> bool:
         type(strategy).__name__.startswith("CollectiveAllReduceStrategy")
 
 
-class TFRecorder:
+class TFRecorder(WindowRecorder):
     """Records steps ``steps`` of a TensorFlow/Keras job (see the module docstring).
 
     Args:
@@ -191,32 +207,27 @@ class TFRecorder:
                  strategy: Any = None, optimizer: Any = None, total_steps: int | None = None,
                  transport: Transport | None = None, who: str = "dpro.plugins.tf.Profiler",
                  batch_size: int | None = None) -> None:
-        self.who = who
+        super().__init__(steps, total_steps=total_steps, who=who)
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
-        self.steps = parse_steps(steps)
-        check_window_fits(self.steps, total_steps, who)
-        self.window = frozenset(self.steps)
         self.model = model
         self.strategy = strategy or getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.transport = transport if transport is not None else default_transport()
-        self.horovod = isinstance(self.transport, HorovodTransport)  # hvd.keras: Horovod's ranks and allreduces
+        # hvd.keras: Horovod's ranks and allreduces
+        self.horovod = isinstance(getattr(self.transport, "collectives", None), HorovodCollectives)
         self.rank, self.world_size = self.transport.rank, self.transport.world_size
         self.clock = Clock.from_env(self.rank)
         self.host = socket.gethostname()
         self.run_dir = agree_run_dir(self.transport, run_dir, who, claim_run_dir)
         self.hosts = self.transport.gather_texts(self.host)
-        self.iteration = 0
         self._marks: list[tuple[int, float, float]] = []   # (step, begin µs, end µs)
         self._step_begin: float | None = None
         self._last_end: float | None = None
         self._profiling = False
         self._wall_minus_mono_ns = 0.0
-        self._writer: RankTraceWriter | None = None
-        self._closed = False
         self._timeline_started = False
         self._blocks: list[tuple[Path, list[int]]] = []  # each recorded block's TensorFlow profile and steps
-        self._step_ends: dict[int, tuple[float, float]] = {}  # iteration -> (wall, thread CPU) at its end
+        self._run_doc: dict[str, Any] | None = None  # rank 0's run.json, rewritten with the probes after the window
         if self.horovod and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
             # Horovod turns a DYNAMIC timeline's per-cycle coordination on in hvd.init(), with no file open, until
             # the first stop (a cost on every step): stopped here, the steps before the window and
@@ -224,28 +235,16 @@ class TFRecorder:
             self._timeline_started = True
             self._stop_timeline()
 
-    @property
-    def started(self) -> bool:
-        return self._writer is not None
+    # ---- step boundaries (``begin_step``: before its work is dispatched; ``end_step``: its results are back) ----
 
-    # ---- step boundaries ---------------------------------------------------------------------------
-
-    def begin_step(self) -> None:
-        """At the start of a training step (before its work is dispatched)."""
-        if self._closed:
-            return
-        if self.iteration == self.steps[0] and not self.started:
-            self._begin_window()
-        elif self.iteration in self.window and self.started and not self._profiling:
-            self._start_profiler()  # the first step of a later block
+    def _on_step_begin(self) -> None:
+        if self.iteration in self.window and self.started and not self._profiling:
+            self._start_profiler()  # the first step of a later block (the window's first started it as it opened)
         now = self.clock.now()
         self._step_begin = self._last_end if (self._last_end is not None and self.iteration - 1 in self.window) \
             else now
 
-    def end_step(self) -> None:
-        """At the end of a training step (its results are back)."""
-        if self._closed:
-            return
+    def _on_step_end(self) -> None:
         now = self.clock.now()
         if self.iteration in self.window and self._profiling and self._step_begin is not None:
             self._marks.append((self.iteration, self._step_begin, now))
@@ -253,10 +252,6 @@ class TFRecorder:
         self._last_end = now
         if self._profiling and self.iteration + 1 not in self.window and self.iteration < self.steps[-1]:
             self._stop_profiler()  # a gap follows: it runs unrecorded, and measures what recording costs
-        step_ended(self._step_ends, self.iteration, self.steps)  # the overhead's clock
-        self.iteration += 1
-        if self.iteration > self.steps[-1]:
-            self.close()
 
     # ---- window --------------------------------------------------------------------------------------
 
@@ -307,15 +302,10 @@ class TFRecorder:
         bytes_per_pack, _ = communication_options(self.strategy)
         return model_layout(self.model, self.optimizer, bytes_per_pack)
 
-    def close(self, error: BaseException | None = None) -> Path | None:
-        """End recording: stop the profiler, map its ops to the recorded steps, write ``rank-<r>.json`` (and
-        ``model.json`` on worker 0). Safe to call twice."""
-        if self._closed:
-            return self.run_dir
-        self._closed = True
-        if not self.started:
-            self._close_transport()
-            return None
+    # ---- close (``close``: stop the profiler, map its ops to the recorded steps, write ``rank-<r>.json`` and
+    # ``model.json`` on worker 0) -------------------------------------------------------------------------------
+
+    def _end_window(self, error: BaseException | None) -> WindowEnd:
         if self._profiling:
             self._stop_profiler()
         self._stop_timeline()
@@ -328,17 +318,34 @@ class TFRecorder:
                 problems.append(f"the TensorFlow profile could not be read: {err}")
         for step, rows in rows_by_step.items():
             self._writer.end_step(step, rows)
+        self._rows_by_step = rows_by_step
         # the overhead is the Python thread's CPU only: TensorFlow runs the ops (and its profiler) on its own
-        close_window(self._writer, self.steps, error=error, problems=problems, step_ends=self._step_ends)
-        if self.rank == 0:
-            self._write_model_json(rows_by_step)
-        self._close_transport()
-        return self.run_dir
+        return WindowEnd(problems=problems)
 
-    def _close_transport(self) -> None:
-        closer = getattr(self.transport, "close", None)
-        if callable(closer):
-            closer()
+    def _after_window(self, error: BaseException | None) -> None:
+        if self.rank == 0:
+            self._write_model_json(self._rows_by_step)
+        if error is None and self.horovod and self.iteration > self.steps[-1]:  # every rank is here, at one step
+            self._probe_after_window()
+        self._close_transport()
+
+    def _probe_after_window(self) -> None:
+        """The interference probe (a fixed kernel alone and while an allreduce is in flight) on Horovod's collectives
+        after the window, as the torch recorder runs it: compute that overlaps the allreduces runs slower by what it
+        measures. Its allreduce is sized from a few timed allreduces of the largest probe size, which are not kept as
+        run.json's ``comm_probe``: without Horovod's timeline a blocking allreduce also waits for the background
+        loop's next cycle and its negotiation, which the recorded steps' own transfers price better (a Keras job's
+        threshold-0 what-if went from 5.3 to 10.2 ms with them, against 5.6 ms measured). A probe that fails is
+        logged; the job goes on."""
+        try:
+            sizing = allreduce_probe(self.transport, self.clock, sizes=PROBE_BYTES[-1:], repeat=3)
+            interference = interference_probe(self.transport, self.clock, _probe_kernel(), sizing)
+        except (RuntimeError, ValueError, OSError, tf.errors.OpError) as err:
+            logger.warning("%s: the probe after the window failed (%s); the run has no probe", self.who, err)
+            return
+        if self.rank == 0 and self._run_doc is not None and interference is not None:
+            self._run_doc["interference_probe"] = interference
+            write_run_json(self.run_dir, self._run_doc)
 
     def _rows(self, profile: Any, steps: set[int]) -> dict[int, list[list[Any]]]:
         """The rows of ``steps`` (one block's) from that block's ``profile``."""
@@ -410,6 +417,7 @@ class TFRecorder:
                                          "xplane": XPLANE_DIR.format(rank="<r>"),
                                          "note": "per-op times from TensorFlow's profiler (XPlane), mapped to "
                                                  "Keras layers by name scope"}, **extra})
+        self._run_doc = doc
         write_run_json(self.run_dir, doc)
 
     def _write_model_json(self, rows_by_step: dict[int, list[list[Any]]]) -> None:

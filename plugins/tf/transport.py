@@ -4,7 +4,8 @@
   point-to-point op, and extra collectives from a callback could shift the strategy's collective keys). Worker
   0's host comes from ``TF_CONFIG``; the port is ``$DPRO_TF_PORT`` or worker 0's TF_CONFIG port plus
   ``PORT_OFFSET`` (``tf_socket_transport``).
-- Horovod ranks (hvd.keras): Horovod's own collectives (``HorovodTransport``).
+- Horovod ranks (hvd.keras): Horovod's own collectives (``CollectiveTransport(HorovodCollectives())``, the core's
+  transport over them, as the torch plugin's Horovod recorder does with ``horovod.torch``'s).
 
 ``default_transport`` picks the one this process needs.
 """
@@ -14,13 +15,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from dpro.errors import UsageError
 from dpro.record.collective_transport import CollectiveTransport
+from dpro.record.protocol import Clock
 from dpro.record.socket_transport import PORT_OFFSET, SocketTransport, side_port_of
 
-__all__ = ["PORT_OFFSET", "HorovodTransport", "SocketTransport", "default_transport", "horovod_running",
+__all__ = ["PORT_OFFSET", "HorovodCollectives", "SocketTransport", "default_transport", "horovod_running",
            "side_port_of", "tf_config", "tf_socket_transport"]
 
 PORT_VARIABLE = "DPRO_TF_PORT"
@@ -122,15 +126,26 @@ class HorovodCollectives:
 
         self._hvd.allreduce(tf.zeros(max(1, nbytes // 4), dtype=tf.float32), op=self._hvd.Sum, name=name).numpy()
 
+    def allreduce_during(self, nbytes: int, name: str, compute: Callable[[], None],
+                         clock: Clock) -> tuple[float, float]:
+        """``compute`` run while an allreduce of ``nbytes`` is in flight: (its µs, µs the allreduce ran on after
+        it). horovod.tensorflow has no handle to wait on in eager mode, so the allreduce runs on a thread of its
+        own (TensorFlow releases the GIL while an op runs)."""
+        import tensorflow as tf
 
-class HorovodTransport(CollectiveTransport):
-    """Horovod's ranks as the recording protocol's transport: ``CollectiveTransport`` over ``horovod.tensorflow``."""
+        zeros = tf.zeros(max(1, nbytes // 4), dtype=tf.float32)
+        ended: list[float] = []
+        thread = threading.Thread(target=lambda: (self._hvd.allreduce(zeros, op=self._hvd.Sum, name=name).numpy(),
+                                                  ended.append(clock.now())), daemon=True)
+        thread.start()
+        t0 = clock.now()
+        compute()
+        t1 = clock.now()
+        thread.join()
+        return t1 - t0, max(0.0, (ended[0] if ended else t1) - t1)
 
-    def __init__(self) -> None:
-        super().__init__(HorovodCollectives())
 
-
-def default_transport() -> Any:
+def default_transport() -> CollectiveTransport | SocketTransport:
     """How this worker talks to the others: Horovod's collectives in a Horovod job, else the TCP side channel of
     ``TF_CONFIG`` (one worker without it)."""
-    return HorovodTransport() if horovod_running() else tf_socket_transport()
+    return CollectiveTransport(HorovodCollectives()) if horovod_running() else tf_socket_transport()

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
 from dpro.engines.torch_ddp.buckets import BUCKET_CAP, FIND_UNUSED, FIRST_BUCKET_CAP
+from dpro.engines.torch_ddp.buckets import NAME as ENGINE
 from dpro.errors import ConfigError, UsageError
 from dpro.logs import get_logger
 from dpro.record.trace import model_fingerprint
@@ -63,7 +64,6 @@ __all__ = [
 ]
 
 FRAMEWORK = "torch"
-ENGINE = "torch-ddp"
 _DDP_DEFAULT_BUCKET_CAP_MB = 25.0
 _BUCKET, _FIRST, _FIND_UNUSED, _GROUPS = BUCKET_CAP, FIRST_BUCKET_CAP, FIND_UNUSED, "tensor_groups"
 

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from dpro.engines.horovod.knobs import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, knobs_from_environment
+from dpro.engines.horovod.knobs import NAME as ENGINE
 from dpro.engines.horovod.timeline import TIMELINE_FILE
 from dpro.errors import UsageError
 from dpro.plugins.torch.recorder import COMM, COMPUTE, MECHANISMS, TorchRecorder, timed_closure
@@ -69,7 +70,6 @@ from dpro.record.protocol import Clock, claim_run_dir, last_block_start
 __all__ = ["DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "TIMELINE_FILE", "HorovodRecorder",
            "horovod_knobs", "record_horovod"]
 
-ENGINE = "horovod"
 
 
 def horovod_knobs(environ: dict[str, str] | None = None) -> dict[str, Any]:

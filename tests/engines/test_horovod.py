@@ -536,7 +536,7 @@ def test_horovodrun_config_file_holds_the_configs_env(tmp_path: Path, env: dict,
     import yaml
 
     from dpro.engines.horovod import horovodrun_config
-    from dpro.launch.settings import read_horovod_config_file
+    from dpro.launch.horovod_run import read_horovod_config_file
 
     text = horovodrun_config({"knobs": {"env": env}})
     assert yaml.safe_load(text) == {"params": params}

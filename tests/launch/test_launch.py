@@ -26,8 +26,9 @@ from dpro.errors import UsageError
 from dpro.io.load import load_run
 from dpro.launch import horovod_run, process
 from dpro.launch.cli import build_parser, config_from_args
-from dpro.launch.env import AUTOATTACH_DIR, HOROVOD_KNOBS, horovod_env, horovodrun_flags
+from dpro.launch.env import AUTOATTACH_DIR
 from dpro.launch.env import job_env as launch_env
+from dpro.launch.horovod_run import HOROVOD_KNOBS, horovod_env, horovodrun_flags, options_of, settings_of
 from dpro.launch.launchers import HorovodLauncher, TorchLauncher
 from dpro.launch.settings import LaunchConfig, detect_engine, is_local_host, parse_hosts
 from dpro.record.protocol import Window
@@ -80,17 +81,17 @@ def env_for_jobs() -> dict[str, str]:
 ])
 def test_horovodrun_settings_become_fields_and_environment(flags, field, value, env):
     config = parse("-np", "2", *flags, "python", "train.py")
-    assert getattr(config.horovod, field) == value
-    assert horovod_env(config.horovod) == env
+    assert getattr(settings_of(config), field) == value
+    assert horovod_env(settings_of(config)) == env
     assert {k: v for k, v in launch_env(config).items() if k.startswith("HOROVOD_")} == env
     # the same table gives horovodrun's flags, which parse back to the same settings; a fraction of a MB,
     # which horovodrun's --fusion-threshold-mb (an int) refuses, is passed by the environment alone
-    flags = horovodrun_flags(config.horovod)
+    flags = horovodrun_flags(settings_of(config))
     again = parse("-np", "2", *flags, "python", "train.py")
     if field == "fusion_threshold_mb" and not float(value).is_integer():
-        assert flags == [] and horovod_env(again.horovod) == {}
+        assert flags == [] and horovod_env(settings_of(again)) == {}
     else:
-        assert horovod_env(again.horovod) == env
+        assert horovod_env(settings_of(again)) == env
 
 
 def test_backward_marks_reach_the_ranks_only_when_asked_for():
@@ -118,7 +119,8 @@ def test_process_and_host_flags(tmp_path):
     assert config.command == ["python", "train.py", "--lr", "0.1"]
     assert [(h.name, h.slots) for h in config.hosts] == [("a", 2), ("b", 2)]
     assert [(h.name, n) for h, n in config.placement()] == [("a", 2), ("b", 1)]
-    assert (config.ssh_port, config.ssh_identity_file, config.controller) == (2222, str(key.resolve()), "gloo")
+    assert (config.ssh_port, config.ssh_identity_file, options_of(config).controller) == (
+        2222, str(key.resolve()), "gloo")
     assert (config.start_timeout, config.output_filename, config.verbose) == (5.0, "logs", True)
     env = launch_env(config)
     assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "lo"
@@ -258,10 +260,10 @@ def test_config_file_loses_to_the_command_line(tmp_path):
     yaml_file.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 3\nautotune:\n  enabled: true\n"
                          "logging:\n  level: warning\ncontroller: gloo\n")
     config = parse("-np", "2", "--config-file", str(yaml_file), "--fusion-threshold-mb", "16", "python", "x.py")
-    env = horovod_env(config.horovod)
+    env = horovod_env(settings_of(config))
     assert env["HOROVOD_FUSION_THRESHOLD"] == str(16 * 2**20) and env["HOROVOD_CYCLE_TIME"] == "3"
     assert env["HOROVOD_AUTOTUNE"] == "1" and env["HOROVOD_LOG_LEVEL"] == "WARNING"
-    assert config.controller == "gloo"
+    assert options_of(config).controller == "gloo"
 
 
 def test_engine_auto_detects_horovod(tmp_path):
@@ -327,7 +329,7 @@ def test_an_applied_config_env_wins_over_flags(tmp_path):
                    "python", "t.py", cwd=tmp_path)
     env = launch_env(config)
     assert env["HOROVOD_FUSION_THRESHOLD"] == "8388608" and env["DPRO_CONFIG"] == str(cfg)
-    assert horovodrun_flags(config.horovod, skip_env=env) == []
+    assert horovodrun_flags(settings_of(config), skip_env=env) == []
 
 
 def test_autoattach_is_lazy_and_chains_the_users_sitecustomize(tmp_path):
@@ -718,7 +720,8 @@ def test_an_endless_horovod_config_file_stops_at_its_limit():
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(max_size=300))
 def test_any_text_as_a_hostfile_or_horovod_config_is_read_or_refused(tmp_path, text):
-    from dpro.launch.settings import parse_hostfile, read_horovod_config_file
+    from dpro.launch.horovod_run import read_horovod_config_file
+    from dpro.launch.settings import parse_hostfile
 
     path = tmp_path / "input"
     path.write_text(text, encoding="utf-8")

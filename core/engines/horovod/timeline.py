@@ -38,7 +38,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
-import math
 import re
 import statistics
 from collections import defaultdict
@@ -48,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpro.dag.align import align
 from dpro.errors import TraceError
-from dpro.io.limits import parse_bounded_json, read_bounded
+from dpro.io.limits import is_finite_number, parse_bounded_json, read_file
 
 if TYPE_CHECKING:
     from dpro.io.load import Run
@@ -237,13 +236,13 @@ def _checked(events: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
             if key in ev and not isinstance(ev[key], str):
                 raise TraceError(path, f"{key!r} must be text, found {ev[key]!r:.40}", where)
         for key in ("ts", "dur"):
-            if key in ev and not (_num(ev[key]) and math.isfinite(ev[key])):
+            if key in ev and not is_finite_number(ev[key]):
                 raise TraceError(path, f"{key!r} must be a finite number of µs, found {ev[key]!r:.40}", where)
         args = ev.get("args")
         if args is not None and not isinstance(args, dict):
             raise TraceError(path, f"'args' must be an object, found {type(args).__name__}", where)
         start = (args or {}).get("start_time_since_epoch_in_micros")
-        if start is not None and not (_num(start) and math.isfinite(start)):
+        if start is not None and not is_finite_number(start):
             raise TraceError(path, f"args.start_time_since_epoch_in_micros must be a finite number, found "
                                    f"{start!r:.40}", where)
     return events
@@ -376,10 +375,7 @@ def read_timeline(path: str | Path) -> Timeline:
         TraceError: the file is unreadable, empty, not a timeline, or broken before its end.
     """
     path = Path(path)
-    try:
-        text = read_bounded(path, TraceError).decode("utf-8", errors="replace")
-    except OSError as err:
-        raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
+    text = read_file(path, TraceError).decode("utf-8", errors="replace")
     events, truncated = parse_timeline_text(text, path)
     ops, start_epoch, incomplete, cycles = tensor_ops(events)
     return Timeline(path=path, ops=ops, groups=fused_groups(ops), start_epoch_us=start_epoch,
