@@ -185,3 +185,53 @@ def test_work_between_modules_scales_the_gaps_inside_the_pass(tmp_path):
     gaps = {op.name: op.gap for op in with_amp(ctx.base, ctx.probes, "bf16").ops[0]}
     assert gaps["FW.fc2"] == pytest.approx(300.0)
     assert gaps["FW.fc1"] == 100.0  # the gap before the pass: the loop's own work
+
+
+def probed_run(tmp_path: Path, bf16_slope: float) -> Path:
+    """The hand-built run with probes: fixed 200 us plus 50 us a row per op as recorded, bf16 at ``bf16_slope``."""
+    run = make_run(tmp_path / "run")
+    times = {(None, 16): linear(200, 50, 16), (None, 8): linear(200, 50, 8), ("bf16", 16): linear(0, bf16_slope, 16)}
+    write_probes(run, [probe_doc(r, times) for r in (0, 1)])
+    return run
+
+
+@pytest.mark.parametrize(("bf16_slope", "allowed", "picked"), [
+    (10.0, True, True),    # measured much faster, allowed
+    (10.0, False, False),  # faster, but numerics change: only with --allow-precision
+    (200.0, True, False),  # measured slower: never
+])
+def test_optimize_takes_autocast_only_allowed_and_measured_faster(tmp_path, bf16_slope, allowed, picked):
+    from dpro.optimize import optimize
+
+    result = optimize(context(load_run(probed_run(tmp_path, bf16_slope))), allow_precision=allowed)
+    assert (result.knobs.get("amp") == "bf16") is picked
+    note = next(e for e in result.explain if e["knob"] == "amp")
+    if bf16_slope > 50:
+        assert "measured slower" in note["why"]
+    elif not allowed:
+        assert "--allow-precision" in note["why"]
+
+
+def test_micro_batches_meet_a_budget_no_recomputation_can(tmp_path):
+    from dpro.optimize import optimize
+
+    ctx = context(load_run(probed_run(tmp_path, 100.0)))
+    budget = predict(ctx, {"micro_batches": 2}).predicted_peak_memory_bytes
+    result = optimize(ctx, memory_budget_bytes=budget)
+    # the two layers are leaves: checkpointing one frees nothing, so only micro-batches fit the budget
+    assert result.knobs.get("micro_batches") == 2 and "recompute" not in result.knobs
+    assert result.predicted.predicted_peak_memory_bytes <= budget
+    note = next(e for e in result.explain if e["knob"] == "micro_batches")
+    assert "where nothing else fit" in note["why"] and "plain training loop" in note["why"]
+    assert optimize(ctx).knobs.get("micro_batches") is None  # no budget: nothing to trade the step for
+
+
+def test_the_report_shows_the_probed_choices(run_with_probes):
+    from dpro.report.collect import collect_run
+    from dpro.report.html import render_report
+
+    data = collect_run(run_with_probes, recommend=False, quiet=True)
+    choices = [m.get("choice") for m in data.memory]
+    assert {"micro_batches=2", "micro_batches=4", "amp=bf16"} <= set(choices)
+    assert "amp=fp16" not in choices  # not probed: left off
+    assert "micro_batches=2" in render_report(data)
