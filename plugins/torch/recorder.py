@@ -446,7 +446,7 @@ class TorchRecorder:
             if self.ddp is not None:
                 self._handles += self._ddp_forward_hooks()
             if self.probes:
-                self._handles.append(self.module.register_forward_pre_hook(self._keep_batch, with_kwargs=True))
+                self._handles.append(self.module.register_forward_pre_hook(self._batch_hook(), with_kwargs=True))
         if "grad_ready" in mechanisms:
             for name, p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(name)))
@@ -872,10 +872,18 @@ class TorchRecorder:
             self._probing = False
         return doc
 
-    def _keep_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The inner module's forward arguments, kept (by reference) for the probes after the window."""
-        if module.training and not self._probing and not is_compiling() and not in_backward():
-            self._batch = (args, kwargs)
+    def _batch_hook(self) -> Callable[[nn.Module, tuple, dict], None]:
+        """A forward pre-hook that keeps the inner module's forward arguments (by reference) for the probes after
+        the window. A closure, not a bound method: ``copy.deepcopy`` of the model (an EMA copy made while recording)
+        copies a bound method's recorder, and shares a function; the copy's calls are not kept."""
+        inner = self.module
+
+        def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if module is inner and module.training and not self._probing and not is_compiling() \
+                    and not in_backward():
+                self._batch = (args, kwargs)
+
+        return keep
 
     def close(self, error: BaseException | None = None) -> Path | None:
         """End recording: write this rank's trace (and model.json on rank 0). Safe to call twice."""
