@@ -67,13 +67,19 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def probes_of(probes: dict[int, RankProbes], rank: int, knob: str) -> RankProbes:
-    """The probes of ``rank`` (those of the lowest rank that has any when it has none).
+    """The probes of ``rank`` (those of the lowest rank that has usable ones when it has none: the reference probe,
+    the batch as recorded, is what every ratio is taken against).
 
     Raises:
         UsageError: the run has no probes (``knob`` names what needed them).
     """
-    found = probes.get(rank) or next((probes[r] for r in sorted(probes) if probes[r].probes), None)
-    if found is None or found.batch is None or found.find(None, found.batch) is None:
+    def usable(rank_probes: RankProbes | None) -> bool:
+        return rank_probes is not None and rank_probes.batch is not None and \
+            rank_probes.find(None, rank_probes.batch) is not None
+
+    own = probes.get(rank)
+    found = own if usable(own) else next((probes[r] for r in sorted(probes) if usable(probes[r])), None)
+    if found is None:
         raise UsageError(f"{knob}: this run has no probe passes (RUN/probes/), which price it by measurement; "
                          "record it again with the torch recorder and $DPRO_PROBES unset")
     return found
