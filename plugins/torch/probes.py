@@ -189,7 +189,8 @@ def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict], full: int, found: 
     rec._install_hooks()
     rec._recording = True
     try:
-        with sync_off, training_state_kept(rec.module):
+        # enable_grad: the auto-attach closes its recorder from an optimizer's step hook
+        with sync_off, training_state_kept(rec.module), torch.enable_grad():
             for amp, rows in _variants(full):
                 label = _label(amp, rows)
                 if time.perf_counter() - began > PROBE_BUDGET_S:
