@@ -19,6 +19,9 @@ round by round:
                   ``self`` column is what the recorder itself reported (``dpro info``: recorded vs gap steps);
 - ``blocks+tl``:  the same with ``dpro-launch --horovod-timeline``: Horovod's timeline in the last block.
 
+The ``model`` column (blocks configurations) is the step ``dpro whatif`` and ``dpro optimize`` start from, the
+recorded configuration replayed with recording's measured cost taken out (``sim.whatif.without_recording_cost``),
+against the same steps of the ``off`` job: how far the model's baseline is from the job that will run unrecorded.
 The ``after`` column is the median step after the window (the timeline stopped, the hooks removed) against the
 same steps of the ``off`` job: what recording leaves behind for the rest of the job.
 
@@ -102,6 +105,7 @@ def run_one(cluster: tb.Cluster | None, args: argparse.Namespace, name: str) -> 
         if name.startswith("blocks"):
             out["step_ms"], out["cpu_ms_per_step"] = out["step_ms_blocks"], out["cpu_ms_per_step_blocks"]
             out["self_pct"] = self_reported(work / "run")
+            out["model_ms"] = modelled_step_ms(work / "run")
         if name == "dpro" and (work / "run").is_dir():
             out["merge"] = time_merge(work / "run")
         return out
@@ -115,6 +119,21 @@ def self_reported(run_dir: Path) -> float | None:
 
     overhead = load_run(run_dir).ranks[0].header.get("recording_overhead") or {}
     return overhead.get("wall_pct")
+
+
+def modelled_step_ms(run_dir: Path) -> float | None:
+    """The step what-if and optimize start from (``dpro whatif``'s baseline: the recorded configuration replayed,
+    recording's measured cost taken out), to set beside the unrecorded job's."""
+    from dpro.errors import DproError
+    from dpro.io.load import load_run
+    from dpro.launch.pipeline import find_recorded_run
+    from dpro.sim.whatif import context, predict
+
+    try:
+        return predict(context(load_run(find_recorded_run(run_dir) or run_dir)), {}).predicted_step_ms
+    except DproError as err:
+        print(f"no model of {run_dir}: {err}", file=sys.stderr)
+        return None
 
 
 def time_merge(run_dir: Path) -> dict[str, float]:
@@ -179,7 +198,7 @@ def main() -> int:
     table = [f"Horovod 0.28.1 + Gloo, script {script}, {where}; window {args.profile}; {args.rounds} rounds, "
              f"configurations alternated",
              f"{'config':<11} {'step ms':>8} {'vs off':>7} {'per round %':>15} {'CPU ms/step':>12} {'vs off':>7}"
-             f" {'self %':>22} {'after':>7}   jobs (ms)"]
+             f" {'self %':>22} {'model':>7} {'after':>7}   jobs (ms)"]
     for name in configs:
         steps = [x["step_ms"] for x in runs[name]]
         cpu = [x["cpu_ms_per_step"] for x in runs[name]]
@@ -189,12 +208,15 @@ def main() -> int:
         cpu_ratio = 100.0 * (statistics.median(cpu) / statistics.median(base_cpu) - 1.0)
         own = [x["self_pct"] for x in runs[name] if x.get("self_pct") is not None]
         own_text = f"{statistics.median(own):+.1f} ({spread(own)})" if own else "-"
+        models = [x["model_ms"] for x in runs[name] if x.get("model_ms")]
+        model_text = f"{100.0 * (statistics.median(models) / statistics.median(base) - 1.0):+.1f}%" if models else "-"
         afters = [x["after_ms"] for x in runs[name] if x.get("after_ms")]
         off_after = [x["after_ms"] for x in runs["off"] if x.get("after_ms")]
         after_text = f"{100.0 * (statistics.median(afters) / statistics.median(off_after) - 1.0):+.1f}%" \
             if afters and off_after else "-"
         table.append(f"{name:<11} {statistics.median(steps):>8.1f} {ratio:>+6.1f}% {spread(per_round):>15} "
-                     f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}% {own_text:>22} {after_text:>7}   "
+                     f"{statistics.median(cpu):>12.1f} {cpu_ratio:>+6.1f}% {own_text:>22} {model_text:>7} "
+                     f"{after_text:>7}   "
                      f"{', '.join(f'{s:.1f}' for s in steps)}")
     merges = [x["merge"] for x in runs.get("dpro", []) if "merge" in x]
     if merges:

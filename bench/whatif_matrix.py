@@ -20,7 +20,7 @@ recommendation its measured gain over the script's own setting, and whether it w
 spread (``dpro-launch --auto`` keeps a config only when its re-run measured faster beyond the steps' spread). The
 last lines give the median and worst |error| per engine.
 
-    python bench/whatif_matrix.py [--cases trainer,accelerate,hvd-fusion,hvd-cycle,gluon-servers]
+    python bench/whatif_matrix.py [--cases trainer,trainer-unused,accelerate,hvd-fusion,hvd-cycle,gluon-servers]
         [--networks loopback,300mbit] [--rounds 3]
         [--doc docs/benchmarks/whatif_matrix.md]
 
@@ -67,21 +67,24 @@ class Case:
     args: tuple[str, ...]
     imports: str             # the module the script needs (a case without it is skipped)
     knob: str
-    values: tuple[float, ...]
-    own: float               # the knob's value when the script runs as written
+    values: tuple[float | bool, ...]
+    own: float | bool        # the knob's value when the script runs as written
     launcher: str = "torch"  # torch (torchrun's way), horovod (horovodrun --gloo) or mxnet (ps-lite, 2 servers)
     env: str | None = None   # the environment variable a config sets the knob through (else the knob itself)
 
-    def label(self, value: float | None) -> str:
+    def label(self, value: float | bool | None) -> str:
         if value is None:
             return "as written"
+        if isinstance(value, bool):
+            return f"{self.knob.rsplit('.', 1)[-1]}={str(value).lower()}"
         return f"{self.knob.rsplit('.', 1)[-1]}={int(value) if float(value).is_integer() else f'{value:g}'}"
 
-    def config_knobs(self, value: float) -> dict:
+    def config_knobs(self, value: float | bool) -> dict:
         """The config's knobs that run the script at ``value``."""
         if self.env is None:
             return {self.knob: value}
-        return {"env": {self.env: str(int(value)) if float(value).is_integer() else f"{value:g}"}}
+        value = float(value)
+        return {"env": {self.env: str(int(value)) if value.is_integer() else f"{value:g}"}}
 
     @property
     def python(self) -> Path:
@@ -92,6 +95,8 @@ class Case:
 CASES = {
     "trainer": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"), "transformers",
                     "torch.ddp.bucket_cap_mb", (1.0, 5.0, 100.0), 25.0),
+    "trainer-unused": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"),
+                           "transformers", "torch.ddp.find_unused_parameters", (False,), True),
     "accelerate": Case("torch-ddp", SCRIPTS / "accelerate_train.py", ("--width", "512", "--depth", "4"),
                        "accelerate", "torch.ddp.bucket_cap_mb", (1.0, 5.0, 100.0), 25.0),
     "lightning": Case("torch-ddp", SCRIPTS / "lit_train.py", (), "lightning", "torch.ddp.bucket_cap_mb",
@@ -171,7 +176,7 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
                relative_errors: dict[str, list[float]]) -> None:
     """Record case ``name``, predict its knob's values and dpro's recommendation, run them all; say the rows."""
     case = CASES[name]
-    if args.values and case.engine == "torch-ddp":
+    if args.values and case.engine == "torch-ddp" and not isinstance(case.own, bool):
         case = dataclasses.replace(case, values=tuple(float(v) for v in args.values.split(",")))
     work.mkdir()
 
@@ -186,13 +191,13 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
     base = config_document(result, ctx)
     settings: dict[str, tuple[dict, float]] = {case.label(None): ({}, result.baseline.predicted_step_ms)}
     for value in case.values:
-        knobs = {case.knob: int(value) if case.env and value.is_integer() else value}
+        knobs = {case.knob: int(value) if case.env and float(value).is_integer() else value}
         settings[case.label(value)] = (knobs, predict(ctx, knobs).predicted_step_ms)
     # a config that restates the setting in force (Horovod's search writes its env either way) is no change
     recommended = dict(result.knobs) if result.predicted.predicted_step_ms < result.baseline.predicted_step_ms else {}
     if recommended:
         settings["dpro's config"] = (recommended, result.predicted.predicted_step_ms)
-    applied = {label: (case.config_knobs(float(knobs[case.knob])) if set(knobs) == {case.knob} else knobs)
+    applied = {label: (case.config_knobs(knobs[case.knob]) if set(knobs) == {case.knob} else knobs)
                for label, (knobs, _) in settings.items()}
     configs = {label: (write_config(base, applied[label], work / f"config-{i}.json") if applied[label] else None)
                for i, label in enumerate(settings)}

@@ -145,6 +145,8 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
         "knobs": knobs,
         "measured_step_ms": ctx.base.measured_step_us / 1000.0,
         "baseline_predicted_step_ms": base.predicted_step_ms,
+        "as_recorded_step_ms": ctx.as_recorded_ms if ctx.as_recorded_ms is not None else base.predicted_step_ms,
+        "recording_cost_pct": ctx.recording.pct if ctx.recording is not None else None,
         "predicted_step_ms": changed.predicted_step_ms,
         "change_pct": 100.0 * (changed.predicted_step_ms / base.predicted_step_ms - 1.0),
         "graph_nodes": changed.graph_nodes,
@@ -160,11 +162,16 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
         return 0
     from dpro.report.tables import format_bytes, format_table
 
-    rows = [["measured (this run)", f"{result['measured_step_ms']:.2f}", "", ""],
-            ["replayed as recorded", f"{base.predicted_step_ms:.2f}",
-             format_bytes(base.predicted_peak_memory_bytes), ""],
-            [" ".join(args.settings) or "(no change)", f"{changed.predicted_step_ms:.2f}",
-             format_bytes(changed.predicted_peak_memory_bytes), f"{result['change_pct']:+.1f}%"]]
+    rows = [["measured (this run)", f"{result['measured_step_ms']:.2f}", "", ""]]
+    if ctx.as_recorded_ms is not None and ctx.recording is not None:
+        rows += [["replayed as recorded", f"{ctx.as_recorded_ms:.2f}", "", ""],
+                 [f"without recording's cost ({ctx.recording.pct:+.1f}%)", f"{base.predicted_step_ms:.2f}",
+                  format_bytes(base.predicted_peak_memory_bytes), ""]]
+    else:
+        rows.append(["replayed as recorded", f"{base.predicted_step_ms:.2f}",
+                     format_bytes(base.predicted_peak_memory_bytes), ""])
+    rows.append([" ".join(args.settings) or "(no change)", f"{changed.predicted_step_ms:.2f}",
+                 format_bytes(changed.predicted_peak_memory_bytes), f"{result['change_pct']:+.1f}%"])
     print(format_table(["configuration", "step ms", "peak memory", "change"], rows, align="<>>>"))
     if changed.spread:
         seeds = ", ".join(f"{v:.2f}" for v in changed.spread["seeds"])
@@ -266,7 +273,12 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"measured step      {result.measured_step_ms:9.2f} ms")
-    print(f"replayed baseline  {result.baseline.predicted_step_ms:9.2f} ms")
+    if ctx.as_recorded_ms is not None and ctx.recording is not None:
+        print(f"replayed recorded  {ctx.as_recorded_ms:9.2f} ms")
+        print(f"replayed baseline  {result.baseline.predicted_step_ms:9.2f} ms  (recording's measured cost "
+              f"{ctx.recording.pct:+.1f}% taken out)")
+    else:
+        print(f"replayed baseline  {result.baseline.predicted_step_ms:9.2f} ms")
     print(f"predicted          {result.predicted.predicted_step_ms:9.2f} ms  "
           f"({100 * (result.predicted.predicted_step_ms / result.baseline.predicted_step_ms - 1):+.1f}%)")
     print(f"search time        {result.search_seconds:9.3f} s\n")
@@ -284,19 +296,21 @@ def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
     from dpro.engines import REGISTRY, get_engine
     from dpro.errors import UsageError
     from dpro.io.kineto import load_traces
+    from dpro.io.load import load_run_json
     from dpro.record.trace import analysis_file
-    from dpro.report.tables import format_table
+    from dpro.report.tables import format_bytes, format_table
 
-    if args.memory_budget or args.allow_compression:
-        raise UsageError("on profiler traces dpro optimize searches the engine's bucket size only (no "
-                         "--memory-budget, --allow-compression): record the job with dpro (dpro-launch --profile) "
-                         "for the rest")
+    if args.allow_compression:
+        raise UsageError("on profiler traces dpro optimize searches the engine's bucket size or resharding only (no "
+                         "--allow-compression): record the job with dpro (dpro-launch --profile) for the rest")
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    meta = load_run_json(Path(args.run[0]) / "run.json") if (Path(args.run[0]) / "run.json").is_file() else None
     traces = load_traces(paths)
     searches = [get_engine(name).trace_optimize for name in REGISTRY if get_engine(name).trace_optimize]
     result, refusals = None, []
     for search in searches:
         try:
-            result = search(traces)
+            result = search(traces, budget, meta)
             break
         except UsageError as err:  # not this engine's traces
             refusals.append(err)
@@ -317,8 +331,10 @@ def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
     else:
         print(f"measured step {result['measured_step_ms']:.2f} ms; replayed as recorded "
               f"{result['recorded_modelled_step_ms']:.2f} ms\n")
-        print(format_table(["setting", "predicted ms"], [[c["setting"], f"{c['predicted_step_ms']:.2f}"]
-                                                        for c in result["candidates"]], align="<>"))
+        peaks = [c.get("predicted_peak_memory_bytes") for c in result["candidates"]]
+        rows = [[c["setting"], f"{c['predicted_step_ms']:.2f}", "" if peak is None else format_bytes(peak)]
+                for c, peak in zip(result["candidates"], peaks, strict=True)]
+        print(format_table(["setting", "predicted ms", "peak memory"], rows, align="<>>"))
     print("\n" + result["config"]["explain"][0]["why"])
     print(f"config written to {out} (made from traces: dpro-launch --apply FILE --force applies it)")
     return 0

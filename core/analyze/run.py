@@ -21,7 +21,7 @@ from dpro.dag.graph import Graph
 from dpro.dag.step_model import StepModel, model_steps, wired_step_model
 from dpro.dag.wiring import graph_of_wired
 from dpro.errors import GraphError
-from dpro.io.load import Run, load_run, overhead_of
+from dpro.io.load import Run, load_run, recording_cost
 from dpro.io.pool import collector_paused
 from dpro.sim.interference import fit_interference
 from dpro.sim.replay import Schedule, critical_path, plan_levels, predicted_step_us, replay
@@ -353,18 +353,19 @@ def _analyzed(run: Run, iterations: int, jobs: int | None) -> AnalyzedRun:
 
 def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
     """What recording cost the step, when the window's gaps measured it (a window in blocks): the recorded steps
-    are what the model replays, so a prediction for the job as it runs unrecorded is the replay scaled back."""
-    overheads = [o for t in run.ranks.values()
-                 if (o := overhead_of(t.header.get("recording_overhead"))) and o.get("baseline") == "gaps"]
-    if not overheads:
+    are what this replay shows; what-if and optimize take the cost out of the model where it is beyond the gaps'
+    noise (``sim.whatif.without_recording_cost``)."""
+    cost = recording_cost(run)
+    if cost is None:
         return []
-    pct = statistics.median(o["wall_pct"] for o in overheads)
-    spreads = [o["wall_spread_pct"] for o in overheads if "wall_spread_pct" in o]
-    noise = statistics.median(spreads) if spreads else None
-    told = "" if noise is None else f"; noise +/-{noise:.1f}%" + (", so within it" if abs(pct) <= noise else "")
-    return [f"recorded steps ran {pct:+.1f}% against the unrecorded steps between the window's blocks (median over "
-            f"ranks{told}): the job unrecorded would take about {predicted_us / (1.0 + pct / 100.0) / 1000.0:.2f} ms "
-            "a step where this replay says what it recorded"]
+    told = "" if cost.noise_pct is None else f"; noise +/-{cost.noise_pct:.1f}%" + \
+        (", so within it" if abs(cost.pct) <= cost.noise_pct else "")
+    used = ("what-if and optimize price the job without it" if cost.beyond_noise
+            else "what-if and optimize keep the recorded times")
+    return [f"recorded steps ran {cost.pct:+.1f}% against the unrecorded steps between the window's blocks (median "
+            f"over ranks{told}): the job unrecorded would take about "
+            f"{predicted_us / (1.0 + cost.pct / 100.0) / 1000.0:.2f} ms a step where this replay says what it "
+            f"recorded; {used}"]
 
 
 def _as_recorded_note(run: Run, alignment: Alignment, steps: list[int], jobs: int | None) -> str:

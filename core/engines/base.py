@@ -90,8 +90,9 @@ class Engine:
             step time plots (``dpro report``); empty: the engine has no knob of its own to plot.
         trace_whatif: ``(traces, info, graph, knobs) -> (graph, info, facts)``: the engine's grouping knobs on
             PyTorch profiler traces (``dpro.analyze.traces.whatif_traces``); None: the engine cannot regroup traces.
-        trace_optimize: ``(traces) -> {"candidates", "recommended", "config", ...}``: the engine's search on
-            profiler traces (``dpro optimize TRACE...``); None: none.
+        trace_optimize: ``(traces, memory_budget_bytes, meta) -> {"candidates", "recommended", "config", ...}``:
+            the engine's search on profiler traces (``dpro optimize TRACE...``; ``meta``: the run.json of a run
+            directory recorded by the profiler, else None); None: none.
         launcher_files: ``(config document) -> {file name: text}``: files the engine's own launcher reads, made from
             an applied config and written beside it (Horovod: ``horovodrun.yaml`` for ``horovodrun --config-file``).
     """
@@ -114,7 +115,7 @@ class Engine:
     env_variables: tuple[str, ...] = ()  # what a config's env may set (the variables the engine's knobs own)
     sweeps: Callable[[Context], list[tuple[str, list[Any]]]] = _no_sweeps  # (ctx) -> knobs and values to plot
     trace_whatif: Callable[..., Any] | None = None     # (traces, info, graph, knobs) -> (graph, info, facts)
-    trace_optimize: Callable[[list[KinetoTrace]], dict[str, Any]] | None = None  # (traces) -> candidates, config
+    trace_optimize: Callable[[list[KinetoTrace], int | None, dict[str, Any] | None], dict[str, Any]] | None = None
     launcher_files: Callable[[dict[str, Any]], dict[str, str]] = _no_files  # (config) -> launcher's files beside it
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,8 @@ __all__ = [
     "load_run_json",
     "overhead_of",
     "read_json",
+    "RecordingCost",
+    "recording_cost",
     "run_step_times_ms",
     "step_times_ms",
     "validate_events",
@@ -1018,6 +1021,34 @@ def overhead_of(value: Any) -> dict[str, Any] | None:
     if value.get("baseline") in ("gaps", "before"):
         out["baseline"] = value["baseline"]
     return out
+
+
+@dataclass(frozen=True)
+class RecordingCost:
+    """What recording cost the recorded steps, as the window's gaps measured it (recorded blocks against the
+    unrecorded steps between them, median over ranks): ``pct`` longer, with ``noise_pct`` the unrecorded steps'
+    own half interquartile spread (None where too few were seen)."""
+
+    pct: float
+    noise_pct: float | None
+    ranks: int
+
+    @property
+    def beyond_noise(self) -> bool:
+        """A cost the gaps can tell from their own variation (and over 1%): one the model should not replay."""
+        return self.pct > max(self.noise_pct or 0.0, 1.0)
+
+
+def recording_cost(run: Run) -> RecordingCost | None:
+    """The ``RecordingCost`` of ``run`` from its ranks' ``recording_overhead`` headers measured against gaps; None
+    where no rank measured one (a window without gaps compares with warm-up steps, which says too little)."""
+    overheads = [o for t in run.ranks.values()
+                 if (o := overhead_of(t.header.get("recording_overhead"))) and o.get("baseline") == "gaps"]
+    if not overheads:
+        return None
+    spreads = [o["wall_spread_pct"] for o in overheads if "wall_spread_pct" in o]
+    return RecordingCost(pct=statistics.median(o["wall_pct"] for o in overheads),
+                         noise_pct=statistics.median(spreads) if spreads else None, ranks=len(overheads))
 
 
 def run_step_times_ms(run: Run) -> list[float]:

@@ -475,14 +475,14 @@ def step_ended(ends: dict[int, tuple[float, float]], iteration: int, window: lis
 def recording_overhead(ends: dict[int, tuple[float, float]], window: list[int]) -> dict[str, Any] | None:
     """What recording cost the training thread: ``ends`` maps an iteration to (wall s, thread CPU s) when it ended
     (a recorder's step boundary, after its own work for that step); each iteration lasts from the end of the one
-    before. The steps of ``window`` after its first are compared with, in a window with gaps (recorded blocks between
-    unrecorded ones), the unrecorded steps of its gaps except each one just before a block (which installs the
-    block's hooks at its end) and each one just after a block (where another rank may still be closing its block:
-    its wait is the block's cost, not the unrecorded step's): steps of the same job in the same state, with whatever
-    the recorder leaves running between blocks. Without gaps, they are compared with the unrecorded steps before the
-    window (at most ``BASELINE_STEPS``, the one just before the window left out: the window's clock exchange and
-    probe run at its end), which may still be warming up. Medians, None without both. A rank writes the result in its
-    trace's header (``recording_overhead``) and ``dpro info`` shows it."""
+    before. The steps of ``window`` that follow a recorded step (not a block's first) are compared with, in a window
+    with gaps (recorded blocks between unrecorded ones), the unrecorded steps of its gaps except each one just
+    before a block (which installs the block's hooks at its end) and each one just after a block (where another rank
+    may still be closing its block: its wait is the block's cost, not the unrecorded step's): steps of the same job
+    in the same state, with whatever the recorder leaves running between blocks. Without gaps, they are compared
+    with the unrecorded steps before the window (at most ``BASELINE_STEPS``, the one just before the window left
+    out: the window's clock exchange and probe run at its end), which may still be warming up. Medians, None without
+    both. A rank writes the result in its trace's header (``recording_overhead``) and ``dpro info`` shows it."""
     def lasted(iterations: list[int]) -> list[tuple[float, float]]:
         return [(ends[i][0] - ends[i - 1][0], ends[i][1] - ends[i - 1][1]) for i in iterations
                 if i in ends and i - 1 in ends]
@@ -491,7 +491,9 @@ def recording_overhead(ends: dict[int, tuple[float, float]], window: list[int]) 
     gaps = lasted([i for i in range(first, max(window))
                    if i not in recorded and i + 1 not in recorded and i - 1 not in recorded])
     before = gaps or lasted(list(range(first - 1 - BASELINE_STEPS, first - 1)))
-    during = lasted(sorted(window)[1:])
+    # a recorded step whose predecessor was recorded too: a block's first step also holds starting the block (a
+    # profiler's start), which no recorded step's own time includes, so it is left out as the model leaves it out
+    during = lasted([i for i in sorted(window)[1:] if i - 1 in recorded])
     if not before or not during:
         return None
     base_wall, base_cpu = (statistics.median(v[k] for v in before) * 1000.0 for k in (0, 1))

@@ -35,7 +35,7 @@ from dpro.dag.wiring import graph_from_steps
 from dpro.engines import get_engine
 from dpro.errors import ConfigError, UsageError
 from dpro.io.limits import parse_bounded_json
-from dpro.io.load import Run
+from dpro.io.load import RecordingCost, Run, recording_cost
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
 from dpro.sim.interference import NONE as NO_INTERFERENCE
 from dpro.sim.interference import Interference, fit_interference, op_overlap, scale_for_overlap
@@ -57,6 +57,7 @@ __all__ = [
     "replay_model",
     "transformed_model",
     "whatif_knobs",
+    "without_recording_cost",
 ]
 
 
@@ -120,6 +121,8 @@ class Context:
     cache: dict[str, Any] = field(default_factory=dict)  # an engine's models fitted once per run (by engine name)
     on_predict: Callable[[dict[str, Any]], None] | None = None  # told the knobs of each prediction (progress)
     interference: Interference = NO_INTERFERENCE  # how much overlapped compute slows (sim.interference)
+    recording: RecordingCost | None = None  # what recording cost the recorded steps, where the window's gaps told
+    as_recorded_ms: float | None = None  # the recorded configuration's replay before that cost was taken out
 
     @property
     def world_size(self) -> int:
@@ -147,8 +150,9 @@ def context(run: Run) -> Context:
     knobs = recorded_knobs(run)
     grads = [(g["name"], int(g["bytes"])) for g in run.model.get("gradients", [])]
     interference = fit_interference(run, base.steps)
-    return calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs,
-                             interference=interference))
+    ctx = calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs,
+                            interference=interference, recording=recording_cost(run)))
+    return without_recording_cost(ctx)
 
 
 def recorded_knobs(run: Run) -> dict[str, Any]:
@@ -203,6 +207,41 @@ def calibrate(ctx: Context) -> Context:
         scale = (lo * hi) ** 0.5
     ctx.comm = dataclasses.replace(fitted, latency_us=fitted.latency_us * scale, us_per_byte=fitted.us_per_byte * scale,
                                    source=f"{fitted.source}, scaled x{scale:.2f} to replay the recorded run")
+    return ctx
+
+
+DEFLATION_FLOOR = 0.2  # compute never priced below a fifth of what was recorded, whatever the gaps said
+
+
+def without_recording_cost(ctx: Context) -> Context:
+    """Take what recording cost out of the model: where the window's gaps measured the recorded steps longer than
+    the unrecorded ones beyond their noise (``RecordingCost.beyond_noise``), compute ops are scaled down until the
+    recorded configuration replays to the unrecorded step. Hooks and profilers slow the compute they time, so a
+    model built from recorded steps would otherwise price every what-if against a slower job than the one that
+    runs. ``ctx.as_recorded_ms`` keeps the replay before."""
+    cost = ctx.recording
+    if cost is None or not cost.beyond_noise:
+        return ctx
+    recorded = ctx.base
+    as_recorded = predict(ctx, {}).predicted_step_ms
+    target = as_recorded / (1.0 + cost.pct / 100.0)
+
+    def step_at(scale: float) -> float:
+        ctx.base = scaled_compute(recorded, scale)
+        ctx.cache.clear()  # the recorded overlap is the base's
+        return predict(ctx, {}).predicted_step_ms
+
+    lo, hi = DEFLATION_FLOOR, 1.0
+    if step_at(lo) >= target:
+        scale = lo
+    else:
+        for _ in range(14):  # the step grows with the compute scale
+            mid = (lo + hi) / 2.0
+            lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
+        scale = (lo + hi) / 2.0
+    ctx.base = scaled_compute(recorded, scale)
+    ctx.cache.clear()
+    ctx.as_recorded_ms = as_recorded
     return ctx
 
 

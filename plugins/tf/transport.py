@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from dpro.errors import UsageError
 from dpro.record.collective_transport import CollectiveTransport
+from dpro.record.protocol import Clock
 from dpro.record.socket_transport import PORT_OFFSET, SocketTransport, side_port_of
 
 __all__ = ["PORT_OFFSET", "HorovodCollectives", "SocketTransport", "default_transport", "horovod_running",
@@ -122,6 +125,24 @@ class HorovodCollectives:
         import tensorflow as tf
 
         self._hvd.allreduce(tf.zeros(max(1, nbytes // 4), dtype=tf.float32), op=self._hvd.Sum, name=name).numpy()
+
+    def allreduce_during(self, nbytes: int, name: str, compute: Callable[[], None],
+                         clock: Clock) -> tuple[float, float]:
+        """``compute`` run while an allreduce of ``nbytes`` is in flight: (its µs, µs the allreduce ran on after
+        it). horovod.tensorflow has no handle to wait on in eager mode, so the allreduce runs on a thread of its
+        own (TensorFlow releases the GIL while an op runs)."""
+        import tensorflow as tf
+
+        zeros = tf.zeros(max(1, nbytes // 4), dtype=tf.float32)
+        ended: list[float] = []
+        thread = threading.Thread(target=lambda: (self._hvd.allreduce(zeros, op=self._hvd.Sum, name=name).numpy(),
+                                                  ended.append(clock.now())), daemon=True)
+        thread.start()
+        t0 = clock.now()
+        compute()
+        t1 = clock.now()
+        thread.join()
+        return t1 - t0, max(0.0, (ended[0] if ended else t1) - t1)
 
 
 def default_transport() -> CollectiveTransport | SocketTransport:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import resource
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -116,6 +117,7 @@ class FsdpRecorder:
         self._profiler: torch.profiler.profile | None = None
         self._closed = False
         self._step_ends: dict[int, tuple[float, float]] = {}
+        self._run_doc: dict[str, Any] | None = None  # rank 0's run.json, completed with the peaks at the end
 
     @property
     def started(self) -> bool:
@@ -143,6 +145,8 @@ class FsdpRecorder:
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         if self.rank == 0:
             self._write_run_json()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         self.transport.barrier()
         # a schedule makes the profiler mark its steps (ProfilerStep#N): always recording, from iteration N on
         profiler = torch.profiler.profile(activities=activities, record_shapes=True,
@@ -160,6 +164,8 @@ class FsdpRecorder:
         if profiler is None:
             return None
         profiler.stop()
+        if error is None and self.iteration > self.steps[-1]:  # every rank is here, at the same iteration
+            self._note_peak_memory()
         if error is not None or self.iteration <= self.steps[-1]:
             logger.warning("%s: the job stopped inside the window (%s); the profiler's trace is written with the "
                            "steps it finished", self.who, error or f"at iteration {self.iteration}")
@@ -172,6 +178,23 @@ class FsdpRecorder:
         logger.debug("%s: rank %d wrote %s in %.1f s (steps %+.1f%% against those before the window)", self.who,
                      self.rank, path, time.perf_counter() - began, overhead.get("wall_pct") or 0.0)
         return self.run_dir
+
+    def _note_peak_memory(self) -> None:
+        """Each rank's peak memory, in run.json (``fsdp.peak_memory_bytes``, by rank): what ``dpro optimize
+        --memory-budget`` adds the units' gathered parameters to. On a GPU the caching allocator's peak since the
+        window began; on a CPU the process's largest resident set so far (its training steps are its largest)."""
+        cuda = torch.cuda.is_available() and any(p.is_cuda for p in self.model.parameters())
+        peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        try:
+            peaks = [int(v) for v in self.transport.gather_texts(str(int(peak)))]
+        except (RuntimeError, ValueError, OSError) as err:
+            logger.warning("%s: the ranks' peak memory could not be gathered (%s)", self.who, err)
+            return
+        if self.rank == 0 and self._run_doc is not None:
+            self._run_doc["fsdp"]["peak_memory_bytes"] = peaks
+            self._run_doc["fsdp"]["peak_memory_source"] = ("torch.cuda.max_memory_allocated in the window" if cuda
+                                                           else "the process's largest resident set (ru_maxrss)")
+            write_run_json(self.run_dir, self._run_doc)
 
     def knobs(self) -> dict[str, Any]:
         roots = [u for u in self.units if u["path"] == ""] or self.units[:1]
@@ -191,4 +214,5 @@ class FsdpRecorder:
             extra={"fsdp": {"units": self.units, "traces": f"{TRACES_DIR}/{TRACE_FILE.format(rank='<r>')}",
                             "recorder": "torch.profiler (Kineto), record_shapes",
                             "pid": os.getpid()}})
+        self._run_doc = doc
         write_run_json(self.run_dir, doc)

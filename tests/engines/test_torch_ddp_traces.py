@@ -78,5 +78,8 @@ def test_bucket_whatif_on_cpu_traces_of_a_real_ddp_job(tmp_path, capsys):
     config = read_config(tmp_path / "config.json")
     assert config.fingerprint.engine == "torch-ddp" and config.fingerprint.model.startswith("gradient-shapes:")
     assert set(config.knobs) <= {"torch.ddp.bucket_cap_mb"} and config.explain
-    assert main(["optimize", *map(str, paths), "--memory-budget", "1GiB"]) != 0
-    assert "bucket size only" in capsys.readouterr().err
+    assert main(["optimize", *map(str, paths), "--allow-compression"]) != 0
+    assert "no --allow-compression" in capsys.readouterr().err
+    # a budget is taken, and said not to bear on bucket caps (the buckets hold every gradient whatever their cap)
+    assert main(["optimize", *map(str, paths), "--memory-budget", "1GiB", "-o", str(tmp_path / "c2.json")]) == 0
+    assert "does not bear on it" in capsys.readouterr().out

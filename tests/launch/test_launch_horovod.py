@@ -418,6 +418,10 @@ def test_an_unmodified_hvd_keras_job_is_recorded_through_the_horovod_engine(tmp_
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["framework"] == "tf" and meta["engine"] == "horovod" and meta["world_size"] == 2
     assert meta["knobs"]["HOROVOD_FUSION_THRESHOLD"] > 0
+    # the interference probe after the window: a fixed kernel alone and beside an allreduce
+    probe = meta["interference_probe"]
+    assert len(probe["compute_alone_us"]) == len(probe["compute_overlapped_us"]) > 0
+    assert all(t > 0 for t in probe["compute_alone_us"] + probe["compute_overlapped_us"])
     model = json.loads((run_dir / "model.json").read_text())
     grad_bytes = {g["name"]: g["bytes"] for g in model["gradients"]}
     for rank in (0, 1):

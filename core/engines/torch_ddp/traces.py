@@ -264,12 +264,14 @@ def regroup(g: Graph, info: KinetoGraphInfo, ddp: DdpSteps, groups: list[list[st
 
 
 
-def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
+def optimize_traces(traces: list[KinetoTrace], memory_budget_bytes: int | None = None,
+                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """``dpro optimize TRACE...``: every DDP bucket cap that gives a distinct grouping of the traces' gradients,
     each replayed on the traces' graph (every op at its mean over the profiled steps); the best is recommended when
     it is predicted to save at least ``MIN_GAIN`` of the step against the recorded buckets replayed the same way.
     Returns the candidates (best first), the recommendation and an applied config (its model fingerprint is the
-    gradients' shapes: a job records parameter names, traces do not, so applying it needs ``--force``)."""
+    gradients' shapes: a job records parameter names, traces do not, so applying it needs ``--force``). A memory
+    budget changes nothing here: DDP's buckets hold every gradient whatever their cap, and the note says so."""
     base, info, its = mean_step_graph(traces)
     ddp = ddp_steps(traces, info)
     transfer = fit_transfer(ddp.transfers)
@@ -300,6 +302,9 @@ def optimize_traces(traces: list[KinetoTrace]) -> dict[str, Any]:
            if chosen else f"no bucket cap is predicted to save {100 * MIN_GAIN:.0f}% of the step (best "
            f"{best['bucket_cap_mb']:g} MB: {best['predicted_step_ms']:.2f} ms against {recorded_ms:.2f} ms as "
            "recorded)")
+    if memory_budget_bytes is not None:
+        why += ("; the memory budget does not bear on it (DDP's buckets hold every gradient whatever their cap, so "
+                "the cap leaves the peak as it was)")
     shapes = hashlib.sha256(json.dumps([n.split(":", 1)[1] for n, _ in ddp.gradients]).encode()).hexdigest()[:16]
     config = {
         "schema": "dpro.config/1",

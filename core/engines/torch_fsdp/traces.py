@@ -124,11 +124,22 @@ def resharded_traces(traces: list[KinetoTrace], info: KinetoGraphInfo, base: Gra
         **facts, "removed_ms_per_step": saved, "unsharded_bytes_kept": int(kept)}
 
 
-def optimize_resharding(traces: list[KinetoTrace]) -> dict[str, Any]:
+def recorded_peak_bytes(meta: dict[str, Any] | None) -> int | None:
+    """The largest of the ranks' peak memory the FSDP recorder measured (run.json's ``fsdp.peak_memory_bytes``);
+    None when the run has none (traces alone, or a window that did not end)."""
+    peaks = ((meta or {}).get("fsdp") or {}).get("peak_memory_bytes")
+    if not isinstance(peaks, list) or not peaks or not all(isinstance(v, int) and v >= 0 for v in peaks):
+        return None
+    return max(peaks)
+
+
+def optimize_resharding(traces: list[KinetoTrace], memory_budget_bytes: int | None = None,
+                        meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """``dpro optimize`` of an FSDP job's traces: the recorded resharding against keeping the units' parameters
     gathered from forward to backward (priced only from traces that reshard: the other way round the all-gathers
     were never measured). The change is recommended when it is predicted to save at least ``MIN_GAIN`` of the
-    step; its memory cost is said.
+    step and, under ``memory_budget_bytes``, when the recorded peak (``meta``: run.json, ``recorded_peak_bytes``)
+    plus the parameters it keeps gathered fits the budget; its memory cost is said.
 
     Raises:
         UsageError: traces without FSDP's annotations (not an FSDP job's).
@@ -146,10 +157,27 @@ def optimize_resharding(traces: list[KinetoTrace]) -> dict[str, Any]:
         kept = facts["unsharded_bytes_kept"]
         candidates.append({"setting": "reshard_after_forward=false",
                            "predicted_step_ms": replayed_step_ms(changed, changed_info, its)})
+    peak = recorded_peak_bytes(meta)
+    for c in candidates:
+        c["predicted_peak_memory_bytes"] = None if peak is None else peak + (kept if c is not candidates[0] else 0)
     best = min(candidates, key=lambda c: c["predicted_step_ms"])
     gain = recorded_ms - best["predicted_step_ms"]
     chosen = best is not candidates[0] and gain > MIN_GAIN * recorded_ms
-    if chosen:
+    over = None
+    if chosen and memory_budget_bytes is not None:
+        if peak is None:
+            over = ("the run holds no measured peak memory (run.json's fsdp.peak_memory_bytes), so keeping the "
+                    f"gathered parameters ({kept / 2**20:.1f} MiB more per rank) cannot be weighed against the "
+                    f"{memory_budget_bytes / 2**20:.0f} MiB budget")
+        elif peak + kept > memory_budget_bytes:
+            over = (f"it would hold {kept / 2**20:.1f} MiB more of gathered parameters on top of the measured peak "
+                    f"of {peak / 2**20:.1f} MiB: {(peak + kept) / 2**20:.1f} MiB, over the "
+                    f"{memory_budget_bytes / 2**20:.0f} MiB budget")
+        chosen = over is None
+    if over is not None:
+        why = (f"the recorded resharding is kept: not resharding predicts {best['predicted_step_ms']:.2f} ms against "
+               f"{recorded_ms:.2f} ms, but {over}")
+    elif chosen:
         why = (f"keep each unit's gathered parameters from its forward to its backward: predicted "
                f"{best['predicted_step_ms']:.2f} ms against {recorded_ms:.2f} ms; each rank then holds "
                f"{kept / 2**20:.1f} MiB more of gathered parameters through the step")
@@ -164,7 +192,8 @@ def optimize_resharding(traces: list[KinetoTrace]) -> dict[str, Any]:
         "schema": "dpro.config/1",
         "fingerprint": {"framework": "torch", "engine": NAME, "world_size": world, "model": "profiler-traces"},
         "baseline": {"run": ", ".join(str(t.path) for t in traces), "step_ms": measured_step_ms(info, its)},
-        "predicted": {"step_ms": best["predicted_step_ms"] if chosen else recorded_ms, "peak_memory_bytes": None},
+        "predicted": {"step_ms": best["predicted_step_ms"] if chosen else recorded_ms,
+                      "peak_memory_bytes": (best if chosen else candidates[0])["predicted_peak_memory_bytes"]},
         "knobs": {RESHARD: False} if chosen else {},
         "explain": [{"knob": RESHARD, "why": why, "predicted_gain_ms": gain if chosen else 0.0}],
     }

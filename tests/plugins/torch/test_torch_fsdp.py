@@ -15,6 +15,7 @@ from jobrunner import JOBS, job_env, run_job
 pytest.importorskip("torch")
 
 from dpro.analyze.traces import analyze_kineto, whatif_traces  # noqa: E402
+from dpro.engines.torch_fsdp.traces import optimize_resharding  # noqa: E402
 from dpro.io.kineto import load_traces, run_trace_files  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real 2-rank jobs
@@ -62,6 +63,16 @@ def test_an_unmodified_fsdp_script_is_recorded_analyzed_and_priced(tmp_path):
     # the CLI takes the run directory itself
     proc = run_job([sys.executable, "-m", "dpro", "whatif", str(run), "--set", f"{RESHARD}=false"], timeout=120)
     assert f"{RESHARD}=false" in proc.stdout
+    # memory: each rank's measured peak, to which not resharding adds the parameters it keeps gathered
+    peaks = meta["fsdp"]["peak_memory_bytes"]
+    assert len(peaks) == 2 and all(v > 0 for v in peaks)
+    free, tight = optimize_resharding(traces, None, meta), optimize_resharding(traces, 1, meta)
+    assert tight["candidates"][1]["predicted_peak_memory_bytes"] == max(peaks) + priced["unsharded_bytes_kept"]
+    assert RESHARD not in tight["config"]["knobs"]
+    if free["recommended"] is not None:
+        assert "over the 0 MiB budget" in tight["config"]["explain"][0]["why"]
+    proc = run_job([sys.executable, "-m", "dpro", "optimize", str(run), "--memory-budget", "64GiB"], timeout=120)
+    assert "reshard_after_forward" in proc.stdout
 
 
 def test_a_config_sets_reshard_where_the_script_passes_none(tmp_path):
