@@ -20,10 +20,13 @@ recommendation its measured gain over the script's own setting, and whether it w
 spread (``dpro-launch --auto`` keeps a config only when its re-run measured faster beyond the steps' spread). The
 last lines give the median and worst |error| per engine.
 
-    python bench/whatif_matrix.py [--cases trainer,trainer-unused,accelerate,hvd-fusion,hvd-cycle,gluon-servers]
+    python bench/whatif_matrix.py [--cases trainer,trainer-unused,accelerate,hvd-fusion,hvd-cycle,gluon-servers,
+                                   trainer-micro,accelerate-micro,trainer-amp]
         [--networks loopback,300mbit] [--rounds 3]
         [--doc docs/benchmarks/whatif_matrix.md]
 
+The micro-batch and amp cases price from the recorder's probe passes (``dpro.sim.probes``); in the Accelerate case
+the script splits its batch itself (``--micro-batches``), since a plain loop cannot be split from outside.
 The Trainer and Accelerate scripts need ``pip install transformers accelerate`` in the torch venv (a case whose
 script cannot import its framework is skipped with the reason); the Horovod cases need ``make horovod``, the MXNet
 case ``make mxnet``, and both run on loopback only. Needs root for the emulated networks.
@@ -68,24 +71,41 @@ class Case:
     args: tuple[str, ...]
     imports: str             # the module the script needs (a case without it is skipped)
     knob: str
-    values: tuple[float | bool, ...]
-    own: float | bool        # the knob's value when the script runs as written
+    values: tuple[float | bool | str, ...]
+    own: float | bool | str | None  # the knob's value when the script runs as written
     launcher: str = "torch"  # torch (torchrun's way), horovod (horovodrun --gloo) or mxnet (ps-lite, 2 servers)
     env: str | None = None   # the environment variable a config sets the knob through (else the knob itself)
+    whole: bool = False      # the knob takes whole numbers (micro-batches)
+    # a setting runs the script with this option and the value instead of a config: a plain loop dpro cannot split
+    # into micro-batches from outside (held out: the script changes its own code path, the prediction does not)
+    script_option: str | None = None
 
-    def label(self, value: float | bool | None) -> str:
+    def label(self, value: float | bool | str | None) -> str:
         if value is None:
             return "as written"
         if isinstance(value, bool):
             return f"{self.knob.rsplit('.', 1)[-1]}={str(value).lower()}"
+        if isinstance(value, str):
+            return f"{self.knob}={value}"
         return f"{self.knob.rsplit('.', 1)[-1]}={int(value) if float(value).is_integer() else f'{value:g}'}"
 
-    def config_knobs(self, value: float | bool) -> dict:
-        """The config's knobs that run the script at ``value``."""
-        if self.env is None:
+    def knob_value(self, value: float | bool | str) -> float | int | bool | str:
+        """``value`` as the knob takes it (what-if and config)."""
+        if isinstance(value, (str, bool)):
+            return value
+        return int(value) if (self.env or self.whole) and float(value).is_integer() else value
+
+    def config_knobs(self, value: float | int | bool | str) -> dict:
+        """The config's knobs that run the script at ``value`` (none where the script's own option does)."""
+        if self.script_option is not None:
+            return {}
+        if self.env is None or isinstance(value, str):
             return {self.knob: value}
         value = float(value)
         return {"env": {self.env: str(int(value)) if value.is_integer() else f"{value:g}"}}
+
+    def script_args(self, value: float | int | str) -> tuple[str, ...]:
+        return () if self.script_option is None else (self.script_option, str(value))
 
     @property
     def python(self) -> Path:
@@ -102,6 +122,16 @@ CASES = {
                        "accelerate", "torch.ddp.bucket_cap_mb", (1.0, 5.0, 100.0), 25.0),
     "lightning": Case("torch-ddp", SCRIPTS / "lit_train.py", (), "lightning", "torch.ddp.bucket_cap_mb",
                       (1.0, 5.0, 100.0), 25.0),
+    # the knobs the recorder's probe passes price: micro-batches applied by dpro (the Trainer's own accumulation,
+    # set by the auto-attach), in a plain Accelerate loop by the script's own option (held out), and bf16 autocast
+    # applied by dpro around the model's forward
+    "trainer-micro": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"),
+                          "transformers", "micro_batches", (2.0, 4.0), 1.0, whole=True),
+    "accelerate-micro": Case("torch-ddp", SCRIPTS / "accelerate_train.py", ("--width", "512", "--depth", "4"),
+                             "accelerate", "micro_batches", (2.0, 4.0), 1.0, whole=True,
+                             script_option="--micro-batches"),
+    "trainer-amp": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"), "transformers",
+                        "amp", ("bf16",), None),
     "hvd-fusion": Case("horovod", SCRIPTS / "hvd_synthetic.py", (), "horovod.torch", "HOROVOD_FUSION_THRESHOLD",
                        (0.0, 2.0**20), 2.0**27, launcher="horovod", env="HOROVOD_FUSION_THRESHOLD"),
     "hvd-cycle": Case("horovod", SCRIPTS / "hvd_synthetic.py", (), "horovod.torch", "HOROVOD_CYCLE_TIME",
@@ -124,12 +154,12 @@ ATTEMPTS = 3  # torch 2.13's gloo aborts a rank at exit now and then ("terminate
 
 
 def run_job(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps: int, window: str,
-            config: Path | None, port: int) -> float:
-    """One recorded job of ``case`` (with ``config`` applied); its recorded step (ms)."""
+            config: Path | None, port: int, extra: tuple[str, ...] = ()) -> float:
+    """One recorded job of ``case`` (with ``config`` applied, ``extra`` script arguments); its recorded step (ms)."""
     for attempt in range(ATTEMPTS):
         target = run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-again{attempt}")
         try:
-            return _run_once(case, cluster, target, steps, window, config, port)
+            return _run_once(case, cluster, target, steps, window, config, port, extra)
         except RuntimeError as err:
             if attempt + 1 == ATTEMPTS:
                 raise
@@ -138,8 +168,8 @@ def run_job(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps: i
 
 
 def _run_once(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps: int, window: str,
-              config: Path | None, port: int) -> float:
-    argv = [str(case.python), str(case.script), *case.args, "--steps", str(steps)]
+              config: Path | None, port: int, extra: tuple[str, ...]) -> float:
+    argv = [str(case.python), str(case.script), *case.args, "--steps", str(steps), *extra]
     launch = LaunchConfig(command=argv, np=2, profile=parse_window(window), run_dir=run_dir, apply=config)
     env = job_env(launch, base={})
     env["PATH"] = f"{case.python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -177,12 +207,12 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
                relative_errors: dict[str, list[float]]) -> None:
     """Record case ``name``, predict its knob's values and dpro's recommendation, run them all; say the rows."""
     case = CASES[name]
-    if args.values and case.engine == "torch-ddp" and not isinstance(case.own, bool):
+    if args.values and case.knob == "torch.ddp.bucket_cap_mb":
         case = dataclasses.replace(case, values=tuple(float(v) for v in args.values.split(",")))
     work.mkdir()
 
-    def job(tag: str, config: Path | None) -> float:
-        return run_job(case, cluster, work / tag, args.steps, args.profile, config, port)
+    def job(tag: str, config: Path | None, extra: tuple[str, ...] = ()) -> float:
+        return run_job(case, cluster, work / tag, args.steps, args.profile, config, port, extra)
 
     job("recorded", None)
     run = load_run(work / "recorded")
@@ -192,7 +222,7 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
     base = config_document(result, ctx)
     settings: dict[str, tuple[dict, float]] = {case.label(None): ({}, result.baseline.predicted_step_ms)}
     for value in case.values:
-        knobs = {case.knob: int(value) if case.env and float(value).is_integer() else value}
+        knobs = {case.knob: case.knob_value(value)}
         settings[case.label(value)] = (knobs, predict(ctx, knobs).predicted_step_ms)
     # a config that restates the setting in force (Horovod's search writes its env either way) is no change
     recommended = dict(result.knobs) if result.predicted.predicted_step_ms < result.baseline.predicted_step_ms else {}
@@ -200,13 +230,15 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
         settings["dpro's config"] = (recommended, result.predicted.predicted_step_ms)
     applied = {label: (case.config_knobs(knobs[case.knob]) if set(knobs) == {case.knob} else knobs)
                for label, (knobs, _) in settings.items()}
+    extras = {label: (case.script_args(knobs[case.knob]) if set(knobs) == {case.knob} else ())
+              for label, (knobs, _) in settings.items()}
     configs = {label: (write_config(base, applied[label], work / f"config-{i}.json") if applied[label] else None)
                for i, label in enumerate(settings)}
     measured: dict[str, list[float]] = {label: [] for label in settings}
     labels = list(settings)
     for r in range(args.rounds):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            measured[label].append(job(f"r{r}-{labels.index(label)}", configs[label]))
+            measured[label].append(job(f"r{r}-{labels.index(label)}", configs[label], extras[label]))
     predicted0, measured0 = settings[case.label(None)][1], statistics.median(measured[case.label(None)])
     for label, (_, predicted) in settings.items():
         got = statistics.median(measured[label])

@@ -227,6 +227,8 @@ def _add_optimize(subparsers: Any) -> None:
                              "recorded with record_shapes=True (one per rank: the bucket size only)")
     parser.add_argument("--memory-budget", metavar="SIZE", help="peak memory per rank, e.g. 2GiB, 500MB")
     parser.add_argument("--allow-compression", action="store_true", help="may recommend fp16 gradient compression")
+    parser.add_argument("--allow-precision", action="store_true",
+                        help="may recommend autocast (amp), where the probe passes measured it faster")
     parser.add_argument("-o", "--output", metavar="FILE", help="where to write config.json")
     parser.add_argument("--json", action="store_true", help="print the config as JSON")
     parser.set_defaults(func=_cmd_optimize)
@@ -262,7 +264,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     ctx = context(load_run(args.run[0]))
     result = optimize(ctx, memory_budget_bytes=budget, allow_compression=args.allow_compression,
-                      progress=Progress(None, "optimize"))
+                      allow_precision=args.allow_precision, progress=Progress(None, "optimize"))
     doc = config_document(result, ctx)
     from dpro.record.trace import analysis_file
 
@@ -300,9 +302,10 @@ def _optimize_traces(paths: list[Any], args: argparse.Namespace) -> int:
     from dpro.record.trace import analysis_file
     from dpro.report.tables import format_bytes, format_table
 
-    if args.allow_compression:
+    if args.allow_compression or args.allow_precision:
         raise UsageError("on profiler traces dpro optimize searches the engine's bucket size or resharding only (no "
-                         "--allow-compression): record the job with dpro (dpro-launch --profile) for the rest")
+                         "--allow-compression, --allow-precision): record the job with dpro (dpro-launch --profile) "
+                         "for the rest")
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     meta = load_run_json(Path(args.run[0]) / "run.json") if (Path(args.run[0]) / "run.json").is_file() else None
     traces = load_traces(paths)

@@ -192,6 +192,16 @@ def _compression(value: Any, source: str, key: str) -> str | None:
     return value
 
 
+MAX_MICRO_BATCHES = 1024
+
+
+def _micro_batches(value: Any, source: str, key: str) -> int:
+    k = _count(value, source, key, positive=True)
+    if k > MAX_MICRO_BATCHES:
+        raise ConfigError(source, f"must be at most {MAX_MICRO_BATCHES} micro-batches, found {k}", key)
+    return k
+
+
 def _env(value: Any, source: str, key: str) -> dict[str, str]:
     if not isinstance(value, Mapping):
         raise ConfigError(source, f"must be an object of environment variables, found {shown(value)}", key)
@@ -242,6 +252,10 @@ COMMON_KNOBS: tuple[Knob, ...] = (
          _tensor_groups),
     Knob("recompute", "module paths whose activations are recomputed in backward", _recompute, default=[]),
     Knob("gradient_compression", "null, \"fp16\" or \"bf16\": gradients cast for the wire", _compression),
+    Knob("amp", "null, \"bf16\" or \"fp16\": forward and loss under autocast (priced by the recorder's probe "
+         "passes; changes numerics)", _compression),
+    Knob("micro_batches", "k >= 1: the same batch as k micro-batches, gradients communicated after the last "
+         "(priced by the recorder's probe passes)", _micro_batches, default=1),
     Knob("env", "environment variables set by the launcher (name -> text)", _env, default={}, whatif=False),
     Knob("world_size", "number of ranks (communication priced for N ranks)", _world_size, config=False),
     Knob("bandwidth_scale", "network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s)", _positive_number,

@@ -5,6 +5,7 @@ random data, gloo on CPU. Needs ``pip install accelerate`` in the torch venv (no
 """
 
 import argparse
+import contextlib
 
 import torch
 from accelerate import Accelerator
@@ -15,6 +16,9 @@ parser.add_argument("--steps", type=int, default=80)
 parser.add_argument("--width", type=int, default=1024)
 parser.add_argument("--depth", type=int, default=6)
 parser.add_argument("--batch", type=int, default=32)
+parser.add_argument("--micro-batches", type=int, default=1,
+                    help="each batch as K chunks, gradients synchronised after the last (what dpro's micro_batches "
+                         "what-if prices; a plain loop does it in its own code)")
 args = parser.parse_args()
 
 accelerator = Accelerator(cpu=True)
@@ -30,8 +34,12 @@ model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 step = 0
 while step < args.steps:
     for x, y in loader:
-        loss = nn.functional.cross_entropy(model(x), y)
-        accelerator.backward(loss)
+        chunks = list(zip(x.chunk(args.micro_batches), y.chunk(args.micro_batches), strict=True))
+        for k, (xs, ys) in enumerate(chunks):
+            last = k == len(chunks) - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                loss = nn.functional.cross_entropy(model(xs), ys) / len(chunks)
+                accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         step += 1

@@ -16,6 +16,7 @@ from dpro.record.trace import write_text_atomic
 from dpro.sim.choices import (
     OptimizeResult,
     optimize_common,
+    probed_choices,
 )
 from dpro.sim.whatif import Context
 
@@ -23,21 +24,27 @@ __all__ = ["config_document", "optimize", "write_config_files"]
 
 
 def optimize(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compression: bool = False,
-             progress: Progress | None = None) -> OptimizeResult:
+             allow_precision: bool = False, progress: Progress | None = None) -> OptimizeResult:
     """Search the knobs of the run's engine (``dpro.engines``), recomputation under a memory budget and
-    compression; every answer is confirmed by replay.
+    compression; then what the probe passes price (``sim.choices.probed_choices``: micro-batches against
+    recomputation under the budget, autocast precision with ``allow_precision``); every answer is confirmed by replay.
 
     Args:
         progress: advanced once per configuration replayed (``dpro.progress.Progress``; its total is
             unknown ahead: each engine's search decides how many candidates it prices), closed at the end.
     """
     search = get_engine(ctx.engine).optimize or optimize_common  # an engine without a search of its own
+
+    def searched() -> OptimizeResult:
+        result = search(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
+        return probed_choices(ctx, result, memory_budget_bytes=memory_budget_bytes, allow_precision=allow_precision)
+
     if progress is None:
-        return search(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
+        return searched()
     before = ctx.on_predict
     ctx.on_predict = lambda knobs: progress.advance(note=_knobs_note(knobs))
     try:
-        return search(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression)
+        return searched()
     finally:
         ctx.on_predict = before
         progress.close()

@@ -20,6 +20,8 @@ __all__ = [
     "CATEGORIES",
     "MODEL_FILE",
     "MODEL_SCHEMA",
+    "PROBES_DIR",
+    "PROBES_SCHEMA",
     "QUEUES",
     "QUEUE_ID",
     "RUN_FILE",
@@ -31,6 +33,7 @@ __all__ = [
     "busy_file",
     "journal_file",
     "model_fingerprint",
+    "probes_file",
     "queue_metadata",
     "rank_file",
     "row_event",
@@ -82,6 +85,17 @@ def analysis_file(run_dir: str | Path, name: str) -> Path:
 def rank_file(rank: int) -> str:
     """Name of the finished trace file of ``rank``."""
     return f"rank-{rank}.json"
+
+
+PROBES_SCHEMA = "dpro.probes/1"
+PROBES_DIR = "probes"
+
+
+def probes_file(rank: int) -> str:
+    """Name (under the run directory) of the probe passes ``rank`` ran after its window: each op's time under
+    another precision or a smaller batch, kept apart from the rank's trace so no model of the recorded run sees
+    them."""
+    return f"{PROBES_DIR}/rank-{rank}.json"
 
 
 def journal_file(rank: int) -> str:

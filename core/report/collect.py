@@ -73,7 +73,8 @@ class ReportData:
     timeline_note: str
     comm: list[dict[str, Any]]                 # per collective: name, bytes, ms, gbit_per_s
     curves: list[Curve] = field(default_factory=list)
-    memory: list[dict[str, Any]] = field(default_factory=list)   # recompute choice -> peak bytes, step ms
+    # recompute choice (or ``choice``: micro-batches, autocast) -> peak bytes, step ms
+    memory: list[dict[str, Any]] = field(default_factory=list)
     recommendation: dict[str, Any] | None = None                # explain rows, predicted, the config document
     unavailable: list[str] = field(default_factory=list)        # sections that could not be computed, and why
     recording_overhead: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> what recording cost it
@@ -239,7 +240,7 @@ def whatif_curves(ctx: Any, *, quiet: bool | None = None) -> tuple[list[Curve], 
     sweeps.append(("bandwidth_scale", list(BANDWIDTH_SCALES)))
     sweeps.append(("world_size", sorted({*WORLD_SIZES, ctx.run.world_size})))
     modules = recompute_candidates(ctx)[:MAX_RECOMPUTE_POINTS] if ctx.memory.activation_bytes else []
-    total = sum(len(values) for _, values in sweeps) + len(modules) + 1
+    total = sum(len(values) for _, values in sweeps) + len(modules) + 1 + len(_probed_choices(ctx))
     curves = []
     with Progress(total, "what-if curves", quiet=quiet) as bar:
         for knob, values in sweeps:
@@ -263,7 +264,24 @@ def whatif_curves(ctx: Any, *, quiet: bool | None = None) -> tuple[list[Curve], 
             p = predict(ctx, {"recompute": [module]})
             memory.append({"recompute": module, "peak_memory_bytes": p.predicted_peak_memory_bytes,
                            "step_ms": p.predicted_step_ms})
+        for knob, value in _probed_choices(ctx):
+            bar.advance(note=f"{knob}={value}")
+            try:
+                p = predict(ctx, {knob: value})
+            except DproError as err:  # e.g. a precision the recorder could not probe
+                log.debug("what-if %s=%s left out: %s", knob, value, err)
+                continue
+            memory.append({"recompute": "(none)", "choice": f"{knob}={value}",
+                           "peak_memory_bytes": p.predicted_peak_memory_bytes, "step_ms": p.predicted_step_ms})
     return curves, memory
+
+
+PROBED_CHOICES = (("micro_batches", 2), ("micro_batches", 4), ("amp", "bf16"), ("amp", "fp16"))
+
+
+def _probed_choices(ctx: Any) -> tuple[tuple[str, Any], ...]:
+    """The knobs the recorder's probe passes price (``dpro.sim.probes``), when the run has probes."""
+    return PROBED_CHOICES if ctx.probes else ()
 
 
 def _spans_decades(values: list[Any]) -> bool:

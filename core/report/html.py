@@ -238,12 +238,13 @@ def _whatif_section(data: ReportData) -> str:
         out.append("</div>")
     if len(data.memory) > 1:
         points = [(m["peak_memory_bytes"] / 2**20, m["step_ms"]) for m in data.memory]
-        chart = line_chart([Series("recompute", points, [m["recompute"] for m in data.memory])],
-                           title="peak memory vs step time, recomputing one module", x_label="peak memory MiB",
-                           y_label="step ms", connect=False, width=720)
-        rows = [[m["recompute"], (format_bytes(m["peak_memory_bytes"]), m["peak_memory_bytes"]), _ms(m["step_ms"])]
-                for m in data.memory]
-        out.append(chart + table(["recomputed", "peak memory", "step ms"], rows))
+        labels = [m.get("choice") or m["recompute"] for m in data.memory]
+        chart = line_chart([Series("choice", points, labels)],
+                           title="peak memory vs step time: recomputing one module, micro-batches, autocast",
+                           x_label="peak memory MiB", y_label="step ms", connect=False, width=720)
+        rows = [[label, (format_bytes(m["peak_memory_bytes"]), m["peak_memory_bytes"]), _ms(m["step_ms"])]
+                for label, m in zip(labels, data.memory, strict=True)]
+        out.append(chart + table(["recomputed / knob", "peak memory", "step ms"], rows))
     if not data.curves and len(data.memory) <= 1:
         out.append("<p>No what-if for this source.</p>")
     out += [f'<p class="warn">{esc(u)}</p>' for u in data.unavailable]

@@ -16,7 +16,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from dpro.errors import TraceError
 from dpro.io.load import RankTrace, Run, format_steps, overhead_of, step_times_ms
+from dpro.io.probes import read_probes
 from dpro.record.trace import CATEGORIES
 from dpro.report.tables import format_bytes, format_table, indent
 
@@ -47,8 +49,27 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "created": meta.get("created"),
         "ranks": ranks,
         "model": _model_summary(run.model),
+        "probes": _probes_summary(run),
         "problems": list(run.problems),
     }
+
+
+def _probes_summary(run: Run) -> dict[str, Any] | None:
+    """The recorder's probe passes after the window (``dpro.io.probes``): rank 0's (or the first rank's) in full, and
+    which ranks ran any. None when there are none."""
+    try:
+        probes = read_probes(run.path)
+    except TraceError as err:
+        return {"error": str(err)}
+    if not probes:
+        return None
+    first = probes[min(probes)]
+    reference = first.find(None, first.batch) if first.batch is not None else None
+    rows = [{"amp": p.amp, "batch": p.batch, "passes": p.passes, "pass_ms": p.pass_us / 1000.0,
+             "vs_recorded": p.pass_us / reference.pass_us if reference is not None and reference.pass_us else None}
+            for p in first.probes]
+    return {"rank": first.rank, "ranks": sorted(probes), "batch": first.batch, "probes": rows,
+            "skipped": [f"{s['probe']}: {s['why']}" for s in first.skipped]}
 
 
 def _common_steps(run: Run) -> list[int]:
@@ -131,12 +152,30 @@ def format_run_summary(summary: dict[str, Any]) -> str:
                       "of the unrecorded steps' wall time)\n"
                       + indent(format_table(["rank", "training thread CPU", "wall", "noise", "steps"], rows,
                                             align=">>>><")))
+    if summary.get("probes"):
+        blocks.append(_probes_block(summary["probes"]))
     problems = summary["problems"]
     if problems:
         blocks.append(f"problems ({len(problems)})\n" + "\n".join(f"  - {p}" for p in problems))
     else:
         blocks.append("problems: none")
     return "\n\n".join(blocks)
+
+
+def _probes_block(probes: dict[str, Any]) -> str:
+    """The probe passes: flagged as such, since they are not steps of the run and no model of it uses them."""
+    if "error" in probes:
+        return f"probe passes: unreadable ({probes['error']})"
+    head = (f"probe passes after the window (rank {probes['rank']}; ranks with probes: "
+            f"{', '.join(map(str, probes['ranks']))}): not recorded steps, left out of the model of this run; "
+            "they price the amp and micro_batches what-ifs")
+    rows = [[p["amp"] or "as recorded", str(p["batch"]), str(p["passes"]), f"{p['pass_ms']:.2f}",
+             "?" if p["vs_recorded"] is None else f"{p['vs_recorded']:.2f}x"] for p in probes["probes"]]
+    text = head + "\n" + indent(format_table(["precision", "batch", "passes", "pass ms", "vs as recorded"], rows,
+                                              align="<>>>>"))
+    if probes["skipped"]:
+        text += "\n" + "\n".join(f"  skipped {s}" for s in probes["skipped"])
+    return text
 
 
 def _overhead_row(rank: int, overhead: dict[str, Any]) -> list[str]:

@@ -10,6 +10,9 @@ the searches every engine shares.
   choice meets the budget it says so and gives the smallest reachable peak.
 - ``optimize_common``: the searches every engine shares, after its own (gradient compression, priced and applied
   only when the caller allows it, since it changes numerics; recomputation under a budget).
+- ``probed_choices``: after every search, the knobs the recorder's probe passes price (``dpro.sim.probes``):
+  micro-batches weighed against recomputation under a memory budget (the cheaper way that fits), and autocast
+  precision, only when the caller allows it (it changes numerics) and only where it measured faster.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpro.config import MAX_MICRO_BATCHES
+from dpro.errors import UsageError
 from dpro.io.load import run_step_times_ms
-from dpro.sim.whatif import MB, Context, Prediction, predict
+from dpro.sim.whatif import MB, Context, Prediction, peak_memory, predict
 
 __all__ = [
     "MIN_GAIN",
@@ -34,6 +39,7 @@ __all__ = [
     "clears",
     "gradient_ready_us",
     "optimize_common",
+    "probed_choices",
     "recompute_candidates",
     "uncertainty_ms",
 ]
@@ -222,3 +228,112 @@ def optimize_common(ctx: Context, *, memory_budget_bytes: int | None = None, all
     return OptimizeResult(knobs=knobs, baseline=baseline, predicted=final, explain=explain,
                           search_seconds=time.perf_counter() - began,
                           measured_step_ms=ctx.base.measured_step_us / 1000.0)
+
+
+AMPS = ("bf16", "fp16")
+APPLYING_MICRO_BATCHES = ("; a framework with its own gradient accumulation (a transformers.Trainer under dpro-launch) "
+                          "gets it without a code change, a plain training loop splits its batch itself "
+                          "(dpro-launch says how)")
+
+
+def probed_choices(ctx: Context, result: OptimizeResult, *, memory_budget_bytes: int | None = None,
+                   allow_precision: bool = False) -> OptimizeResult:
+    """``result`` (an engine's search) weighed against the knobs only the probe passes price: under a memory budget,
+    micro-batches in place of recomputation where they fit at a shorter replayed step; then autocast precision when
+    ``allow_precision`` and it clears the uncertainty (never where the probes measured it slower). A run without
+    probes comes back as it was, with a note when either was asked for."""
+    if not ctx.probes:
+        if memory_budget_bytes is not None or allow_precision:
+            result.explain.append({"knob": "micro_batches / amp", "predicted_gain_ms": 0.0,
+                                   "why": "not priced: the run has no probe passes (RUN/probes/)"})
+        return result
+    knobs, current = dict(result.knobs), result.predicted
+    explain = list(result.explain)
+    if memory_budget_bytes is not None:
+        knobs, current, note = _weigh_micro_batches(ctx, knobs, current, memory_budget_bytes)
+        explain.append(note)
+    knobs, current, note = _precision(ctx, knobs, current, allow_precision, memory_budget_bytes)
+    explain.append(note)
+    return OptimizeResult(knobs=knobs, baseline=result.baseline, predicted=current, explain=explain,
+                          search_seconds=result.search_seconds, measured_step_ms=result.measured_step_ms)
+
+
+def _micro_batch_counts(ctx: Context) -> list[int]:
+    """k = 2, 4, 8, ... up to the recorded batch (a micro-batch has a row at least)."""
+    batch = min((p.batch for p in ctx.probes.values() if p.batch), default=1)
+    counts, k = [], 2
+    while k <= min(batch, MAX_MICRO_BATCHES):
+        counts.append(k)
+        k *= 2
+    return counts
+
+
+def _weigh_micro_batches(ctx: Context, knobs: dict[str, Any], current: Prediction,
+                         budget: int) -> tuple[dict[str, Any], Prediction, dict[str, Any]]:
+    """The fewest micro-batches whose peak fits ``budget`` (without recomputation), kept when its replayed step is
+    shorter than the search's answer or the search found no way under the budget."""
+    fits_already = current.predicted_peak_memory_bytes <= budget
+    if fits_already and not knobs.get("recompute"):
+        return knobs, current, {"knob": "micro_batches", "predicted_gain_ms": 0.0,
+                                "why": "not needed: the run fits the memory budget as it is"}
+    plain = {k: v for k, v in knobs.items() if k != "recompute"}
+    for k in _micro_batch_counts(ctx):
+        try:
+            if peak_memory(ctx, {**plain, "micro_batches": k}) > budget:
+                continue
+            split = predict(ctx, {**plain, "micro_batches": k})
+        except UsageError as err:
+            return knobs, current, {"knob": "micro_batches", "predicted_gain_ms": 0.0,
+                                    "why": f"not priced: {err}"}
+        gain = current.predicted_step_ms - split.predicted_step_ms
+        other = (f"recomputing {', '.join(knobs['recompute'])}" if knobs.get("recompute") else "the search's answer")
+        if not fits_already or gain > 0:
+            return {**plain, "micro_batches": k}, split, {
+                "knob": "micro_batches", "predicted_gain_ms": gain,
+                "why": f"{k} micro-batches bring the peak to {split.predicted_peak_memory_bytes / MB:.1f} MiB "
+                       f"(budget {budget / MB:.1f} MiB) at {split.predicted_step_ms:.2f} ms a step, "
+                       + (f"{gain:+.2f} ms against {other}" if fits_already else "where nothing else fit")
+                       + APPLYING_MICRO_BATCHES}
+        return knobs, current, {
+            "knob": "micro_batches", "predicted_gain_ms": 0.0,
+            "why": f"{k} micro-batches would fit the budget at {split.predicted_step_ms:.2f} ms a step, slower than "
+                   f"{other} ({current.predicted_step_ms:.2f} ms)"}
+    return knobs, current, {"knob": "micro_batches", "predicted_gain_ms": 0.0,
+                            "why": "no number of micro-batches the batch allows meets the budget"}
+
+
+def _precision(ctx: Context, knobs: dict[str, Any], current: Prediction, allowed: bool,
+               budget: int | None) -> tuple[dict[str, Any], Prediction, dict[str, Any]]:
+    """The fastest autocast precision the probes measured (within ``budget``, its cast weights counted), applied
+    when ``allowed`` and its gain clears the uncertainty; a precision measured slower is never recommended."""
+    priced: list[tuple[float, str, Prediction]] = []
+    refused = []
+    for amp in AMPS:
+        try:
+            pred = predict(ctx, {**knobs, "amp": amp})
+        except UsageError as err:
+            refused.append(f"{amp}: {err}")
+            continue
+        if budget is not None and pred.predicted_peak_memory_bytes > budget:
+            refused.append(f"{amp}: its peak {pred.predicted_peak_memory_bytes / MB:.1f} MiB is over the budget")
+            continue
+        priced.append((current.predicted_step_ms - pred.predicted_step_ms, amp, pred))
+    if not priced:
+        return knobs, current, {"knob": "amp", "predicted_gain_ms": 0.0,
+                                "why": "not priced: " + "; ".join(refused)}
+    gain, amp, pred = max(priced)
+    measured = ", ".join(f"{a} {current.predicted_step_ms - g:.2f} ms" for g, a, _ in sorted(priced,
+                                                                                          key=lambda p: p[1]))
+    if gain <= 0:
+        return knobs, current, {"knob": "amp", "predicted_gain_ms": 0.0,
+                                "why": f"not applied: autocast measured slower here ({measured} against "
+                                       f"{current.predicted_step_ms:.2f} ms)"}
+    worth, shown = clears(ctx, gain, current.predicted_step_ms)
+    if worth and allowed:
+        return {**knobs, "amp": amp}, pred, {"knob": "amp", "predicted_gain_ms": gain,
+                                             "why": f"{amp} autocast, priced by the probe passes ({measured}): "
+                                                    f"{shown}; it changes numerics"}
+    return knobs, current, {"knob": "amp", "predicted_gain_ms": 0.0,
+                            "why": "not applied: " + ("autocast changes numerics; pass --allow-precision "
+                                                      f"({amp}: {shown})" if worth else
+                                                      f"{amp}'s {shown} is within what the prediction can tell")}

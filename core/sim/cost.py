@@ -123,8 +123,9 @@ class MemoryModel:
         prefix = module + "."
         return [m for m in self.activation_bytes if m == module or m.startswith(prefix)]
 
-    def peak_bytes(self, recompute: list[str] | tuple[str, ...] = ()) -> int:
-        """Parameters + gradients + optimizer state + the most activations alive at once.
+    def peak_bytes(self, recompute: list[str] | tuple[str, ...] = (), activation_scale: float = 1.0) -> int:
+        """Parameters + gradients + optimizer state + the most activations alive at once (times
+        ``activation_scale``: another precision, a smaller micro-batch).
 
         Without recomputation that is the end of the forward pass. A checkpointed module keeps only its
         output; its inner activations come back during its backward, when the activations of the
@@ -142,7 +143,7 @@ class MemoryModel:
             before = sum(self.activation_bytes[m] for m in kept if order.index(m) < first)
             peak = max(peak, before + sum(self.activation_bytes[s] for s in inner))
         static = self.param_bytes * (2 + self.optimizer_copies)
-        return int(static + peak)
+        return int(static + peak * activation_scale)
 
 
 def memory_model(model_json: dict[str, Any], knobs: dict[str, Any]) -> MemoryModel:

@@ -13,6 +13,8 @@ models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``. The knobs are t
 | ``compute_scale`` | compute ops take k times as long (a slower or faster device) |
 | ``gradient_compression`` | ``fp16`` / ``bf16``: half the bytes on the wire |
 | ``recompute`` | modules checkpointed: their forward runs again in backward; fewer saved activations |
+| ``amp`` | ``bf16`` / ``fp16`` autocast: each op at the time the recorder's probes measured (``dpro.sim.probes``) |
+| ``micro_batches`` | k forward/backward passes on B/k rows (probed times), collectives after the last |
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from dpro.engines import get_engine
 from dpro.errors import ConfigError, UsageError
 from dpro.io.limits import parse_bounded_json
 from dpro.io.load import RecordingCost, Run, recording_cost
+from dpro.io.probes import RankProbes, read_probes
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
 from dpro.sim.interference import NONE as NO_INTERFERENCE
 from dpro.sim.interference import Interference, fit_interference, op_overlap, scale_for_overlap
+from dpro.sim.probes import activation_scale, probes_of, with_amp, with_micro_batches
 from dpro.sim.replay import plan_levels, predicted_step_us, replay
 
 __all__ = [
@@ -50,6 +54,7 @@ __all__ = [
     "calibrate",
     "context",
     "parse_settings",
+    "peak_memory",
     "predict",
     "recorded_groups",
     "recorded_knobs",
@@ -88,7 +93,7 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
             value = raw
         if key == "recompute" and isinstance(value, str):
             value = [m for m in value.split(",") if m]
-        if key == "gradient_compression" and value == "none":
+        if key in ("gradient_compression", "amp") and value == "none":
             value = None
         knobs[key] = value
     _validate(knobs)
@@ -123,6 +128,7 @@ class Context:
     interference: Interference = NO_INTERFERENCE  # how much overlapped compute slows (sim.interference)
     recording: RecordingCost | None = None  # what recording cost the recorded steps, where the window's gaps told
     as_recorded_ms: float | None = None  # the recorded configuration's replay before that cost was taken out
+    probes: dict[int, RankProbes] = field(default_factory=dict)  # the recorder's probe passes (io.probes), by rank
 
     @property
     def world_size(self) -> int:
@@ -151,7 +157,7 @@ def context(run: Run) -> Context:
     grads = [(g["name"], int(g["bytes"])) for g in run.model.get("gradients", [])]
     interference = fit_interference(run, base.steps)
     ctx = calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs,
-                            interference=interference, recording=recording_cost(run)))
+                            interference=interference, recording=recording_cost(run), probes=read_probes(run.path)))
     return without_recording_cost(ctx)
 
 
@@ -329,14 +335,17 @@ def add_recompute(ctx: Context, model: StepModel, modules: list[str]) -> StepMod
             raise UsageError(f"recompute={module!r}: no recorded module has that path")
         for rank, ops in out.ops.items():
             fw_names = set(inside) | {f"FW.{module}"}
-            cost = sum(op.duration for op in ops if op.name in fw_names)
-            first_bw = next((i for i, op in enumerate(ops) if op.category == "BW" and
-                             (op.name == f"BW.{module}" or op.name.startswith(f"BW.{prefix}"))), None)
-            if first_bw is None:
-                continue
-            anchor = ops[first_bw]
-            ops.insert(first_bw, OpStats(f"RECOMPUTE.{module}", "RECOMPUTE", anchor.queue, rank,
-                                         anchor.order - 1e-3, cost, 0.0, {}))
+            # each pass of the step (one per micro-batch) recomputes its own forward
+            for run in sorted({_pass_of(op.name) for op in ops if op.category == "BW"}, reverse=True):
+                cost = sum(op.duration for op in ops if op.name in {occurrence_name(n, run - 1) for n in fw_names})
+                first_bw = next((i for i, op in enumerate(ops) if op.category == "BW" and _pass_of(op.name) == run
+                                 and (op.name.partition("#")[0] == f"BW.{module}"
+                                      or op.name.startswith(f"BW.{prefix}"))), None)
+                if first_bw is None:
+                    continue
+                anchor = ops[first_bw]
+                ops.insert(first_bw, OpStats(occurrence_name(f"RECOMPUTE.{module}", run - 1), "RECOMPUTE",
+                                             anchor.queue, rank, anchor.order - 1e-3, cost, 0.0, {}))
     return out
 
 
@@ -371,6 +380,14 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
     """The mean step under ``knobs`` (names from ``whatif_knobs()``)."""
     _validate(knobs)
     model = ctx.base
+    recorded_amp = ctx.knobs.get("amp")
+    if knobs.get("amp", recorded_amp) != recorded_amp:
+        if recorded_amp:
+            raise UsageError(f"amp={knobs['amp']}: this run was recorded under {recorded_amp} autocast; its probes "
+                             "price another precision only from a run recorded without it")
+        model = with_amp(model, ctx.probes, knobs["amp"])
+    if int(knobs.get("micro_batches") or 1) > 1:
+        model = with_micro_batches(model, ctx.probes, int(knobs["micro_batches"]))
     engine = get_engine(ctx.engine)
     if any(k in knobs for k in (*REGROUPING_KNOBS, *engine.comm_knobs)):
         groups = knobs.get("tensor_groups") or engine.groups(ctx, knobs) or recorded_groups(ctx)
@@ -424,6 +441,18 @@ def predict(ctx: Context, knobs: dict[str, Any], iterations: int = 4) -> Predict
     return result
 
 
+def peak_memory(ctx: Context, knobs: dict[str, Any]) -> int:
+    """The peak memory of a rank under ``knobs``: recomputation's activations, scaled by what the probes kept under
+    ``amp`` and at B / ``micro_batches`` (``sim.probes.activation_scale``), plus autocast's cast copy of the weights
+    (half their bytes) while the forward runs."""
+    amp, k = knobs.get("amp"), int(knobs.get("micro_batches") or 1)
+    recompute = knobs.get("recompute") or ()
+    if not amp and k == 1:
+        return ctx.memory.peak_bytes(recompute)
+    scale = activation_scale(probes_of(ctx.probes, 0, "amp" if amp else "micro_batches"), amp, k)
+    return ctx.memory.peak_bytes(recompute, activation_scale=scale) + (ctx.memory.param_bytes // 2 if amp else 0)
+
+
 SCALE_OUT_SEEDS = 5
 SCALE_OUT_ITERATIONS = 2  # the second step, after the first: what predicted_step_us reads
 
@@ -460,8 +489,8 @@ def scale_out(ctx: Context, model: StepModel, knobs: dict[str, Any], seeds: int 
     ordered = sorted(steps)
     p90 = ordered[min(len(ordered) - 1, int(math.ceil(0.9 * len(ordered))) - 1)]
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(steps),
-                      predicted_peak_memory_bytes=ctx.memory.peak_bytes(knobs.get("recompute") or ()),
-                      graph_nodes=nodes, spread={"seeds": steps, "p50": statistics.median(steps), "p90": p90})
+                      predicted_peak_memory_bytes=peak_memory(ctx, knobs), graph_nodes=nodes,
+                      spread={"seeds": steps, "p50": statistics.median(steps), "p90": p90})
 
 
 INTERFERENCE_ROUNDS = 3  # replays that let the scaled durations and the overlap they cause settle
@@ -482,8 +511,8 @@ def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iteratio
             sched = replay(g, plan)
     per_rank = predicted_step_us(g, sched)
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
-                      predicted_peak_memory_bytes=ctx.memory.peak_bytes(knobs.get("recompute") or ()),
-                      graph_nodes=g.size, per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
+                      predicted_peak_memory_bytes=peak_memory(ctx, knobs), graph_nodes=g.size,
+                      per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
 
 
 def _recorded_overlap(ctx: Context, iterations: int) -> dict[tuple[int, str], float]:

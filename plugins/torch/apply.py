@@ -5,6 +5,10 @@
 - ``tensor_groups``: ``ddp_kwargs`` -> ``bucket_cap_mb_list`` (one cap per group, exact in bytes)
 - ``recompute``: ``apply`` / ``apply_recompute``: checkpoint wrappers, before DDP wraps the model
 - ``gradient_compression``: ``register_compression``: DDP's fp16/bf16 compress hook, after DDP
+- ``amp``: ``apply`` / ``apply_amp``: the model's forward under ``torch.autocast`` (its outputs back in fp32, so the
+  loss computed from them is too); for fp16, dynamic loss scaling
+- ``micro_batches``: a Trainer's own accumulation (``transformers_callback.accumulate``, set by dpro-launch's
+  auto-attach); a plain loop changes its code (``micro_batches_change`` says how)
 - ``env``: the launcher (``dpro-launch``), before the process starts; ``load_config`` warns when unset
 
 A plain training loop::
@@ -34,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
@@ -46,11 +51,14 @@ from dpro.record.trace import model_fingerprint
 __all__ = [
     "ENGINE",
     "FRAMEWORK",
+    "amp_in_force",
     "apply",
+    "apply_amp",
     "apply_recompute",
     "ddp_kwargs",
     "fingerprint",
     "load_config",
+    "micro_batches_change",
     "recomputed",
     "register_compression",
 ]
@@ -260,8 +268,120 @@ def recomputed(model: nn.Module) -> list[str]:
             if getattr(mod, "_dpro_inner_forward", None) is not None]
 
 
+# ---- precision ---------------------------------------------------------------------------------------
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# torch.amp.GradScaler's defaults: its step() replaces optimizer.step(), which an unmodified script calls itself,
+# so the same dynamic scaling is done from the optimizer's step hooks
+LOSS_SCALE_INIT, LOSS_SCALE_GROWTH, LOSS_SCALE_BACKOFF, LOSS_SCALE_INTERVAL = 2.0**16, 2.0, 0.5, 2000
+
+
+class _LossScale:
+    """fp16 dynamic loss scaling without touching the script: the gradient entering the model's outputs is
+    multiplied by ``scale`` (what scaling the loss does), and before each step of an optimizer holding the model's
+    parameters their gradients are divided by it; a step with a non-finite gradient skips every parameter (their
+    gradients set to None) and halves the scale, ``LOSS_SCALE_INTERVAL`` clean steps double it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.scale, self.clean = LOSS_SCALE_INIT, 0
+        self.params = {id(p) for p in model.parameters()}
+        self.handle = register_optimizer_step_pre_hook(self.before_step)
+
+    def scaled(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * self.scale
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if id(p) in self.params and p.grad is not None]
+        if not params:
+            return
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in params)
+        if not finite:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # the optimizer skips a parameter without a gradient: this step does nothing
+            self.scale *= LOSS_SCALE_BACKOFF
+            self.clean = 0
+            return
+        with torch.no_grad():
+            for p in params:
+                p.grad.div_(self.scale)
+        self.clean += 1
+        if self.clean >= LOSS_SCALE_INTERVAL:
+            self.scale *= LOSS_SCALE_GROWTH
+            self.clean = 0
+
+
+def _float_outputs(output: Any, scale: _LossScale | None) -> Any:
+    """Autocast's outputs back in fp32 (the loss computed from them is then fp32, as autocast would run it), each
+    with the loss scale on its gradient under fp16."""
+    if isinstance(output, torch.Tensor):
+        if not output.is_floating_point():
+            return output
+        out = output.float()
+        if scale is not None and out.requires_grad:
+            out.register_hook(scale.scaled)
+        return out
+    if isinstance(output, tuple) and not hasattr(output, "_fields"):
+        return tuple(_float_outputs(o, scale) for o in output)
+    if isinstance(output, list):
+        return [_float_outputs(o, scale) for o in output]
+    if isinstance(output, dict):
+        for key in list(output.keys()):  # a transformers ModelOutput is a dict kept in place
+            output[key] = _float_outputs(output[key], scale)
+        return output
+    return output
+
+
+def _autocast_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module under ``apply_amp`` (a bound method, so ``copy.deepcopy`` rebinds it)."""
+    device = next((p.device.type for p in self.parameters()), "cpu")
+    with torch.autocast(device, dtype=AMP_DTYPES[self._dpro_amp]):
+        output = self._dpro_precise_forward(*args, **kwargs)
+    return _float_outputs(output, self._dpro_loss_scale)
+
+
+def apply_amp(model: nn.Module, amp: str | None, *, source: str = "apply_amp") -> str | None:
+    """Run ``model``'s forward under ``torch.autocast`` (``amp``: "bf16" or "fp16"; None does nothing), its
+    outputs cast back to fp32; with fp16, dynamic loss scaling on the gradients (``_LossScale``). Parameters,
+    gradients and their collectives stay fp32. Applying it twice is a no-op.
+
+    Raises:
+        UsageError: ``model`` is already wrapped in DDP (wrap the module inside, before DDP).
+        ConfigError: ``amp`` is not a precision dpro knows.
+    """
+    if amp is None:
+        return None
+    if amp not in AMP_DTYPES:
+        raise ConfigError(source, f"must be null, \"bf16\" or \"fp16\", found {amp!r}", _key("amp"))
+    if isinstance(model, DistributedDataParallel):
+        raise UsageError("apply_amp: the model is already wrapped in DistributedDataParallel; apply the config to "
+                         "the module before wrapping it")
+    if getattr(model, "_dpro_amp", None) is not None:
+        return model._dpro_amp
+    model._dpro_amp = amp
+    model._dpro_loss_scale = _LossScale(model) if amp == "fp16" else None
+    model._dpro_precise_forward = model.forward
+    model.forward = types.MethodType(_autocast_forward, model)
+    return amp
+
+
+def amp_in_force(model: nn.Module) -> str | None:
+    """The precision ``apply_amp`` set on ``model`` (or the module inside its DDP wrapper), or None."""
+    return getattr(_inner(model), "_dpro_amp", None)
+
+
+def micro_batches_change(k: int) -> str:
+    """What a plain training loop changes to run its batch as ``k`` micro-batches (dpro cannot do it from outside:
+    the loop draws the batch, computes the loss and calls backward itself)."""
+    return (f"micro_batches={k} needs a code change in a plain training loop: split each batch into {k} chunks "
+            f"(x.chunk({k})), and for each chunk run the forward and (loss / {k}).backward(), inside "
+            f"ddp_model.no_sync() for all but the last chunk; then optimizer.step() once. A transformers.Trainer "
+            f"started by dpro-launch gets it without a change (gradient_accumulation_steps x {k})")
+
+
 def apply(model: nn.Module, config: Config) -> nn.Module:
-    """Apply the config's knobs that change the model object (``recompute``), in place; return the model.
+    """Apply the config's knobs that change the model object (``recompute``, ``amp``), in place; return the model.
 
     Call it before wrapping the model in DDP; the DDP arguments come from ``ddp_kwargs(config,
     model=model)`` and gradient compression from ``register_compression(ddp_model, config)``.
@@ -272,6 +392,7 @@ def apply(model: nn.Module, config: Config) -> nn.Module:
     paths = config.knobs.get("recompute") or []
     if paths:
         apply_recompute(model, paths, source=config.source)
+    apply_amp(model, config.knobs.get("amp"), source=config.source)
     return model
 
 

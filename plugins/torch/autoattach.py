@@ -20,6 +20,10 @@
   ``torch.fsdp.reshard_after_forward`` where the script passes none (where it passes one, the config is not
   applied there, and rank 0 says so). At the end of the first optimizer step of an optimizer updating a sharded
   model (no DDP model), an ``FsdpRecorder`` (``dpro.plugins.torch.fsdp``) records the window with the profiler.
+- ``transformers.Trainer.__init__``: a config's ``micro_batches`` k becomes the Trainer's own accumulation
+  (``per_device_train_batch_size / k``, ``gradient_accumulation_steps * k``: ``transformers_callback.accumulate``).
+  A plain DDP loop cannot be split from outside: rank 0 says what code change it takes
+  (``apply.micro_batches_change``) when the config reaches its DDP model.
 - Lightning's ``Trainer.__init__`` (``lightning.pytorch`` and ``pytorch_lightning``): a ``DproCallback`` is
   added unless the callbacks hold one; it records and applies the config itself.
 - Horovod's ``horovod.torch.DistributedOptimizer`` (the factory; same signature and result): the optimizer
@@ -138,11 +142,17 @@ class _State:
     fsdp_reshard: dict[int, Any] = field(default_factory=dict)  # id(module) -> the reshard_after_forward given
     steps_seen: int = 0  # optimizer steps watched (what the launcher says when nothing was recorded)
     built: dict[str, int] = field(default_factory=dict)  # what the script built, by kind (the same note)
+    micro_batches_applied: bool = False  # a Trainer took the config's micro_batches as its own accumulation
+    warned: set[str] = field(default_factory=set)
+    config_of: dict[int, tuple[weakref.ref, Any]] = field(default_factory=dict)  # id(model) -> (model, its config)
 
     # -- the config ----------------------------------------------------------------------------------
 
     def config_for(self, module: Any) -> Any:
-        """The config to apply to a model about to be wrapped in DDP, or None."""
+        """The config to apply to a model about to be wrapped in DDP (or handed to a Trainer), or None."""
+        ref, known = self.config_of.get(id(module), (None, None))
+        if ref is not None and ref() is module:  # a Trainer's model, about to be wrapped in DDP: already checked
+            return known
         path = os.environ.get(CONFIG) or None
         search = os.environ.get(APPLY_SEARCH) or None
         if self.lightning_callback or (path is None and search is None):
@@ -174,6 +184,7 @@ class _State:
             _say(f"applying {path}")
         self.config_applied = True
         self.config_source = path
+        self.config_of[id(module)] = (weakref.ref(module), config)
         return config
 
     # -- DDP ------------------------------------------------------------------------------------------
@@ -495,6 +506,11 @@ def _patch_ddp(module: ModuleType) -> None:
                     bound.arguments.pop(key, None)
                 bound.arguments.update(extra)
         original(*bound.args, **bound.kwargs)
+        micro = int(config.knobs.get("micro_batches") or 1) if config is not None else 1
+        if micro > 1 and state is not None and not state.micro_batches_applied:
+            from dpro.plugins.torch.apply import micro_batches_change
+
+            _warn_once(state, micro_batches_change(micro))
         if config is not None and config.knobs.get("gradient_compression"):
             from dpro.plugins.torch.apply import register_compression
 
@@ -504,6 +520,50 @@ def _patch_ddp(module: ModuleType) -> None:
 
     __init__._dpro_patched = True
     ddp_class.__init__ = __init__
+
+
+def _warn_once(state: _State, message: str) -> None:
+    if message not in state.warned:
+        state.warned.add(message)
+        if _rank() == 0:
+            job_env.say(message)
+
+
+def _patch_hf_trainer(module: ModuleType) -> None:
+    """``transformers.Trainer.__init__``: a config's ``micro_batches`` becomes the Trainer's own accumulation
+    (``transformers_callback.accumulate``), before the Trainer reads its arguments."""
+    trainer_class = module.Trainer
+    original = trainer_class.__init__
+    if getattr(original, "_dpro_patched", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        state = _STATE
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return original(self, *args, **kwargs)  # let the Trainer report the mistake
+        model, training = bound.arguments.get("model"), bound.arguments.get("args")
+        config = state.config_for(model) if state is not None and model is not None and training is not None else None
+        micro = int(config.knobs.get("micro_batches") or 1) if config is not None else 1
+        if micro > 1:
+            from dpro.errors import ConfigError
+            from dpro.plugins.torch.transformers_callback import accumulate
+
+            try:
+                accumulate(training, micro, config.source)
+                state.micro_batches_applied = True
+                _say(f"micro_batches={micro}: per_device_train_batch_size {training.per_device_train_batch_size}, "
+                     f"gradient_accumulation_steps {training.gradient_accumulation_steps}")
+            except ConfigError as err:
+                state.micro_batches_applied = True  # said here; the DDP patch need not say it again
+                _warn_once(state, f"not applied: {err}")
+        return original(*bound.args, **bound.kwargs)
+
+    __init__._dpro_patched = True
+    trainer_class.__init__ = __init__
 
 
 def _patch_trainer(module: ModuleType) -> None:
@@ -778,6 +838,7 @@ def _patch_fsdp(module: ModuleType) -> None:
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "torch.nn.parallel.distributed": _patch_ddp,
     "torch.distributed.fsdp": _patch_fsdp,
+    "transformers.trainer": _patch_hf_trainer,
     "lightning.pytorch.trainer.trainer": _patch_trainer,
     "pytorch_lightning.trainer.trainer": _patch_trainer,
     "horovod.torch": _patch_horovod,

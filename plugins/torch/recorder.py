@@ -14,6 +14,7 @@ the events are turned into microseconds on the host clock once per profiled step
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import platform
@@ -37,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpro.errors import UsageError
 from dpro.logs import get_logger
+from dpro.plugins.torch.probes import probes_summary, probes_wanted, run_probes, write_probes
 from dpro.plugins.torch.transport import TorchDistTransport
 from dpro.record.backward import split_backward
 from dpro.record.protocol import (
@@ -261,6 +263,9 @@ class TorchRecorder:
             span up to the next module's in proportion to forward times (``args.estimated``). ``"tensors"``: hooks
             on each module's output and input tensors mark its own backward, exact per module at about 17 µs more
             per module and step on a CPU (also used when grad_ready is not among ``mechanisms``).
+        probes: after the window, run the last recorded batch again under bf16/fp16 autocast and in slices
+            (``dpro.plugins.torch.probes``: what prices the ``amp`` and ``micro_batches`` knobs); None: unless
+            ``$DPRO_PROBES`` is "0".
 
     The training thread only takes timestamps; the steps' events are built and journaled by a background thread
     every ``BUILD_INTERVAL_S`` (``close`` waits for it), so a process killed outright may lose the steps it finished
@@ -287,6 +292,7 @@ class TorchRecorder:
         claim: Callable[[str | Path | None], Path] = claim_run_dir,
         mechanisms: Iterable[str] = MECHANISMS,
         backward_marks: str = "gradients",
+        probes: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -308,6 +314,9 @@ class TorchRecorder:
                              f"got {backward_marks!r}")
         self.backward_marks = backward_marks
         self._patched_backward: tuple[Callable, Callable] | None = None
+        self.probes = probes_wanted() if probes is None else bool(probes)
+        self._batch: tuple[tuple, dict] | None = None  # the inner module's last recorded forward arguments
+        self._probing = False
         self.steps = parse_steps(steps)
         check_window_fits(self.steps, total_steps, who)
         self.window = frozenset(self.steps)
@@ -436,6 +445,8 @@ class TorchRecorder:
                 self._handles += _time_class_forwards([mod for _, mod in self._modules if id(mod) in timed], timed)
             if self.ddp is not None:
                 self._handles += self._ddp_forward_hooks()
+            if self.probes:
+                self._handles.append(self.module.register_forward_pre_hook(self._batch_hook(), with_kwargs=True))
         if "grad_ready" in mechanisms:
             for name, p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(name)))
@@ -729,6 +740,18 @@ class TorchRecorder:
     def _build_step(self, log: _StepLog, step: int) -> None:
         if self.cuda:
             log.end.synchronize()
+        rows, ready = self._step_rows(log, step)
+        self._writer.end_step(step, rows)
+        if self.cuda:
+            self._free_events.extend(_events_of(log))
+        self._last_log = log
+        self._last_ready = ready
+        self._last_buckets = _buckets_of(rows)
+        if self.rank == 0 and len(self._writer.steps_done) == 1:
+            self._write_model_json()
+
+    def _step_rows(self, log: _StepLog, step: int) -> tuple[list[list[Any]], dict[str, float]]:
+        """The events of one step's log (sorted by start), and when each gradient was ready in its last pass."""
         resolve = self._resolve
         t_start = resolve(log.start)
         rows = [event_row("STEP", "STEP", HOST, t_start, resolve(log.end) - t_start,
@@ -762,14 +785,7 @@ class TorchRecorder:
                 rows.append(event_row(f"BW.{name}", "BW", COMPUTE, ts, t1 - ts,
                                       {"step": step, "grads": grads, "grads_ready_us": [ready[g] for g in grads]}))
         rows.sort(key=lambda row: row[3])
-        self._writer.end_step(step, rows)
-        if self.cuda:
-            self._free_events.extend(_events_of(log))
-        self._last_log = log
-        self._last_ready = ready
-        self._last_buckets = _buckets_of(rows)
-        if self.rank == 0 and len(self._writer.steps_done) == 1:
-            self._write_model_json()
+        return rows, ready
 
     def _backward_rows(self, log: _StepLog, marks: _BackwardMarks, forwards: list[tuple[str, float, float, int, bool]],
                        ready: dict[str, float], grads_of: dict[str, list[str]], step: int) -> list[list[Any]]:
@@ -815,6 +831,60 @@ class TorchRecorder:
             logger.error("%s: building the recorded events failed on rank %d: %s", self.who, self.rank,
                          self._build_error)
 
+    def probe_pass(self, args: tuple, kwargs: dict, cast: contextlib.AbstractContextManager,
+                   loss_of: Callable[[Any], torch.Tensor | None]) -> tuple[dict[str, float], float, int]:
+        """One probe pass (``dpro.plugins.torch.probes``): the inner module's forward on ``args``/``kwargs`` under
+        ``cast``, then the backward of ``loss_of(output)``, timed by the hooks in place -> each FW/BW op's µs, the
+        pass's µs, and the activation bytes its modules kept."""
+        log = _StepLog(start=self._mark(), gradient_marks=self._gradient_marks, io_open=False)
+        self._log = log
+        with cast:
+            output = self.module(*args, **kwargs)
+        loss = loss_of(output)
+        if loss is None:
+            raise ValueError("the model's output holds no floating tensor that needs a gradient")
+        loss.backward()
+        log.end = self._mark()
+        log.last_output = None
+        if self.cuda:
+            log.end.synchronize()
+        rows, _ = self._step_rows(log, -1)
+        ops: dict[str, float] = {}
+        for name, cat, _, _, dur_ns, _ in rows:  # event_row keeps integer nanoseconds
+            if cat in ("FW", "BW", "RECOMPUTE"):
+                ops[name] = ops.get(name, 0.0) + dur_ns / 1000.0
+        return ops, self._resolve(log.end) - self._resolve(log.start), sum(log.activation_bytes.values())
+
+    def _run_probes(self) -> dict[str, Any] | None:
+        """The probe passes after the window (``dpro.plugins.torch.probes``), written to ``RUN/probes/``; a DDP or
+        single-process model only (other engines' gradient hooks would communicate). Never raises."""
+        batch, self._batch = self._batch, None
+        if not self.probes or (self.distributed and self.ddp is None) or self.module is None:
+            return None
+        self._probing = True
+        try:
+            doc = run_probes(self, batch)
+            write_probes(self.run_dir, self.rank, doc)
+        except Exception as err:  # noqa: BLE001 - a probe must never fail the job it measures
+            logger.warning("%s: the probe passes after the window failed (%s); the run has none", self.who, err)
+            return None
+        finally:
+            self._probing = False
+        return doc
+
+    def _batch_hook(self) -> Callable[[nn.Module, tuple, dict], None]:
+        """A forward pre-hook that keeps the inner module's forward arguments (by reference) for the probes after
+        the window. A closure, not a bound method: ``copy.deepcopy`` of the model (an EMA copy made while recording)
+        copies a bound method's recorder, and shares a function; the copy's calls are not kept."""
+        inner = self.module
+
+        def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if module is inner and module.training and not self._probing and not is_compiling() \
+                    and not in_backward():
+                self._batch = (args, kwargs)
+
+        return keep
+
     def close(self, error: BaseException | None = None) -> Path | None:
         """End recording: write this rank's trace (and model.json on rank 0). Safe to call twice."""
         if self._closed:
@@ -836,22 +906,26 @@ class TorchRecorder:
         if self.rank == 0 and done:
             self._write_model_json()
         if error is None and self._iteration > self.steps[-1]:  # every rank is here, at the same step
-            self._probe_after_window()
+            probes = self._run_probes()
+            self._probe_after_window(probes)
         self._release_model()
         return self.run_dir
 
-    def _probe_after_window(self) -> None:
+    def _probe_after_window(self, probes: dict[str, Any] | None = None) -> None:
         """Time allreduces of a few sizes on the job's process group (run.json's ``comm_probe``), after the window:
         megabyte allreduces before it made the recorded steps of a Horovod job on an emulated link faster than the
         same job unrecorded (the connections stay warmed up), and the model is of the job as it runs.
         A probe that fails is logged; the job goes on."""
+        doc = getattr(self, "_run_doc", None)
+        if self.rank == 0 and doc is not None and probes is not None:
+            doc["probes"] = probes_summary(probes)
+            write_run_json(self.run_dir, doc)
         try:
             probe = allreduce_probe(self.transport, self.clock)
             interference = interference_probe(self.transport, self.clock, self._probe_kernel(), probe)
         except (RuntimeError, ValueError, OSError) as err:
             logger.warning("%s: the probe after the window failed (%s); the run has no probe", self.who, err)
             return
-        doc = getattr(self, "_run_doc", None)
         if self.rank == 0 and doc is not None:
             doc["comm_probe"]["samples"] = probe
             if interference is not None:
@@ -875,7 +949,7 @@ class TorchRecorder:
     def _release_model(self) -> None:
         """Drop references to the model: DDP's reducer keeps our comm hook (and so this object) alive,
         and a DDP model that is never freed can abort gloo when the process group is torn down."""
-        self.ddp = self.module = self.optimizer = None
+        self.ddp = self.module = self.optimizer = self._batch = None
         self.params, self._modules, self._param_name = [], [], {}
         self._log = self._last_log = None
 
@@ -934,10 +1008,12 @@ class TorchRecorder:
                 knobs["torch.ddp.bucket_cap_mb_list"] = [c / 2**20 for c in caps]
         if self.optimizer is not None:
             knobs["optimizer"] = type(self.optimizer).__name__
-        from dpro.plugins.torch.apply import recomputed
+        from dpro.plugins.torch.apply import amp_in_force, recomputed
 
         if recomputed(self.module):
             knobs["recompute"] = recomputed(self.module)
+        if amp_in_force(self.module):
+            knobs["amp"] = amp_in_force(self.module)
         knobs.update(self.extra_knobs)
         return knobs
 

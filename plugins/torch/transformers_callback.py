@@ -9,6 +9,9 @@ One optimizer step (``on_step_end``, after gradient accumulation) is one iterati
 found among the live objects (the ``DistributedDataParallel`` whose module is that model); a job on one process is
 recorded without it. The recorder is the same as the ``Profiler``'s (``TorchRecorder``). ``transformers`` is imported
 only by this module.
+
+``accumulate`` applies a config's ``micro_batches`` through the Trainer's own accumulation (dpro-launch's
+auto-attach calls it before the Trainer is built; a script can call it on its ``TrainingArguments``).
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from dpro.errors import DproError
+from dpro.errors import ConfigError, DproError
 from dpro.logs import get_logger
 from dpro.plugins.torch.recorder import TorchRecorder, active_recorders
 
-__all__ = ["DproTrainerCallback", "ddp_wrapping"]
+__all__ = ["DproTrainerCallback", "accumulate", "ddp_wrapping"]
 
 logger = get_logger("dpro.plugins.torch.transformers_callback")
 WHO = "DproTrainerCallback"
@@ -41,6 +44,22 @@ def ddp_wrapping(model: nn.Module) -> DistributedDataParallel | None:
             if inner is model or getattr(inner, "_orig_mod", None) is model:
                 return obj
     return None
+
+
+def accumulate(training_args: Any, k: int, source: str = "accumulate") -> None:
+    """The same batch as ``k`` micro-batches: ``per_device_train_batch_size / k`` and ``gradient_accumulation_steps *
+    k`` (the Trainer skips the allreduce of all but the last, as DDP's ``no_sync``). Call it before the ``Trainer``
+    is built (its accelerator reads the accumulation steps then).
+
+    Raises:
+        ConfigError: the per-device batch does not split into ``k`` equal micro-batches.
+    """
+    per_device = int(training_args.per_device_train_batch_size)
+    if k < 1 or per_device % k:
+        raise ConfigError(source, f"a per-device batch of {per_device} does not split into {k} equal micro-batches",
+                          'knobs["micro_batches"]')
+    training_args.per_device_train_batch_size = per_device // k
+    training_args.gradient_accumulation_steps = int(training_args.gradient_accumulation_steps) * k
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -4,6 +4,8 @@ import argparse
 import contextlib
 import datetime
 import gc
+import hashlib
+import json
 import os
 
 import torch
@@ -30,6 +32,8 @@ parser.add_argument("--no-sync", choices=("pass", "backward"), default="pass",
 parser.add_argument("--reuse", action="store_true",
                     help="a model whose hidden layer runs twice per forward, the second time checkpointed")
 parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model (the Profiler is handed that)")
+parser.add_argument("--params-digest", default=None,
+                    help="rank 0 writes here, as JSON, a sha256 of each parameter and buffer after training")
 parser.add_argument("--crash-rank", type=int, default=-1)
 parser.add_argument("--crash-step", type=int, default=-1)
 args = parser.parse_args()
@@ -85,6 +89,11 @@ def train() -> None:
                     loss.backward()
             opt.step()
             prof.step()
+    if args.params_digest and rank == 0:
+        state = {n: hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+                 for n, t in [*net.named_parameters(), *net.named_buffers()]}
+        with open(args.params_digest, "w") as f:
+            json.dump(state, f)
 
 
 train()

@@ -178,7 +178,9 @@ ENGINE = Engine(
     groups=bucket_groups,
     optimize=search,
     apply="DistributedDataParallel(bucket_cap_mb=, bucket_cap_mb_list=, find_unused_parameters=) by the torch "
-          "plugin (DproCallback, dpro-launch's auto-attach, dpro.plugins.torch.apply)",
+          "plugin (DproCallback, dpro-launch's auto-attach, dpro.plugins.torch.apply); amp as autocast around the "
+          "model's forward; micro_batches as a Trainer's gradient accumulation (no_sync before the last; a plain "
+          "loop changes its code)",
     comm_knobs=(BUCKET_CAP, FIRST_BUCKET_CAP),
     sweeps=sweeps,
     trace_whatif=regrouped_traces,

@@ -115,11 +115,12 @@ def test_killed_rank_leaves_finished_steps_readable(tmp_path):
 def test_existing_run_is_never_overwritten(tmp_path):
     run_dir = tmp_path / "run"
     torchrun("ddp_job.py", "--steps", "3", "--profile", "1:2", "--run-dir", str(run_dir))
-    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    before = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert "probes/rank-0.json" in before  # a folder of the run's own
     proc = torchrun("ddp_job.py", "--steps", "3", "--profile", "1:2", "--run-dir", str(run_dir), check=False)
     assert proc.returncode != 0 and "never overwrites" in proc.stderr
     assert proc.stderr.count("dpro: error:") == 1  # said once, by rank 0, not by every rank
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    assert {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     json.loads((run_dir / "rank-0.json").read_text())
 
 

@@ -1,0 +1,241 @@
+"""Pricing ``amp`` and ``micro_batches`` from the recorder's probe passes (``dpro.io.probes``), never from FLOPs.
+
+Each op keeps its recorded mean time and is scaled by what the probes measured for it, relative to the probe of the
+batch as recorded (the probes run outside the step, without communication, so only their ratios are used):
+
+- ``amp``: op time x (time under autocast / time as recorded), both at the recorded batch. Autocast keeps the
+  parameters, and so the gradients and their collectives, in fp32: their bytes do not change (the
+  ``gradient_compression`` knob halves them). Activations scale as the probes' kept output bytes did, and autocast
+  keeps a cast copy of the weights while the forward runs (half their bytes).
+- ``micro_batches`` k: each op's time against its batch is fitted as t(b) = a + s b (least squares over the probes
+  at the recorded batch and its slices), and the op runs k times per step at t(B/k) / t(B) of its time. Collectives
+  run once, after the last micro-batch's backward (the engine skips synchronising the others). Activations scale as
+  the probes' kept bytes did at B/k (1/k where B/k was not probed).
+
+Work between the recorded modules (a parent's own tensor ops, such as attention's products inside a block whose
+children are the recorded layers) is in the gaps before the forward and backward ops; the probes measure it as the
+pass less its ops (``BETWEEN``) and the gaps inside the pass scale as it did. Ops the probes did not time (an
+engine's own work after the forward, the optimizer, IO) keep their recorded time.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+from dpro.dag.step_model import OpStats, StepModel, occurrence_name
+from dpro.errors import UsageError
+from dpro.io.probes import Probe, RankProbes
+
+__all__ = ["BETWEEN", "MIN_BATCH_RATIO", "activation_scale", "amp_ratios", "batch_ratios", "fit_line", "probes_of",
+           "with_amp", "with_micro_batches"]
+
+MIN_BATCH_RATIO = 0.02  # a fitted time at a small batch is at least this share of the recorded one (a line may
+# cross zero below the batches probed)
+SCALED = ("FW", "BW", "RECOMPUTE")
+BETWEEN = "<between modules>"  # a probe pass's time outside its recorded ops: the gaps inside the pass
+BETWEEN_MIN = 0.02  # ... priced only where it is at least this share of the pass (else timer noise)
+
+
+def timed(probe: Probe) -> dict[str, float]:
+    """A probe's op times, and the pass's time outside them as ``BETWEEN`` (where it is a share worth pricing;
+    nested modules timed twice can make the ops add up to more than the pass)."""
+    between = probe.pass_us - sum(probe.ops.values())
+    return {**probe.ops, BETWEEN: between} if between >= BETWEEN_MIN * probe.pass_us else dict(probe.ops)
+
+
+def base_name(name: str) -> str:
+    """``FW.fc1#2`` -> ``FW.fc1`` (an op's later runs in a step are priced as its first)."""
+    head, sep, count = name.rpartition("#")
+    return head if sep and count.isdigit() else name
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares a, s of t = a + s b over (b, t) points; a single batch gives the line through the origin."""
+    if not points:
+        raise ValueError("fit_line: no points")
+    xs = {b for b, _ in points}
+    if len(xs) == 1:
+        b, t = points[0][0], sum(t for _, t in points) / len(points)
+        return 0.0, t / b if b else 0.0
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((b - mx) ** 2 for b, _ in points)
+    s = sum((b - mx) * (t - my) for b, t in points) / sxx
+    return my - s * mx, s
+
+
+def probes_of(probes: dict[int, RankProbes], rank: int, knob: str) -> RankProbes:
+    """The probes of ``rank`` (those of the lowest rank that has usable ones when it has none: the reference probe,
+    the batch as recorded, is what every ratio is taken against).
+
+    Raises:
+        UsageError: the run has no probes (``knob`` names what needed them).
+    """
+    def usable(rank_probes: RankProbes | None) -> bool:
+        return rank_probes is not None and rank_probes.batch is not None and \
+            rank_probes.find(None, rank_probes.batch) is not None
+
+    own = probes.get(rank)
+    found = own if usable(own) else next((probes[r] for r in sorted(probes) if usable(probes[r])), None)
+    if found is None:
+        raise UsageError(f"{knob}: this run has no probe passes (RUN/probes/), which price it by measurement; "
+                         "record it again with the torch recorder and $DPRO_PROBES unset")
+    return found
+
+
+def _reference(rank_probes: RankProbes) -> Probe:
+    return rank_probes.find(None, rank_probes.batch)  # probes_of checked it
+
+
+def amp_ratios(rank_probes: RankProbes, amp: str) -> dict[str, float]:
+    """op -> its time under ``amp`` autocast over its time as recorded, both at the recorded batch.
+
+    Raises:
+        UsageError: ``amp`` was not probed (the note says why, when the recorder skipped it).
+    """
+    reference = _reference(rank_probes)
+    probe = rank_probes.find(amp, reference.batch)
+    if probe is None:
+        why = next((s["why"] for s in rank_probes.skipped if s["probe"].startswith(amp)), "not probed")
+        raise UsageError(f"amp={amp}: rank {rank_probes.rank}'s probes have no {amp} pass ({why})")
+    ops, reference_ops = timed(probe), timed(reference)
+    return {op: ops[op] / t for op, t in reference_ops.items() if op in ops and t > 0}
+
+
+def batch_ratios(rank_probes: RankProbes, k: int) -> dict[str, float]:
+    """op -> t(B / k) / t(B) from the line fitted through its probes in the recorded precision (B: the recorded
+    batch; ``MIN_BATCH_RATIO`` at least).
+
+    Raises:
+        UsageError: the probes hold no batch but the recorded one (a batch of 1 cannot be sliced).
+    """
+    reference = _reference(rank_probes)
+    full = reference.batch
+    sliced = [p for p in rank_probes.probes if p.amp is None and p.batch != full]
+    if not sliced:
+        raise UsageError(f"micro_batches={k}: rank {rank_probes.rank}'s probes ran no smaller batch than the "
+                         f"recorded {full} rows")
+    out: dict[str, float] = {}
+    sliced_ops = [(p.batch, timed(p)) for p in sliced]
+    for op, t_full in timed(reference).items():
+        points = [(float(full), t_full)] + [(float(rows), ops[op]) for rows, ops in sliced_ops if op in ops]
+        a, s = fit_line(points)
+        at_full = a + s * full
+        if at_full <= 0:
+            continue
+        out[op] = max(a + s * full / k, MIN_BATCH_RATIO * at_full) / at_full
+    return out
+
+
+def activation_scale(rank_probes: RankProbes, amp: str | None, k: int) -> float:
+    """The activations kept under ``amp`` and ``k`` micro-batches over those recorded, as the probes measured them
+    (1/k for a micro-batch size not probed; amp and micro-batches multiply)."""
+    reference = _reference(rank_probes)
+    if not reference.activation_bytes:
+        return (1.0 if amp is None else 0.5) / k
+    scale = 1.0
+    if amp is not None:
+        probe = rank_probes.find(amp, reference.batch)
+        scale *= probe.activation_bytes / reference.activation_bytes if probe is not None else 0.5
+    if k > 1:
+        rows = reference.batch / k
+        probe = next((p for p in rank_probes.probes if p.amp is None and p.batch == rows), None)
+        scale *= probe.activation_bytes / reference.activation_bytes if probe is not None else 1.0 / k
+    return scale
+
+
+def _scale_op(op: OpStats, ratio: float) -> None:
+    op.duration *= ratio
+    op.samples = [d * ratio for d in op.samples]
+    offsets = op.args.get("grads_ready_offset_us")
+    if isinstance(offsets, dict):
+        op.args = {**op.args, "grads_ready_offset_us": {g: t * ratio for g, t in offsets.items()}}
+
+
+def _price(op: OpStats, ratios: dict[str, float], *, opens_pass: bool) -> None:
+    """Scale a forward/backward op by its probed ratio (a recomputed forward as its forward), and its gap by the
+    work between modules (``BETWEEN``), except the gap before a pass's first op (the loop's own work, not the
+    model's)."""
+    if op.category not in SCALED:
+        return
+    ratio = ratios.get(base_name(op.name))
+    if ratio is None and op.category == "RECOMPUTE":
+        ratio = ratios.get("FW." + base_name(op.name).split(".", 1)[1])
+    if ratio is not None:
+        _scale_op(op, ratio)
+    if not opens_pass and op.gap is not None and BETWEEN in ratios:
+        op.gap *= ratios[BETWEEN]
+
+
+def _scaled(model: StepModel, ratios_of: Callable[[int], dict[str, float]]) -> StepModel:
+    out = copy.deepcopy(model)
+    for rank, ops in out.ops.items():
+        ratios = ratios_of(rank)
+        opened: set[int] = set()  # the passes whose first op was seen
+        for op in ops:
+            run = _pass_of(op.name)
+            _price(op, ratios, opens_pass=op.category == "FW" and run not in opened)
+            if op.category == "FW":
+                opened.add(run)
+    return out
+
+
+def _pass_of(name: str) -> int:
+    head, sep, count = name.rpartition("#")
+    return int(count) if sep and count.isdigit() else 1
+
+
+def with_amp(model: StepModel, probes: dict[int, RankProbes], amp: str) -> StepModel:
+    """``model`` with each probed compute op at its measured time under ``amp`` autocast."""
+    return _scaled(model, lambda rank: amp_ratios(probes_of(probes, rank, f"amp={amp}"), amp))
+
+
+def with_micro_batches(model: StepModel, probes: dict[int, RankProbes], k: int) -> StepModel:
+    """``model`` with each rank's forward and backward run ``k`` times on B / k rows (times from ``batch_ratios``),
+    its collectives once, after the last pass's backward.
+
+    Raises:
+        UsageError: the run already runs several passes a step, or has no probes of smaller batches.
+    """
+    if k == 1:
+        return model
+    out = copy.deepcopy(model)
+    for rank, ops in out.ops.items():
+        ratios = batch_ratios(probes_of(probes, rank, f"micro_batches={k}"), k)
+        out.ops[rank] = _passes(ops, ratios, k, rank)
+    return out
+
+
+def _passes(ops: list[OpStats], ratios: dict[str, float], k: int, rank: int) -> list[OpStats]:
+    """One rank's ops with the span from its first forward to its last backward run ``k`` times."""
+    if any(op.category in SCALED and base_name(op.name) != op.name for op in ops):
+        raise UsageError(f"micro_batches: rank {rank} already runs several forward/backward passes a step; "
+                         "price splitting a run recorded with one pass per step")
+    compute = [i for i, op in enumerate(ops) if op.category in ("FW", "BW")]
+    if not compute:
+        return ops
+    first = next(i for i in compute if ops[i].category == "FW") if any(
+        ops[i].category == "FW" for i in compute) else compute[0]
+    last = max(i for i in compute if ops[i].category == "BW") if any(
+        ops[i].category == "BW" for i in compute) else compute[-1]
+    body = ops[first:last + 1]
+    span = body[-1].order + body[-1].duration - body[0].order
+    out = list(ops[:first])
+    for j in range(k):
+        final = j == k - 1
+        for op in body:
+            if op.category not in SCALED and not final:
+                continue  # collectives and other work: once, with the last micro-batch
+            copied = copy.deepcopy(op)
+            copied.order += j * span
+            if op.category in SCALED:
+                copied.name = occurrence_name(op.name, j)
+                _price(copied, ratios, opens_pass=op is body[0])
+            out.append(copied)
+    for op in ops[last + 1:]:
+        moved = copy.deepcopy(op)
+        moved.order += (k - 1) * span
+        out.append(moved)
+    return out

@@ -1,0 +1,224 @@
+"""Probe passes after the recorded window: the captured batch run again, forward and backward, under another
+precision (``torch.autocast``) and in slices of the batch (dim 0), each module timed by the recorder's own hooks.
+
+They price two knobs by measurement, not by FLOP counts: ``amp`` (bf16 autocast can be several times slower than
+fp32 on a CPU without bf16 units) and ``micro_batches`` (ops do not scale linearly at small batches). The results go
+to ``RUN/probes/rank-<r>.json`` (``dpro.io.probes`` reads them), never into the rank's trace, so no model of the
+recorded configuration sees them.
+
+A probe must not change training: every parameter's ``.grad`` (the object, so DDP's bucket views survive), every
+buffer (BatchNorm's running statistics) and the RNG states are put back; the inner module runs under DDP's
+``no_sync`` (no allreduce); the optimizer is never stepped. Anything that fails skips that probe with a note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dpro.logs import get_logger
+from dpro.record import job_env
+from dpro.record.trace import PROBES_SCHEMA, probes_file, write_json_atomic
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from dpro.plugins.torch.recorder import TorchRecorder
+
+__all__ = ["AMP_DTYPES", "PROBE_BUDGET_S", "PROBE_PASSES", "ProbeResult", "batch_size", "probes_summary",
+           "probes_wanted", "run_probes", "sliced", "training_state_kept", "write_probes"]
+
+logger = get_logger("dpro.plugins.torch")
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PROBE_PASSES = 3  # timed passes per probe, after one warm-up pass (autocast's first pass builds its casts)
+PROBE_BUDGET_S = 60.0  # no further probe starts once the probes took this long (bf16 on a CPU may be 10x slower)
+PROBED_FRACTIONS = (2, 4)  # micro-batch probes at B/2 and B/4 (a batch that divides)
+
+
+@dataclass
+class ProbeResult:
+    """One probe: ``amp`` (None: the precision recorded) at ``batch`` rows; each op's median µs over the passes."""
+
+    amp: str | None
+    batch: int
+    passes: int
+    ops: dict[str, float]
+    pass_us: float
+    activation_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"amp": self.amp, "batch": self.batch, "passes": self.passes, "pass_us": round(self.pass_us, 3),
+                "activation_bytes": self.activation_bytes, "ops": {k: round(v, 3) for k, v in self.ops.items()}}
+
+
+@dataclass
+class _Probes:
+    results: list[ProbeResult] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    def skip(self, probe: str, why: str) -> None:
+        self.skipped.append({"probe": probe, "why": why})
+
+
+def probes_wanted() -> bool:
+    """``$DPRO_PROBES`` is not "0" (the probes are on by default)."""
+    return os.environ.get(job_env.PROBES, "1").strip() != "0"
+
+
+def batch_size(batch: Any) -> int | None:
+    """Dim 0 of the first tensor in a forward's arguments (tensors, or tuples/lists/dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    for item in items:
+        found = batch_size(item)
+        if found is not None:
+            return found
+    return None
+
+
+def sliced(batch: Any, full: int, rows: int) -> Any:
+    """``batch`` with every tensor whose dim 0 is ``full`` cut to its first ``rows`` (others as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows] if batch.dim() > 0 and batch.shape[0] == full else batch
+    if isinstance(batch, dict):
+        return {k: sliced(v, full, rows) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(sliced(v, full, rows) for v in batch)
+    if isinstance(batch, list):
+        return [sliced(v, full, rows) for v in batch]
+    return batch
+
+
+@contextlib.contextmanager
+def training_state_kept(module: nn.Module) -> Iterator[None]:
+    """Run a probe without changing training: gradients (set aside, the same objects put back), buffers and RNG
+    states restored afterwards, whatever happens inside."""
+    grads = [(p, p.grad) for p in module.parameters()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    for p, _ in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _probe_loss(output: Any) -> torch.Tensor | None:
+    """A scalar whose backward reaches everything the output depends on: the sum of its floating tensors that need
+    a gradient, in fp32 (the recorded loss is computed outside the model and cannot be run again safely)."""
+    if isinstance(output, torch.Tensor):
+        tensors = [output]
+    elif isinstance(output, dict):
+        tensors = list(output.values())
+    elif isinstance(output, (tuple, list)):
+        tensors = list(output)
+    else:
+        tensors = [getattr(output, k) for k in getattr(output, "keys", lambda: [])()]
+    parts = [t.float().sum() for t in tensors
+             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    return torch.stack(parts).sum() if parts else None
+
+
+def _one_pass(rec: TorchRecorder, args: tuple, kwargs: dict, amp: str | None) -> tuple[dict[str, float], float, int]:
+    """One forward and backward of the inner module, timed by the recorder's hooks (``TorchRecorder.probe_pass``),
+    under autocast when ``amp``, its backward from ``_probe_loss``."""
+    device = "cuda" if rec.cuda else "cpu"
+    cast = torch.autocast(device, dtype=AMP_DTYPES[amp]) if amp else contextlib.nullcontext()
+    return rec.probe_pass(args, kwargs, cast, _probe_loss)
+
+
+def _probe(rec: TorchRecorder, args: tuple, kwargs: dict, amp: str | None, rows: int) -> ProbeResult:
+    _one_pass(rec, args, kwargs, amp)  # warm-up
+    passes = [_one_pass(rec, args, kwargs, amp) for _ in range(PROBE_PASSES)]
+    names = set().union(*(p[0] for p in passes))
+    ops = {n: statistics.median(p[0].get(n, 0.0) for p in passes) for n in sorted(names)}
+    return ProbeResult(amp, rows, len(passes), ops, statistics.median(p[1] for p in passes), passes[-1][2])
+
+
+def _variants(full: int) -> list[tuple[str | None, int]]:
+    """The probes to run, cheapest first: the batch as recorded (the reference every other probe is compared
+    with), its slices, then each precision."""
+    out: list[tuple[str | None, int]] = [(None, full)]
+    out += [(None, full // k) for k in PROBED_FRACTIONS if full % k == 0 and full // k >= 1]
+    out += [(amp, full) for amp in AMP_DTYPES]
+    return out
+
+
+def _label(amp: str | None, rows: int) -> str:
+    return f"{amp or 'recorded precision'} at batch {rows}"
+
+
+def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict] | None) -> dict[str, Any]:
+    """Run the probes on ``batch`` (the inner module's last recorded forward arguments) and return the probe
+    document (``dpro.probes/1``); nothing raised gets out (a failed probe is skipped with a note)."""
+    found = _Probes()
+    full = batch_size(batch) if batch is not None else None
+    if batch is None or full is None:
+        found.skip("all", "no forward of the model with a batch tensor was seen in the window")
+    elif any(isinstance(m, nn.SyncBatchNorm) for m in rec.module.modules()):
+        found.skip("all", "the model has SyncBatchNorm, whose forward communicates")
+    else:
+        _probe_all(rec, batch, full, found)
+    return {"schema": PROBES_SCHEMA, "rank": rec.rank, "batch": full, "probes": [r.to_json() for r in found.results],
+            "skipped": found.skipped, "note": "probe passes after the window: not part of the recorded steps"}
+
+
+def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict], full: int, found: _Probes) -> None:
+    args, kwargs = batch
+    began = time.perf_counter()
+    sync_off = rec.ddp.no_sync() if rec.ddp is not None else contextlib.nullcontext()
+    rec._install_hooks()
+    rec._recording = True
+    try:
+        with sync_off, training_state_kept(rec.module):
+            for amp, rows in _variants(full):
+                label = _label(amp, rows)
+                if time.perf_counter() - began > PROBE_BUDGET_S:
+                    found.skip(label, f"the probes had taken {PROBE_BUDGET_S:.0f} s already")
+                    continue
+                if found.results == [] and (amp, rows) != (None, full):
+                    found.skip(label, "the reference probe (the batch as recorded) failed")
+                    continue
+                try:
+                    found.results.append(_probe(rec, sliced(args, full, rows), sliced(kwargs, full, rows), amp, rows))
+                except Exception as err:  # noqa: BLE001 - the user's model on a cut batch may raise anything;
+                    # the probe is skipped and the job goes on (dpro never fails a job)
+                    found.skip(label, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    finally:
+        rec._recording = False
+        rec._remove_hooks()
+        rec._log = None
+
+
+def write_probes(run_dir: Path, rank: int, doc: dict[str, Any]) -> None:
+    """Write the probe document of ``rank`` (``probes_file``)."""
+    path = run_dir / probes_file(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, doc)
+
+
+def probes_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """What run.json says of rank 0's probes (``dpro info`` shows it)."""
+    return {"file": probes_file(int(doc.get("rank", 0))), "batch": doc.get("batch"),
+            "probes": [_label(p["amp"], p["batch"]) for p in doc.get("probes", [])],
+            "skipped": [f"{s['probe']}: {s['why']}" for s in doc.get("skipped", [])],
+            "in_model": False}

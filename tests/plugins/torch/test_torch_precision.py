@@ -1,0 +1,109 @@
+"""The amp and micro_batches knobs applied in one process (dpro.plugins.torch.apply, transformers_callback), and the
+probe passes' guards of training state (dpro.plugins.torch.probes)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from dpro.config import Config  # noqa: E402
+from dpro.errors import ConfigError  # noqa: E402
+from dpro.plugins.torch import apply  # noqa: E402
+from dpro.plugins.torch.apply import amp_in_force, apply_amp, fingerprint, micro_batches_change  # noqa: E402
+from dpro.plugins.torch.probes import batch_size, sliced, training_state_kept  # noqa: E402
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))
+
+
+def test_amp_runs_the_forward_under_autocast_and_hands_back_fp32():
+    model = net()
+    inner: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda m, i, o: inner.append(o.dtype))
+    config = Config(fingerprint={"framework": "torch", "engine": "torch-ddp", "world_size": 1,
+                                 "model": fingerprint(model)}, knobs={"amp": "bf16"})
+    apply(model, config)
+    out = model(torch.randn(4, 8))
+    assert inner == [torch.bfloat16] and out.dtype == torch.float32
+    assert amp_in_force(model) == "bf16" and apply_amp(model, "bf16") == "bf16"  # twice: a no-op
+    out.sum().backward()
+    assert model[0].weight.grad.dtype == torch.float32  # parameters and gradients stay fp32
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_fp16_loss_scaling_gives_the_unscaled_step_and_skips_an_overflow():
+    x = torch.randn(4, 8)
+    plain, scaled = mlp(), mlp()
+    apply_amp(scaled, "fp16")
+    scale = scaled._dpro_loss_scale
+    try:
+        opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
+        opt_scaled = torch.optim.SGD(scaled.parameters(), lr=0.1)
+        # the first step at GradScaler's initial scale overflows fp16 (65536 is past its largest value): skipped,
+        # the scale halved, the weights as they were
+        before = scaled[0].weight.detach().clone()
+        (scaled(x) ** 2).sum().backward()
+        opt_scaled.step()
+        assert torch.equal(scaled[0].weight, before) and scale.scale == 2.0**15
+        scale.scale = 1024.0
+        opt_scaled.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            reference = plain(x)
+        (reference.float() ** 2).sum().backward()
+        (scaled(x) ** 2).sum().backward()
+        assert torch.allclose(scaled[0].weight.grad / 1024.0, plain[0].weight.grad, rtol=1e-2, atol=1e-4)
+        opt_plain.step()
+        opt_scaled.step()  # unscales first
+        assert torch.allclose(scaled[0].weight, plain[0].weight, rtol=1e-3, atol=1e-4)
+        assert scale.scale == 1024.0 and scale.clean == 1
+    finally:
+        scale.handle.remove()
+
+
+def test_amp_refuses_an_unknown_precision():
+    with pytest.raises(ConfigError, match='must be null, "bf16" or "fp16"'):
+        apply_amp(net(), "int8")
+
+
+def test_slices_cut_every_batch_tensor_and_leave_the_rest():
+    batch = ((torch.zeros(8, 3),), {"mask": torch.ones(8, 2), "table": torch.ones(5), "n": 3})
+    assert batch_size(batch) == 8
+    args, kwargs = sliced(batch, 8, 2)
+    assert args[0].shape == (2, 3) and kwargs["mask"].shape == (2, 2) and kwargs["table"].shape == (5,)
+    assert kwargs["n"] == 3
+
+
+def test_a_probe_leaves_gradients_buffers_and_the_rng_as_they_were():
+    model = net()
+    model(torch.randn(4, 8)).sum().backward()
+    grad = model[0].weight.grad
+    saved_grad = grad.clone()
+    stats = model[1].running_mean.clone()
+    rng = torch.get_rng_state()
+    with training_state_kept(model):
+        assert model[0].weight.grad is None
+        model(torch.randn(16, 8) * 5).sum().backward()  # moves BatchNorm's statistics, draws dropout masks
+    assert model[0].weight.grad is grad and torch.equal(grad, saved_grad)
+    assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_micro_batches_in_a_trainer_and_the_change_a_plain_loop_needs():
+    transformers = pytest.importorskip("transformers")
+    from dpro.plugins.torch.transformers_callback import accumulate
+
+    args = transformers.TrainingArguments(output_dir="unused", per_device_train_batch_size=8,
+                                          gradient_accumulation_steps=2, use_cpu=True, report_to=[])
+    accumulate(args, 2)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 4)
+    with pytest.raises(ConfigError, match="a per-device batch of 4 does not split into 3 equal micro-batches"):
+        accumulate(args, 3)
+    assert "ddp_model.no_sync()" in micro_batches_change(2) and "(loss / 2).backward()" in micro_batches_change(2)

@@ -1,0 +1,237 @@
+"""Pricing amp and micro_batches from probe passes (dpro.sim.probes), on hand-written probe files and the hand-built
+two-layer run of run_builder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from run_builder import make_run
+
+from dpro.cli import main
+from dpro.errors import TraceError, UsageError
+from dpro.io.load import load_run
+from dpro.io.probes import Probe, RankProbes, read_probes
+from dpro.sim.probes import activation_scale, amp_ratios, batch_ratios, fit_line, with_amp, with_micro_batches
+from dpro.sim.whatif import context, peak_memory, predict, transformed_model
+
+OPS = ("FW.fc1", "FW.fc2", "BW.fc2", "BW.fc1")
+
+
+def probe_doc(rank: int, times: dict[tuple[str | None, int], dict[str, float]], *, batch: int = 16,
+              activations: dict[tuple[str | None, int], int] | None = None,
+              skipped: list[dict[str, str]] | None = None) -> dict:
+    """A ``probes/rank-<r>.json`` as the torch recorder writes it."""
+    activations = activations or {}
+    return {"schema": "dpro.probes/1", "rank": rank, "batch": batch, "skipped": skipped or [],
+            "probes": [{"amp": amp, "batch": rows, "passes": 3, "pass_us": sum(ops.values()),
+                        "activation_bytes": activations.get((amp, rows), 3072 * rows // batch), "ops": ops}
+                       for (amp, rows), ops in times.items()]}
+
+
+def linear(intercept: float, slope: float, rows: int) -> dict[str, float]:
+    return {op: intercept + slope * rows for op in OPS}
+
+
+def write_probes(run: Path, docs: list[dict]) -> None:
+    (run / "probes").mkdir()
+    for doc in docs:
+        (run / "probes" / f"rank-{doc['rank']}.json").write_text(json.dumps(doc))
+
+
+def rank_probes(times: dict[tuple[str | None, int], dict[str, float]], **kw) -> RankProbes:
+    probes = [Probe(amp, rows, 3, ops, sum(ops.values()), 100 * rows) for (amp, rows), ops in times.items()]
+    return RankProbes(0, 16, probes, kw.get("skipped", []))
+
+
+def test_fit_line_is_exact_through_two_points_and_least_squares_through_more():
+    assert fit_line([(16, 260.0), (8, 180.0)]) == pytest.approx((100.0, 10.0))
+    a, s = fit_line([(16, 260.0), (8, 180.0), (4, 150.0)])  # 4 rows: 10 us above the line
+    assert s == pytest.approx(9.2857, rel=1e-4) and a == pytest.approx(110.0)
+    assert fit_line([(16, 320.0)]) == (0.0, 20.0)  # one batch: proportional
+
+
+def test_batch_ratios_follow_the_fitted_line_not_the_batch():
+    probes = rank_probes({(None, 16): linear(100, 10, 16), (None, 8): linear(100, 10, 8),
+                          (None, 4): linear(100, 10, 4)})
+    ratios = batch_ratios(probes, 2)
+    assert ratios["FW.fc1"] == pytest.approx(180 / 260)  # not 0.5: the fixed 100 us stays per micro-batch
+    assert batch_ratios(probes, 4)["BW.fc2"] == pytest.approx(140 / 260)
+
+
+def test_batch_ratio_has_a_floor_where_the_line_crosses_zero():
+    probes = rank_probes({(None, 16): {"FW.fc1": 1000.0}, (None, 8): {"FW.fc1": 100.0}})
+    assert batch_ratios(probes, 4)["FW.fc1"] == pytest.approx(0.02)
+
+
+def test_batch_ratios_need_a_smaller_batch():
+    with pytest.raises(UsageError, match="ran no smaller batch than the recorded 16 rows"):
+        batch_ratios(rank_probes({(None, 16): linear(0, 10, 16)}), 2)
+
+
+def test_amp_ratios_are_measured_and_a_skipped_precision_says_why():
+    probes = rank_probes({(None, 16): linear(0, 10, 16), ("bf16", 16): linear(0, 100, 16)},
+                         skipped=[{"probe": "fp16 at batch 16", "why": "RuntimeError: not supported"}])
+    assert amp_ratios(probes, "bf16") == {op: pytest.approx(10.0) for op in OPS}  # slower: measured, not assumed
+    with pytest.raises(UsageError, match=r"no fp16 pass \(RuntimeError: not supported\)"):
+        amp_ratios(probes, "fp16")
+
+
+def test_activation_scale_uses_the_kept_bytes_the_probes_measured():
+    probes = rank_probes({(None, 16): linear(0, 1, 16), (None, 8): linear(0, 1, 8), ("bf16", 16): linear(0, 1, 16)})
+    probes.probes[2] = Probe("bf16", 16, 3, probes.probes[2].ops, 1.0, 600)  # 600 of 1600 bytes
+    assert activation_scale(probes, "bf16", 1) == pytest.approx(600 / 1600)
+    assert activation_scale(probes, None, 2) == pytest.approx(800 / 1600)
+    assert activation_scale(probes, None, 8) == pytest.approx(1 / 8)  # not probed: 1/k
+
+
+@pytest.fixture
+def run_with_probes(tmp_path):
+    run = make_run(tmp_path / "run")
+    times = {(None, 16): linear(0, 50, 16), (None, 8): linear(0, 50, 8), ("bf16", 16): linear(0, 100, 16)}
+    write_probes(run, [probe_doc(r, times) for r in (0, 1)])
+    return run
+
+
+def test_micro_batches_run_every_pass_and_communicate_after_the_last(run_with_probes):
+    ctx = context(load_run(run_with_probes))
+    model = with_micro_batches(ctx.base, ctx.probes, 2)
+    names = [op.name for op in model.ops[0]]
+    assert names.index("BW.fc1") < names.index("FW.fc1#2")  # the first pass ends before the second begins
+    comm = [i for i, n in enumerate(names) if n.startswith("COMM")]
+    assert len(comm) == 2 and min(comm) > names.index("BW.fc2#2")  # once, in the last pass's backward
+    base = {op.name: op.duration for op in ctx.base.ops[0]}
+    durations = {op.name: op.duration for op in model.ops[0]}
+    # proportional probes: each micro-batch takes half, the two together what the one pass took
+    assert durations["FW.fc1"] + durations["FW.fc1#2"] == pytest.approx(base["FW.fc1"])
+    assert durations["UPDATE.sgd"] == base["UPDATE.sgd"]
+    orders = [op.order for op in model.ops[0]]
+    assert orders == sorted(orders)
+
+
+def test_amp_scales_the_probed_ops_only(run_with_probes):
+    ctx = context(load_run(run_with_probes))
+    model = with_amp(ctx.base, ctx.probes, "bf16")
+    base = {op.name: op.duration for op in ctx.base.ops[0]}
+    for op in model.ops[0]:
+        assert op.duration == pytest.approx(base[op.name] * (2.0 if op.name in OPS else 1.0)), op.name
+
+
+def test_whatif_prices_both_knobs_and_their_memory(run_with_probes):
+    ctx = context(load_run(run_with_probes))
+    recorded = predict(ctx, {})
+    slower = predict(ctx, {"amp": "bf16"})
+    assert slower.predicted_step_ms > recorded.predicted_step_ms + 5.0  # 6 ms of FW/BW twice as long
+    # the probes kept as many activation bytes under bf16; autocast adds a cast copy of the weights
+    assert peak_memory(ctx, {"amp": "bf16"}) == ctx.memory.peak_bytes() + ctx.memory.param_bytes // 2
+    split = predict(ctx, {"micro_batches": 2})
+    assert split.predicted_peak_memory_bytes < recorded.predicted_peak_memory_bytes
+
+
+def test_cli_whatif_takes_the_knobs(run_with_probes, capsys):
+    assert main(["whatif", str(run_with_probes), "--set", "amp=bf16", "--set", "micro_batches=2"]) == 0
+    assert "amp=bf16 micro_batches=2" in capsys.readouterr().out
+
+
+def test_whatif_without_probes_says_how_to_get_them(tmp_path):
+    ctx = context(load_run(make_run(tmp_path / "run")))
+    with pytest.raises(UsageError, match=r"amp=bf16: this run has no probe passes"):
+        predict(ctx, {"amp": "bf16"})
+
+
+def test_a_run_that_already_accumulates_is_refused(run_with_probes):
+    ctx = context(load_run(run_with_probes))
+    twice = with_micro_batches(ctx.base, ctx.probes, 2)
+    with pytest.raises(UsageError, match="already runs several forward/backward passes"):
+        with_micro_batches(twice, ctx.probes, 2)
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    ({"schema": "dpro.trace/1"}, "not a probe file"),
+    ({"rank": 3}, "says rank 3, its name rank 0"),
+    ({"probes": [{"amp": "int8", "batch": 4, "passes": 1, "ops": {}, "pass_us": 1, "activation_bytes": 0}]},
+     "amp must be null"),
+    ({"probes": [{"amp": None, "batch": 0, "passes": 1, "ops": {}, "pass_us": 1, "activation_bytes": 0}]},
+     "must be a positive whole number"),
+])
+def test_reader_refuses_what_the_recorder_does_not_write(tmp_path, change, problem):
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "probes" / "rank-0.json").write_text(json.dumps({**probe_doc(0, {(None, 16): linear(0, 1, 16)}),
+                                                                **change}))
+    with pytest.raises(TraceError, match=problem):
+        read_probes(tmp_path)
+
+
+def test_each_micro_batch_recomputes_its_own_forward(run_with_probes):
+    ctx = context(load_run(run_with_probes))
+    names = [op.name for op in transformed_model(ctx, {"micro_batches": 2, "recompute": ["fc1"]}).ops[0]]
+    assert names.index("RECOMPUTE.fc1") == names.index("BW.fc1") - 1
+    assert names.index("RECOMPUTE.fc1#2") == names.index("BW.fc1#2") - 1
+
+
+def test_work_between_modules_scales_the_gaps_inside_the_pass(tmp_path):
+    run = make_run(tmp_path / "run")
+    docs = [probe_doc(r, {(None, 16): linear(0, 50, 16), (None, 8): linear(0, 50, 8),
+                          ("bf16", 16): linear(0, 50, 16)}) for r in (0, 1)]
+    for doc in docs:
+        for probe in doc["probes"]:  # outside the modules: 1 ms as recorded, 3 ms under bf16
+            probe["pass_us"] = sum(probe["ops"].values()) + (3000.0 if probe["amp"] else 1000.0)
+    write_probes(run, docs)
+    ctx = context(load_run(run))
+    for op in ctx.base.ops[0]:
+        if op.name in ("FW.fc1", "FW.fc2"):
+            op.gap = 100.0
+    gaps = {op.name: op.gap for op in with_amp(ctx.base, ctx.probes, "bf16").ops[0]}
+    assert gaps["FW.fc2"] == pytest.approx(300.0)
+    assert gaps["FW.fc1"] == 100.0  # the gap before the pass: the loop's own work
+
+
+def probed_run(tmp_path: Path, bf16_slope: float) -> Path:
+    """The hand-built run with probes: fixed 200 us plus 50 us a row per op as recorded, bf16 at ``bf16_slope``."""
+    run = make_run(tmp_path / "run")
+    times = {(None, 16): linear(200, 50, 16), (None, 8): linear(200, 50, 8), ("bf16", 16): linear(0, bf16_slope, 16)}
+    write_probes(run, [probe_doc(r, times) for r in (0, 1)])
+    return run
+
+
+@pytest.mark.parametrize(("bf16_slope", "allowed", "picked"), [
+    (10.0, True, True),    # measured much faster, allowed
+    (10.0, False, False),  # faster, but numerics change: only with --allow-precision
+    (200.0, True, False),  # measured slower: never
+])
+def test_optimize_takes_autocast_only_allowed_and_measured_faster(tmp_path, bf16_slope, allowed, picked):
+    from dpro.optimize import optimize
+
+    result = optimize(context(load_run(probed_run(tmp_path, bf16_slope))), allow_precision=allowed)
+    assert (result.knobs.get("amp") == "bf16") is picked
+    note = next(e for e in result.explain if e["knob"] == "amp")
+    if bf16_slope > 50:
+        assert "measured slower" in note["why"]
+    elif not allowed:
+        assert "--allow-precision" in note["why"]
+
+
+def test_micro_batches_meet_a_budget_no_recomputation_can(tmp_path):
+    from dpro.optimize import optimize
+
+    ctx = context(load_run(probed_run(tmp_path, 100.0)))
+    budget = predict(ctx, {"micro_batches": 2}).predicted_peak_memory_bytes
+    result = optimize(ctx, memory_budget_bytes=budget)
+    # the two layers are leaves: checkpointing one frees nothing, so only micro-batches fit the budget
+    assert result.knobs.get("micro_batches") == 2 and "recompute" not in result.knobs
+    assert result.predicted.predicted_peak_memory_bytes <= budget
+    note = next(e for e in result.explain if e["knob"] == "micro_batches")
+    assert "where nothing else fit" in note["why"] and "plain training loop" in note["why"]
+    assert optimize(ctx).knobs.get("micro_batches") is None  # no budget: nothing to trade the step for
+
+
+def test_the_report_shows_the_probed_choices(run_with_probes):
+    from dpro.report.collect import collect_run
+    from dpro.report.html import render_report
+
+    data = collect_run(run_with_probes, recommend=False, quiet=True)
+    choices = [m.get("choice") for m in data.memory]
+    assert {"micro_batches=2", "micro_batches=4", "amp=bf16"} <= set(choices)
+    assert "amp=fp16" not in choices  # not probed: left off
+    assert "micro_batches=2" in render_report(data)
