@@ -11,10 +11,8 @@ HVD_STAMP := $(VENV)/.horovod-installed
 MXNET_VENV := .venv-mxnet
 MXNET_STAMP := $(MXNET_VENV)/.dpro-installed
 RUNS := dpro-runs
-# the core's tests, also run in the MXNet venv (numpy 1.23, no torch or TensorFlow), and the MXNet plugin's own
-CORE_TESTS := tests/dag tests/sim tests/optimize tests/record tests/io tests/test_config.py tests/test_core_imports.py \
-	tests/test_import_layers.py \
-	tests/engines/test_mxnet_ps.py tests/plugins/mxnet/test_mxnet_units.py tests/report
+# the tests also run in the MXNet venv (numpy 1.23, no torch or TensorFlow): the core's and the MXNet plugin's, every
+# test outside tests/conftest.py's FRAMEWORK_BOUND folders, which it marks "core"
 
 .PHONY: example test test-fast fuzz lint venv horovod mxnet sshd chromium
 
@@ -73,7 +71,7 @@ chromium:
 
 test: $(STAMP) $(HVD_STAMP) $(MXNET_STAMP) sshd chromium
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
-	OMP_NUM_THREADS=1 $(MXNET_VENV)/bin/python -m pytest -q -m "not slow" $(CORE_TESTS)
+	OMP_NUM_THREADS=1 $(MXNET_VENV)/bin/python -m pytest -q -m "core and not slow" tests
 
 # the fuzz campaign: mutated inputs to the real commands, each in its own process (1 GB, 30 s); a table per seed
 fuzz: $(STAMP) $(HVD_STAMP)

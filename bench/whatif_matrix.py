@@ -35,6 +35,7 @@ case ``make mxnet``, and both run on loopback only. Needs root for the emulated 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -272,7 +273,11 @@ def main() -> int:
     parser.add_argument("--values", default=None, help="the DDP cases' bucket caps to predict and run, e.g. "
                                                         "1,100 (default: each case's own)")
     parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
+    parser.add_argument("--keep", default=None, help="keep every job's run directory under this new directory "
+                                                      "(to model the recordings again later)")
     args = parser.parse_args()
+    if args.keep:
+        Path(args.keep).mkdir(parents=True)
     header = (f"{'network':<9} {'case':<11} {'setting':<22} {'predicted ms':>12} {'measured ms':>12} "
               f"{'jobs ms':<13} {'error %':>8} {'change err %':>11}")
     lines = [f"2 ranks; each job records steps {args.profile} of {args.steps}; measured = median of "
@@ -286,7 +291,8 @@ def main() -> int:
         print(line, flush=True)
 
     port = 29800
-    with tempfile.TemporaryDirectory(prefix="dpro-matrix-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="dpro-matrix-"))
         for network in args.networks.split(","):
             if network != "loopback":
                 ok, why = testbed.testbed_available()

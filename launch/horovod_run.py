@@ -293,8 +293,8 @@ class HorovodOptions(LauncherOptions):
             raise UsageError(f"--{self.controller} selects Horovod's controller; the {engine.name} engine "
                              f"{engine.what}. Drop it")
         if self.controller == "mpi":
-            raise UsageError(f"--mpi selects Horovod's MPI controller; the {engine.name} engine starts its processes "
-                             "itself. Use --engine horovod, or drop --mpi")
+            raise UsageError(f"--mpi selects Horovod's MPI controller; the {engine.name} engine {engine.what}. "
+                             "Use --engine horovod, or drop --mpi")
 
     def flag_env(self) -> dict[str, str]:
         return horovod_env(self.settings)

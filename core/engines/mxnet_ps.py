@@ -521,8 +521,8 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
 def max_servers(run: Run) -> int | None:
     """The most servers the search tries: the usable CPUs of the machines the servers run on (the recorded
     servers' hosts, which dpro-launch also gives any further ones), where every one is known; None otherwise.
-    Servers beyond that add no CPU to serve with, only processes contending for it: on one 2-CPU machine, 8
-    servers measured 12% slower than 2 where the model, which does not price that contention, said 8% faster."""
+    Servers beyond that add no CPU to serve with, only processes contending for it, a contention the model does
+    not price (docs/benchmarks/whatif_matrix_engines.md)."""
     cpus = host_cpus(run)
     hosts = set(server_hosts(run))
     if not hosts or not all(h in cpus for h in hosts):

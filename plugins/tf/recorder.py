@@ -334,9 +334,8 @@ class TFRecorder(WindowRecorder):
         after the window, as the torch recorder runs it: compute that overlaps the allreduces runs slower by what it
         measures. Its allreduce is sized from a few timed allreduces of the largest probe size, which are not kept as
         run.json's ``comm_probe``: without Horovod's timeline a blocking allreduce also waits for the background
-        loop's next cycle and its negotiation, which the recorded steps' own transfers price better (a Keras job's
-        threshold-0 what-if went from 5.3 to 10.2 ms with them, against 5.6 ms measured). A probe that fails is
-        logged; the job goes on."""
+        loop's next cycle and its negotiation, which the recorded steps' own transfers leave out. A probe that fails
+        is logged; the job goes on."""
         try:
             sizing = allreduce_probe(self.transport, self.clock, sizes=PROBE_BYTES[-1:], repeat=3)
             interference = interference_probe(self.transport, self.clock, _probe_kernel(), sizing)

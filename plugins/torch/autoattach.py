@@ -159,14 +159,14 @@ class _State:
             return None
         import torch.distributed as dist
 
-        from dpro.plugins.torch.apply import fingerprint, load_config
+        from dpro.plugins.torch.apply import ENGINE, fingerprint, load_config
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(
             os.environ.get("WORLD_SIZE", "1"))
         if path is None:
             from dpro.config import find_config
 
-            wanted = {"framework": "torch", "engine": "torch-ddp", "world_size": world, "model": fingerprint(module)}
+            wanted = {"framework": "torch", "engine": ENGINE, "world_size": world, "model": fingerprint(module)}
             found = find_config(search, wanted)
             if found is None:
                 if not self.config_applied:
@@ -604,9 +604,9 @@ def _search_config_in_setup(callback: Any, search: str) -> None:
     def setup(trainer: Any, pl_module: Any, stage: str) -> None:
         if callback.config_path is None and stage == "fit":
             from dpro.config import find_config
-            from dpro.plugins.torch.apply import fingerprint
+            from dpro.plugins.torch.apply import ENGINE, fingerprint
 
-            found = find_config(search, {"framework": "torch", "engine": "torch-ddp",
+            found = find_config(search, {"framework": "torch", "engine": ENGINE,
                                          "world_size": trainer.world_size, "model": fingerprint(pl_module)})
             if found is not None:
                 callback.config_path = str(found)
