@@ -7,14 +7,13 @@ and ``micro_batches`` knobs from them, and ``dpro info`` lists them.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dpro.errors import TraceError
-from dpro.io.limits import parse_bounded_json, read_bounded, world_size_limit
+from dpro.io.limits import is_finite_number, parse_bounded_json, read_file, world_size_limit
 from dpro.record.trace import PROBES_DIR, PROBES_SCHEMA
 
 __all__ = ["Probe", "RankProbes", "read_probes"]
@@ -50,7 +49,7 @@ class RankProbes:
 
 
 def _number(value: Any, path: Path, where: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+    if not is_finite_number(value) or value < 0:
         raise TraceError(path, f"must be a number >= 0, found {value!r:.40}", where)
     return float(value)
 
@@ -79,10 +78,7 @@ def _probe(raw: Any, path: Path, where: str) -> Probe:
 
 
 def _read_one(path: Path, rank: int) -> RankProbes:
-    try:
-        text = read_bounded(path, TraceError)
-    except OSError as err:
-        raise TraceError(path, f"cannot be read: {err.strerror or err}") from err
+    text = read_file(path, TraceError)
     try:
         doc = parse_bounded_json(text, path, TraceError)
     except ValueError as err:
