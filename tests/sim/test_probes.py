@@ -235,3 +235,24 @@ def test_the_report_shows_the_probed_choices(run_with_probes):
     assert {"micro_batches=2", "micro_batches=4", "amp=bf16"} <= set(choices)
     assert "amp=fp16" not in choices  # not probed: left off
     assert "micro_batches=2" in render_report(data)
+
+
+def test_reader_bounds_what_it_reads(tmp_path, monkeypatch):
+    (tmp_path / "probes").mkdir()
+    doc = probe_doc(0, {(None, 16): {f"FW.m{i}": 1.0 for i in range(100_000)}})
+    (tmp_path / "probes" / "rank-0.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("DPRO_MAX_FILE_MB", "1")
+    with pytest.raises(TraceError, match="larger than 1 MB"):
+        read_probes(tmp_path)
+    monkeypatch.delenv("DPRO_MAX_FILE_MB")
+    assert len(read_probes(tmp_path)[0].probes[0].ops) == 100_000
+
+
+def test_a_linked_probes_folder_is_not_read(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_probes(elsewhere, [probe_doc(0, {(None, 16): linear(0, 1, 16)})])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "probes").symlink_to(elsewhere / "probes")
+    assert read_probes(run) == {} and read_probes(elsewhere)[0].batch == 16
