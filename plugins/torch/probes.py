@@ -167,13 +167,17 @@ def _label(amp: str | None, rows: int) -> str:
     return f"{amp or 'recorded precision'} at batch {rows}"
 
 
-def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict] | None) -> dict[str, Any]:
-    """Run the probes on ``batch`` (the inner module's last recorded forward arguments) and return the probe
-    document (``dpro.probes/1``); nothing raised gets out (a failed probe is skipped with a note)."""
+def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> dict[str, Any]:
+    """Run the probes on ``batch`` (the inner module's last recorded forward arguments, and whether its forward was
+    replaced for that call) and return the probe document (``dpro.probes/1``); a failed probe is skipped with a
+    note."""
     found = _Probes()
-    full = batch_size(batch) if batch is not None else None
+    full = batch_size(batch[:2]) if batch is not None else None
     if batch is None or full is None:
         found.skip("all", "no forward of the model with a batch tensor was seen in the window")
+    elif len(batch) > 2 and batch[2]:
+        found.skip("all", "the model was called through a forward put on the instance for that call (Lightning runs "
+                          "training_step that way): its arguments are not its forward's")
     elif any(isinstance(m, nn.SyncBatchNorm) for m in rec.module.modules()):
         found.skip("all", "the model has SyncBatchNorm, whose forward communicates")
     else:
@@ -182,8 +186,8 @@ def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict] | None) -> dict[str
             "skipped": found.skipped, "note": "probe passes after the window: not part of the recorded steps"}
 
 
-def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict], full: int, found: _Probes) -> None:
-    args, kwargs = batch
+def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, found: _Probes) -> None:
+    args, kwargs, _ = batch
     began = time.perf_counter()
     sync_off = rec.ddp.no_sync() if rec.ddp is not None else contextlib.nullcontext()
     rec._install_hooks()

@@ -315,7 +315,8 @@ class TorchRecorder:
         self.backward_marks = backward_marks
         self._patched_backward: tuple[Callable, Callable] | None = None
         self.probes = probes_wanted() if probes is None else bool(probes)
-        self._batch: tuple[tuple, dict] | None = None  # the inner module's last recorded forward arguments
+        # the inner module's last recorded forward arguments, and whether its forward was replaced for the call
+        self._batch: tuple[tuple, dict, bool] | None = None
         self._probing = False
         self.steps = parse_steps(steps)
         check_window_fits(self.steps, total_steps, who)
@@ -881,7 +882,10 @@ class TorchRecorder:
         def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is inner and module.training and not self._probing and not is_compiling() \
                     and not in_backward():
-                self._batch = (args, kwargs)
+                # a forward put on the instance for this call only (Lightning redirects training_step through
+                # it), not one dpro's configs put there: these are not the forward's own arguments
+                redirected = "forward" in module.__dict__ and not hasattr(module, "_dpro_precise_forward")
+                self._batch = (args, kwargs, redirected)
 
         return keep
 

@@ -256,3 +256,11 @@ def test_a_linked_probes_folder_is_not_read(tmp_path):
     run.mkdir()
     (run / "probes").symlink_to(elsewhere / "probes")
     assert read_probes(run) == {} and read_probes(elsewhere)[0].batch == 16
+
+
+def test_a_whatif_says_why_the_probes_were_skipped(tmp_path):
+    run = make_run(tmp_path / "run")
+    write_probes(run, [{"schema": "dpro.probes/1", "rank": r, "batch": None, "probes": [],
+                        "skipped": [{"probe": "all", "why": "no forward of the model was seen"}]} for r in (0, 1)])
+    with pytest.raises(UsageError, match="were skipped: no forward of the model was seen"):
+        predict(context(load_run(run)), {"micro_batches": 2})
