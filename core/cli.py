@@ -71,7 +71,10 @@ def _add_analyze(subparsers: Any) -> None:
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
 
-    from dpro.analyze import analyze_path
+    from dpro.analyze import analyze_dir
+    from dpro.io.pool import collector_paused
+    from dpro.record.trace import analysis_file
+    from dpro.report.perfetto import write_analyzed_replay
     from dpro.report.text import format_analysis
 
     paths = _trace_paths(args.run)
@@ -80,7 +83,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
         analysis = analyze_kineto(paths, jobs=args.jobs)
     else:
-        analysis = analyze_path(args.run[0], iterations=args.iterations, jobs=args.jobs)
+        with collector_paused():
+            result = analyze_dir(args.run[0], iterations=args.iterations, jobs=args.jobs)
+            write_analyzed_replay(analysis_file(args.run[0], "replay.json"), result)
+        analysis = result.analysis
     print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
     return 0
 

@@ -16,7 +16,7 @@ from dpro.errors import UsageError
 from dpro.io.kineto import load_traces
 from dpro.io.load import load_run
 from dpro.report.chakra import CommInfo, comm_info_of_model, et_nodes, write_chakra
-from dpro.report.perfetto import write_graph_trace, write_replay_trace
+from dpro.report.perfetto import write_analyzed_replay, write_graph_trace
 from dpro.sim.replay import replay
 
 __all__ = ["CHAKRA_ITERATIONS", "FORMATS", "export_run", "export_traces"]
@@ -51,8 +51,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, fmt: str, *, name: str 
     result = analyze_run(run, its if fmt == "perfetto" else DEFAULT_ITERATIONS)
     out = Path(out_dir)
     if fmt == "perfetto":
-        return [write_replay_trace(out / f"{name}.json", run, result.alignment, result.graph, result.schedule,
-                                   steps=result.model.steps)]
+        return [write_analyzed_replay(out / f"{name}.json", result)]
     g = graph_from_steps(result.model, its)
     meta = {"source": str(Path(run_dir)), "engine": str((run.meta or {}).get("engine", "")),
             "world_size": str(run.world_size), "iterations": str(its)}
