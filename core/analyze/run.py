@@ -20,8 +20,9 @@ from dpro.dag.align import Alignment, align
 from dpro.dag.graph import Graph
 from dpro.dag.step_model import StepModel, model_steps, wired_step_model
 from dpro.dag.wiring import graph_of_wired
+from dpro.engines import get_engine, load_prepared
 from dpro.errors import GraphError
-from dpro.io.load import Run, load_run, recording_cost
+from dpro.io.load import Run, recording_cost
 from dpro.io.pool import collector_paused
 from dpro.sim.interference import fit_interference
 from dpro.sim.replay import Schedule, critical_path, plan_levels, predicted_step_us, replay
@@ -388,8 +389,6 @@ def _left_out_note(model: StepModel) -> list[str]:
 
 
 def _engine_notes(run: Run) -> list[str]:
-    from dpro.engines import get_engine
-
     return get_engine((run.meta or {}).get("engine")).notes(run)
 
 
@@ -398,7 +397,7 @@ def analyze_dir(path: str | Path, iterations: int = DEFAULT_ITERATIONS, *, jobs:
     it (``dpro.io.pool.jobs_wanted``). Writes nothing: ``dpro analyze`` writes ``analysis/replay.json`` from the
     result (``dpro.report.perfetto.write_analyzed_replay``)."""
     with collector_paused():
-        return analyze_run(load_run(path, jobs=jobs), iterations, jobs=jobs)
+        return analyze_run(load_prepared(path, jobs=jobs), iterations, jobs=jobs)
 
 
 def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> Analysis:
