@@ -822,7 +822,9 @@ def _check_model_entry(path: Path, key: str, item: dict[str, Any], where: str) -
 
 def load_run(path: str | Path, *, jobs: int | None = None) -> Run:
     """Load and validate a run directory: rank files are read in ``jobs`` processes (``dpro.io.pool.jobs_wanted``;
-    by default only when they hold ``PARALLEL_BYTES`` or more), each kept as columns (``RankTrace.table``).
+    by default only when they hold ``PARALLEL_BYTES`` or more), each kept as columns (``RankTrace.table``). Reads
+    only: the run's engine completes it from its own traces in a step of its own (``dpro.engines.prepared``;
+    ``dpro.engines.load_prepared`` is both).
 
     Returns:
         A ``Run`` whose ``problems`` list what analysis must work around (missing or unfinished ranks,
