@@ -31,7 +31,7 @@ same steps of the ``off`` job are its baseline. The CPU time is rank 0's process
 thread, Horovod's background thread, dpro's builder thread) per step, the median over the same steps. Each
 configuration's overhead is given per round against that round's ``off`` job (the spread) and as the ratio of
 medians. The last lines time the merge of the timeline
-into the run at load time (``dpro.io.load.load_run``, with and without the timeline file).
+into the loaded run (``dpro.engines.load_prepared``, with and without the timeline file).
 
     python bench/horovod_overhead.py [--loopback] [--rate 1gbit] [--rounds 3] [--steps 60] [--profile 20:50]
         [--configs off,timeline,cycles,hooks,hooks+poll,dpro,blocks,blocks+tl] [--doc FILE]
@@ -115,41 +115,41 @@ def run_one(cluster: tb.Cluster | None, args: argparse.Namespace, name: str) -> 
 
 def self_reported(run_dir: Path) -> float | None:
     """Rank 0's own measure of its recording overhead (wall, %), as ``dpro info`` shows it."""
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
 
-    overhead = load_run(run_dir).ranks[0].header.get("recording_overhead") or {}
+    overhead = load_prepared(run_dir).ranks[0].header.get("recording_overhead") or {}
     return overhead.get("wall_pct")
 
 
 def modelled_step_ms(run_dir: Path) -> float | None:
     """The step what-if and optimize start from (``dpro whatif``'s baseline: the recorded configuration replayed,
     recording's measured cost taken out), to set beside the unrecorded job's."""
+    from dpro.engines import load_prepared
     from dpro.errors import DproError
-    from dpro.io.load import load_run
     from dpro.launch.pipeline import find_recorded_run
     from dpro.sim.whatif import context, predict
 
     try:
-        return predict(context(load_run(find_recorded_run(run_dir) or run_dir)), {}).predicted_step_ms
+        return predict(context(load_prepared(find_recorded_run(run_dir) or run_dir)), {}).predicted_step_ms
     except DproError as err:
         print(f"no model of {run_dir}: {err}", file=sys.stderr)
         return None
 
 
 def time_merge(run_dir: Path) -> dict[str, float]:
-    """``load_run`` of the recorded run with its timeline, then with the timeline moved away (s)."""
-    from dpro.io.load import load_run
+    """``load_prepared`` of the recorded run with its timeline, then with the timeline moved away (s)."""
+    from dpro.engines import load_prepared
     from dpro.launch.pipeline import find_recorded_run
 
     recorded = find_recorded_run(run_dir) or run_dir
     began = time.perf_counter()
-    load_run(recorded)
+    load_prepared(recorded)
     merged = time.perf_counter() - began
     timeline = recorded / hvd_bench.TIMELINE
     if timeline.is_file():
         timeline.rename(recorded / "timeline.aside")
     began = time.perf_counter()
-    load_run(recorded)
+    load_prepared(recorded)
     return {"with_timeline_s": merged, "without_s": time.perf_counter() - began}
 
 
@@ -221,7 +221,8 @@ def main() -> int:
     merges = [x["merge"] for x in runs.get("dpro", []) if "merge" in x]
     if merges:
         merged, alone = (statistics.median(m[k] for m in merges) for k in ("with_timeline_s", "without_s"))
-        table.append(f"timeline merge at load time: load_run {merged:.2f} s with the timeline, {alone:.2f} s without")
+        table.append(f"timeline merge at load time: load_prepared {merged:.2f} s with the timeline, "
+                     f"{alone:.2f} s without")
     print("\n" + "\n".join(table))
     print(json.dumps(runs))
     if args.doc:

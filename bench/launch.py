@@ -302,13 +302,13 @@ def dpro_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Path) -
 
 def _self_check(run_dir: Path) -> float | None:
     """The recorded job's own measure of what recording cost its step (rank 0, wall %; ``dpro info``)."""
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
     from dpro.launch.pipeline import find_recorded_run
 
     recorded = find_recorded_run(run_dir)
     if recorded is None:
         return None
-    overhead = load_run(recorded).ranks[0].header.get("recording_overhead") or {}
+    overhead = load_prepared(recorded).ranks[0].header.get("recording_overhead") or {}
     return overhead.get("wall_pct")
 
 
@@ -331,11 +331,11 @@ def check_settings(cluster: tb.Cluster | None, args: argparse.Namespace, work: P
     row gives the error of the prediction (``error_pct``) and of the predicted ratio to the recorded
     setting (``relative_error_pct``: prediction / prediction of the recorded setting vs measured / measured
     of the recorded setting), which leaves out the level (the recorded job's own overhead and drift)."""
+    from dpro.engines import load_prepared
     from dpro.engines.horovod.search import horovod_predict, knobs_in_force
-    from dpro.io.load import load_run
     from dpro.sim.whatif import context
 
-    ctx = context(load_run(work / "dpro-run"))
+    ctx = context(load_prepared(work / "dpro-run"))
     threshold0, cycle0, _ = knobs_in_force(ctx)
     settings = [(threshold0 / 2**20, cycle0)] + [tuple(float(v) for v in item.split("/"))
                                                  for item in args.check.split(",")]

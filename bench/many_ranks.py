@@ -159,12 +159,12 @@ def _rss_mb() -> float:
 
 
 def _stages(run_dir: Path, jobs: int | None, state: dict[str, Any]) -> list[tuple[str, Callable[[], None]]]:
-    """The calls ``analyze_path`` makes, one per stage, each leaving its result in ``state``."""
+    """The calls ``dpro analyze`` makes, one per stage, each leaving its result in ``state``."""
     from dpro.analyze.run import breakdown, critical_ops, stragglers
     from dpro.dag.align import align
     from dpro.dag.step_model import model_steps, wired_step_model
     from dpro.dag.wiring import graph_of_wired
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
     from dpro.record.trace import analysis_file
     from dpro.report.perfetto import write_replay_trace
     from dpro.sim.interference import fit_interference
@@ -179,7 +179,7 @@ def _stages(run_dir: Path, jobs: int | None, state: dict[str, Any]) -> list[tupl
                            state["sched"], steps=state["model"].steps)
 
     return [
-        ("load (parse, check, columns)", lambda: state.update(run=load_run(run_dir, jobs=jobs))),
+        ("load (parse, check, columns)", lambda: state.update(run=load_prepared(run_dir, jobs=jobs))),
         ("align", lambda: state.update(alignment=align(state["run"]))),
         ("recorded steps replayed (check)", lambda: state.update(recorded=replay_recorded_run(
             state["run"], state["alignment"], model_steps(state["run"])[0], jobs=jobs).graph.size)),
@@ -197,7 +197,7 @@ def _stages(run_dir: Path, jobs: int | None, state: dict[str, Any]) -> list[tupl
 
 
 def stage_rows(work: Path, ranks: list[int], jobs: int | None, traced: bool) -> None:
-    """Each stage of ``dpro analyze`` timed in this process (the same calls ``analyze_path`` makes)."""
+    """Each stage of ``dpro analyze`` timed in this process (the same calls it makes)."""
     for n in ranks:
         run_dir = wide_run(work, n)
         print(f"\nstages of dpro analyze, {n} ranks ({'jobs ' + str(jobs) if jobs else 'default jobs'}): seconds, RSS "
@@ -208,7 +208,7 @@ def stage_rows(work: Path, ranks: list[int], jobs: int | None, traced: bool) -> 
         base = _rss_mb()
         total = 0.0
         for name, stage in _stages(run_dir, jobs, state):
-            with collector_paused():  # as dpro analyze runs them (analyze_path)
+            with collector_paused():  # as dpro analyze runs them
                 took, peak = _timed(stage, traced)
             total += took
             rss = _rss_mb()

@@ -23,7 +23,7 @@ from accuracy import example_argv  # noqa: E402
 
 from dpro import testbed  # noqa: E402
 from dpro.config import Config, write_config  # noqa: E402
-from dpro.io.load import load_run  # noqa: E402
+from dpro.engines import load_prepared  # noqa: E402
 from dpro.optimize import config_document, optimize  # noqa: E402
 from dpro.sim.whatif import context  # noqa: E402
 
@@ -57,7 +57,7 @@ def record(network: str, model: str, run_dir: Path, config: Path | None, steps: 
 
 
 def measured(run_dir: Path) -> tuple[float, int]:
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     steps = [e["dur"] for t in run.ranks.values() for e in t.events if e["cat"] == "STEP"]
     peaks = [e["args"].get("peak_memory_bytes", 0) for t in run.ranks.values() for e in t.events if e["cat"] == "STEP"]
     return statistics.median(steps) / 1000.0, max(peaks)
@@ -88,7 +88,7 @@ def main() -> int:
 
                 first = Path(tmp) / f"{network}-{model}-default-0"
                 job(first)
-                ctx = context(load_run(first))
+                ctx = context(load_prepared(first))
                 result = optimize(ctx)
                 config_path = Path(tmp) / f"{network}-{model}-config.json"
                 write_config(config_path, Config.from_json(config_document(result, ctx)))

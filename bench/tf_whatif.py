@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from dpro import testbed
-from dpro.io.load import interrupted_calls, load_run
+from dpro.engines import load_prepared
+from dpro.io.load import interrupted_calls
 from dpro.launch.env import AUTOATTACH_DIR
 from dpro.sim.whatif import context, predict
 
@@ -108,7 +109,8 @@ def main() -> int:
             nonlocal job
             job += 1
             ports = (23400 + 2 * (job % 500), 23401 + 2 * (job % 500))
-            return load_run(record(cluster, script, Path(tmp) / f"r{rnd}-{label}-{job}", args.window, ports, config))
+            run_dir = record(cluster, script, Path(tmp) / f"r{rnd}-{label}-{job}", args.window, ports, config)
+            return load_prepared(run_dir)
 
         for rnd in range(args.rounds):
             base = run(rnd, "base", None)

@@ -24,7 +24,7 @@ from accuracy import record_emulated, record_loopback  # noqa: E402
 from bench_doc import write_bench_doc  # noqa: E402
 
 from dpro import testbed  # noqa: E402
-from dpro.io.load import load_run  # noqa: E402
+from dpro.engines import load_prepared  # noqa: E402
 from dpro.sim.interference import NONE  # noqa: E402
 from dpro.sim.whatif import Context, context, predict  # noqa: E402
 
@@ -33,7 +33,7 @@ TARGETS_MB = (1.0, 5.0, 100.0)
 
 
 def measured_ms(run_dir: Path) -> float:
-    return context(load_run(run_dir)).base.measured_step_us / 1000.0
+    return context(load_prepared(run_dir)).base.measured_step_us / 1000.0
 
 
 def main() -> int:
@@ -88,7 +88,7 @@ def main() -> int:
                         with testbed.emulated_cluster(2, testbed.NetworkSpec(rate=network)) as cluster:
                             record_emulated(cluster, model, mb, run_dir, args.steps, args.profile, 29700)
                     runs[mb] = run_dir
-                ctx = context(load_run(runs[BASE_MB]))
+                ctx = context(load_prepared(runs[BASE_MB]))
                 say(f"  {network} {model}: {ctx.interference.describe()}")
                 for mb in TARGETS_MB:
                     show(network, model, f"{BASE_MB:g} MB", f"{mb:g} MB buckets", ctx,

@@ -50,7 +50,7 @@ from pathlib import Path
 from bench_doc import write_bench_doc
 
 from dpro import testbed
-from dpro.io.load import load_run
+from dpro.engines import load_prepared
 from dpro.launch.env import job_env
 from dpro.launch.settings import LaunchConfig
 from dpro.optimize import config_document, optimize
@@ -189,7 +189,7 @@ def _run_once(case: Case, cluster: testbed.Cluster | None, run_dir: Path, steps:
         for rank, res in enumerate(results):
             if res.returncode != 0:
                 raise RuntimeError(f"rank {rank} of {case.script.name} failed:\n{res.stderr[-3000:]}")
-    return context(load_run(run_dir)).base.measured_step_us / 1000.0
+    return context(load_prepared(run_dir)).base.measured_step_us / 1000.0
 
 
 def write_config(base: dict, knobs: dict, path: Path) -> Path:
@@ -215,7 +215,7 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
         return run_job(case, cluster, work / tag, args.steps, args.profile, config, port, extra)
 
     job("recorded", None)
-    run = load_run(work / "recorded")
+    run = load_prepared(work / "recorded")
     ctx = context(run)
     say(f"  {network} {name}: {ctx.interference.describe()}")
     result = optimize(ctx)

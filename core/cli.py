@@ -44,10 +44,10 @@ def _add_info(subparsers: Any) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
     from dpro.report.info import format_run_summary, summarize_run
 
-    summary = summarize_run(load_run(args.run))
+    summary = summarize_run(load_prepared(args.run))
     print(json.dumps(summary, indent=2) if args.json else format_run_summary(summary))
     return 0
 
@@ -71,7 +71,10 @@ def _add_analyze(subparsers: Any) -> None:
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
 
-    from dpro.analyze import analyze_path
+    from dpro.analyze import analyze_dir
+    from dpro.io.pool import collector_paused
+    from dpro.record.trace import analysis_file
+    from dpro.report.perfetto import write_analyzed_replay
     from dpro.report.text import format_analysis
 
     paths = _trace_paths(args.run)
@@ -80,7 +83,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
         analysis = analyze_kineto(paths, jobs=args.jobs)
     else:
-        analysis = analyze_path(args.run[0], iterations=args.iterations, jobs=args.jobs)
+        with collector_paused():
+            result = analyze_dir(args.run[0], iterations=args.iterations, jobs=args.jobs)
+            write_analyzed_replay(analysis_file(args.run[0], "replay.json"), result)
+        analysis = result.analysis
     print(json.dumps(analysis.to_json(), indent=2) if args.json else format_analysis(analysis))
     return 0
 
@@ -132,14 +138,14 @@ def _add_whatif(subparsers: Any) -> None:
 
 def _cmd_whatif(args: argparse.Namespace) -> int:
 
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
     from dpro.sim.whatif import context, parse_settings, predict
 
     knobs = parse_settings(args.settings)
     paths = _trace_paths(args.run)
     if paths:
         return _whatif_traces(paths, knobs, args)
-    ctx = context(load_run(args.run[0]))
+    ctx = context(load_prepared(args.run[0]))
     base, changed = predict(ctx, {}), predict(ctx, knobs)
     result = {
         "knobs": knobs,
@@ -253,7 +259,7 @@ def parse_size(text: str) -> int:
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
     from dpro.optimize import config_document, optimize, write_config_files
     from dpro.progress import Progress
     from dpro.sim.whatif import context
@@ -262,7 +268,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     if paths:
         return _optimize_traces(paths, args)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
-    ctx = context(load_run(args.run[0]))
+    ctx = context(load_prepared(args.run[0]))
     result = optimize(ctx, memory_budget_bytes=budget, allow_compression=args.allow_compression,
                       allow_precision=args.allow_precision, progress=Progress(None, "optimize"))
     doc = config_document(result, ctx)

@@ -116,9 +116,9 @@ def measured_step_ms(run_dir: Path) -> float:
     """dpro's measured step time of a run: the median STEP of the slowest rank, in ms."""
     from dpro.dag.align import align
     from dpro.dag.step_model import step_model
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
 
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     return step_model(run, align(run)).measured_step_us / 1000.0
 
 
@@ -130,11 +130,11 @@ def optimize_run(run_dir: Path, *, memory_budget_bytes: int | None = None, allow
         The config as written, and the replayed step time of the run as recorded (ms), which the
         config's predicted step time is to be compared with.
     """
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
     from dpro.optimize import config_document, optimize, write_config_files
     from dpro.sim.whatif import context
 
-    ctx = context(load_run(run_dir))
+    ctx = context(load_prepared(run_dir))
     result = optimize(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,
                       progress=Progress(None, "optimize"))
     path = out or analysis_file(run_dir, CONFIG_FILE)
@@ -297,16 +297,17 @@ def _keep_the_faster(before: Path, after: Path, tuned: Config) -> dict[str, Any]
     the original beyond the two runs' step-to-step spread; otherwise it is set aside as ``config.not-kept.json``
     (``--apply FILE`` still takes it) and the original settings are what the user is left with. The verdict goes
     to ``AFTER/analysis/auto.json``."""
-    from dpro.io.load import load_run, run_step_times_ms
+    from dpro.engines import load_prepared
+    from dpro.io.load import run_step_times_ms
     from dpro.report.compare import measured_change
 
-    if not _changes(tuned, load_run(before).meta.get("knobs") or {}):
+    if not _changes(tuned, load_prepared(before).meta.get("knobs") or {}):
         _say("--auto: the config changes nothing; the original settings stay")
         doc = {"kept": "original", "why": "the config changes nothing", "config": str(tuned.path), "change": None}
         write_json_atomic(analysis_file(after, "auto.json"), doc)
         return doc
     try:
-        change = measured_change(run_step_times_ms(load_run(before)), run_step_times_ms(load_run(after)))
+        change = measured_change(run_step_times_ms(load_prepared(before)), run_step_times_ms(load_prepared(after)))
     except DproError as err:
         change, why = None, f"the runs could not be compared: {err}"
     else:

@@ -164,11 +164,11 @@ def _kineto_ddp_trace(root: Path) -> Path:
 
 def _config(root: Path) -> Path:
     from dpro.config import write_config
-    from dpro.io.load import load_run
+    from dpro.engines import load_prepared
     from dpro.optimize import config_document, optimize
     from dpro.sim.whatif import context
 
-    ctx = context(load_run(_horovod_run(root / "source")))
+    ctx = context(load_prepared(_horovod_run(root / "source")))
     doc = config_document(optimize(ctx), ctx)
     from dpro.config import Config
 
@@ -442,12 +442,12 @@ def _read_and_compute(seed: Seed, seed_path: Path, extra: list[str]) -> None:
 
         read_config(seed_path)
     else:
-        from dpro.io.load import load_run
+        from dpro.engines import load_prepared
         from dpro.optimize import optimize
         from dpro.report.info import summarize_run
         from dpro.sim.whatif import context, parse_settings, predict
 
-        run = load_run(seed_path)
+        run = load_prepared(seed_path)
         summarize_run(run)
         ctx = context(run)
         if extra:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ from jobrunner import job_env, run_job, torchrun
 pytest.importorskip("torch")
 
 from dpro.analyze import analyze_path  # noqa: E402
+from dpro.cli import main  # noqa: E402
 from dpro.dag.align import align  # noqa: E402
 from dpro.io.load import load_run  # noqa: E402
 
@@ -30,7 +32,7 @@ def test_alignment_recovers_an_injected_two_second_skew(tmp_path):
     assert abs(alignment.offset_us[1] - SKEW_US) < 100.0, alignment.offset_us
     assert any("rank 1" in note for note in alignment.notes)
     # analysis uses the aligned clocks: the measured timeline of rank 1 lands next to rank 0's
-    analyze_path(run_dir)
+    assert main(["analyze", str(run_dir)]) == 0
     trace = json.loads((run_dir / "analysis" / "replay.json").read_text())
     starts = {e["pid"]: e["ts"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "STEP"}
     assert abs(starts[1] - starts[0]) < 50_000, starts
@@ -125,7 +127,7 @@ def test_straggler_figures_add_up_per_step_for_three_ranks():
     assert rows[0]["waits_ms_per_step"] == pytest.approx(9.0)   # 0..9 ms within its step (c), not 14 ms
 
 
-def test_nothing_is_written_through_a_linked_analysis_folder(run_dir, tmp_path):
+def test_nothing_is_written_through_a_linked_analysis_folder(run_dir, tmp_path, capsys):
     """``dpro analyze`` / ``optimize`` write only inside the run directory: an ``analysis`` link elsewhere is
     refused (naming it), and so is a folder where a file goes."""
     from dpro.errors import UsageError
@@ -134,8 +136,8 @@ def test_nothing_is_written_through_a_linked_analysis_folder(run_dir, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (run_dir / "analysis").symlink_to(elsewhere)
-    with pytest.raises(UsageError, match="is a link to .*elsewhere.*only inside the run directory"):
-        analyze_path(run_dir)
+    assert main(["analyze", str(run_dir)]) == 2
+    assert re.search("is a link to .*elsewhere.*only inside the run directory", capsys.readouterr().err)
     assert not any(elsewhere.iterdir())
     (run_dir / "analysis").unlink()
     (run_dir / "analysis" / "replay.json").mkdir(parents=True)
@@ -150,6 +152,8 @@ def test_the_perfetto_trace_shows_the_last_steps_measured(tmp_path):
 
     run_dir = make_run(tmp_path / "run", steps=range(3, 43))
     analyze_path(run_dir)
+    assert not (run_dir / "analysis").exists(), "the analysis API writes nothing: dpro analyze writes the file"
+    assert main(["analyze", str(run_dir)]) == 0
     trace = json.loads((run_dir / "analysis" / "replay.json").read_text())
     measured = {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] < 1000}
     assert measured == set(range(43 - DEFAULT_MEASURED_STEPS, 43))

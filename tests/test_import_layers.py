@@ -90,3 +90,14 @@ def test_the_core_has_no_import_cycle() -> None:
     graph = import_graph(core_modules())
     assert len(graph) > 40
     assert cycles(graph) == []
+
+
+def test_io_looks_up_no_engine_and_analysis_imports_no_report() -> None:
+    """Reading is io's alone (the engine's preparation is ``dpro.engines.prepared``, a layer above), and analysis
+    writes no report file (``dpro analyze`` writes ``analysis/replay.json`` from cli.py)."""
+    graph = import_graph(core_modules())
+    for module, targets in graph.items():
+        if module.startswith("dpro.io."):
+            assert not any(t.startswith("dpro.engines") for t in targets), (module, targets)
+        if module.startswith("dpro.analyze"):
+            assert not any(t.startswith("dpro.report") for t in targets), (module, targets)

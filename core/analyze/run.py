@@ -20,8 +20,9 @@ from dpro.dag.align import Alignment, align
 from dpro.dag.graph import Graph
 from dpro.dag.step_model import StepModel, model_steps, wired_step_model
 from dpro.dag.wiring import graph_of_wired
+from dpro.engines import get_engine, load_prepared
 from dpro.errors import GraphError
-from dpro.io.load import Run, load_run, recording_cost
+from dpro.io.load import Run, recording_cost
 from dpro.io.pool import collector_paused
 from dpro.sim.interference import fit_interference
 from dpro.sim.replay import Schedule, critical_path, plan_levels, predicted_step_us, replay
@@ -31,6 +32,7 @@ __all__ = [
     "Analysis",
     "AnalyzedRun",
     "DEFAULT_ITERATIONS",
+    "analyze_dir",
     "analyze_path",
     "analyze_run",
     "breakdown",
@@ -309,6 +311,7 @@ class AnalyzedRun:
     schedule: Schedule
     alignment: Alignment
     model: StepModel
+    run: Run
 
 
 def analyze_run(run: Run, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> AnalyzedRun:
@@ -348,7 +351,7 @@ def _analyzed(run: Run, iterations: int, jobs: int | None) -> AnalyzedRun:
                    "method": {str(r): m for r, m in alignment.method.items()}},
         notes=list(run.problems) + alignment.notes + _engine_notes(run) + notes, graph_nodes=g.size,
     )
-    return AnalyzedRun(analysis, g, sched, alignment, model)
+    return AnalyzedRun(analysis, g, sched, alignment, model, run)
 
 
 def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
@@ -386,20 +389,17 @@ def _left_out_note(model: StepModel) -> list[str]:
 
 
 def _engine_notes(run: Run) -> list[str]:
-    from dpro.engines import get_engine
-
     return get_engine((run.meta or {}).get("engine")).notes(run)
 
 
-def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> Analysis:
-    """Analyze a run directory, and write ``analysis/replay.json`` (measured and replayed timelines); ``jobs``: how
-    many processes read and model it (``dpro.io.pool.jobs_wanted``)."""
-    from dpro.record.trace import analysis_file
-    from dpro.report.perfetto import write_replay_trace
-
+def analyze_dir(path: str | Path, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> AnalyzedRun:
+    """Load a run directory (its engine's traces merged) and analyze it; ``jobs``: how many processes read and model
+    it (``dpro.io.pool.jobs_wanted``). Writes nothing: ``dpro analyze`` writes ``analysis/replay.json`` from the
+    result (``dpro.report.perfetto.write_analyzed_replay``)."""
     with collector_paused():
-        run = load_run(path, jobs=jobs)
-        result = analyze_run(run, iterations, jobs=jobs)
-        write_replay_trace(analysis_file(path, "replay.json"), run, result.alignment, result.graph, result.schedule,
-                           steps=result.model.steps)
-        return result.analysis
+        return analyze_run(load_prepared(path, jobs=jobs), iterations, jobs=jobs)
+
+
+def analyze_path(path: str | Path, iterations: int = DEFAULT_ITERATIONS, *, jobs: int | None = None) -> Analysis:
+    """The answers of ``analyze_dir``: what ``dpro analyze`` prints."""
+    return analyze_dir(path, iterations, jobs=jobs).analysis

@@ -63,7 +63,8 @@ class Engine:
             gradients into collectives under ``knobs`` (what-if); None when ``knobs`` change no grouping.
         optimize: ``(ctx, memory_budget_bytes=, allow_compression=) -> OptimizeResult``: the engine's search; None:
             only the searches every engine shares (``dpro.sim.choices.optimize_common``).
-        prepare_run: ``(run) -> None``, at load time: complete the run from the engine's own traces.
+        prepare_run: ``(run) -> None``, after load (``dpro.engines.prepared``): complete the run from the engine's own
+            traces.
         apply: how a config reaches the job, in words (for docs and tables).
         comm_knobs: the knobs that regroup the collectives (what-if rebuilds the communication for them).
         predict: ``(ctx, knobs) -> Prediction | None``: the engine's own prediction when ``knobs`` hold its knobs

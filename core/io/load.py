@@ -157,6 +157,8 @@ class Run:
     # steps an engine keeps out of the step model, and why (steps that ran with a costlier recording mechanism,
     # when enough ran without it): they stay in the traces and in what the engine reads from them
     set_aside: dict[int, str] = field(default_factory=dict)
+    # whether the run's engine completed it from its own traces (``dpro.engines.prepared``; ``load_run`` only reads)
+    engine_prepared: bool = False
 
     @property
     def world_size(self) -> int:
@@ -820,7 +822,9 @@ def _check_model_entry(path: Path, key: str, item: dict[str, Any], where: str) -
 
 def load_run(path: str | Path, *, jobs: int | None = None) -> Run:
     """Load and validate a run directory: rank files are read in ``jobs`` processes (``dpro.io.pool.jobs_wanted``;
-    by default only when they hold ``PARALLEL_BYTES`` or more), each kept as columns (``RankTrace.table``).
+    by default only when they hold ``PARALLEL_BYTES`` or more), each kept as columns (``RankTrace.table``). Reads
+    only: the run's engine completes it from its own traces in a step of its own (``dpro.engines.prepared``;
+    ``dpro.engines.load_prepared`` is both).
 
     Returns:
         A ``Run`` whose ``problems`` list what analysis must work around (missing or unfinished ranks,
@@ -880,9 +884,8 @@ def _load_run(root: Path, jobs: int | None) -> Run:
     for rank, what in interrupted_calls(root).items():
         run.problems.append(f"rank {rank} never returned from {what}")
     run.problems.extend(_step_set_problems(run))
-    _prepare_for_engine(run)
     for trace in run.ranks.values():
-        trace.compact()  # what the engine changed, as columns again
+        trace.compact()  # what the checks above made dicts of, as columns again
     return run
 
 
@@ -915,17 +918,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _prepare_for_engine(run: Run) -> None:
-    """Let the run's engine complete it from the engine's own traces (e.g. a timeline of its own); a trace that
-    cannot be read is a problem of the run, not an error: the plugin's own events are kept."""
-    from dpro.engines import get_engine
-
-    try:
-        get_engine((run.meta or {}).get("engine")).prepare_run(run)
-    except TraceError as err:
-        run.problems.append(f"{err}; the engine's own trace was not merged (the recorded events are kept)")
 
 
 _BUSY_FILE = re.compile(r"rank-(\d+)\.busy\.txt")

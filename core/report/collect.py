@@ -21,8 +21,9 @@ import numpy as np
 
 from dpro.analyze import Analysis, AnalyzedRun, analyze_run, time_by_category
 from dpro.dag.graph import NO_QUEUE, Graph
+from dpro.engines import load_prepared
 from dpro.errors import DproError
-from dpro.io.load import Run, load_run, overhead_of
+from dpro.io.load import Run, overhead_of
 from dpro.progress import Progress
 from dpro.report.svg import Lane, Span
 from dpro.sim.replay import Schedule, critical_path
@@ -86,7 +87,7 @@ def collect_run(path: str | Path, *, whatif: bool = True, recommend: bool = True
                 quiet: bool | None = None) -> ReportData:
     """Analyze a run directory and gather the report's data; ``whatif``/``recommend`` add the curves and the
     optimizer's recommendation (replays: the slow part, shown as progress unless ``quiet``)."""
-    run = load_run(path)
+    run = load_prepared(path)
     result = analyze_run(run)
     step = _typical_step(result)
     data = ReportData(

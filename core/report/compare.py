@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from dpro.analyze import AnalyzedRun, analyze_run, time_by_category
+from dpro.engines import load_prepared
 from dpro.errors import UsageError
-from dpro.io.load import Run, load_run
+from dpro.io.load import Run
 
 __all__ = ["Comparison", "MeasuredChange", "compare_runs", "format_comparison", "measured_change", "render_comparison",
            "same_model"]
@@ -118,7 +119,7 @@ def compare_runs(path_a: str | Path, path_b: str | Path) -> Comparison:
     Raises:
         UsageError: the runs are of different models (naming why).
     """
-    run_a, run_b = load_run(path_a), load_run(path_b)
+    run_a, run_b = load_prepared(path_a), load_prepared(path_b)
     why = same_model(run_a, run_b)
     if why is not None:
         raise UsageError(f"{path_a} and {path_b} are not runs of one model: {why}")

@@ -12,11 +12,11 @@ from pathlib import Path
 from dpro.analyze.run import DEFAULT_ITERATIONS, analyze_run
 from dpro.dag.kineto import graph_from_kineto
 from dpro.dag.wiring import graph_from_steps
+from dpro.engines import load_prepared
 from dpro.errors import UsageError
 from dpro.io.kineto import load_traces
-from dpro.io.load import load_run
 from dpro.report.chakra import CommInfo, comm_info_of_model, et_nodes, write_chakra
-from dpro.report.perfetto import write_graph_trace, write_replay_trace
+from dpro.report.perfetto import write_analyzed_replay, write_graph_trace
 from dpro.sim.replay import replay
 
 __all__ = ["CHAKRA_ITERATIONS", "FORMATS", "export_run", "export_traces"]
@@ -47,12 +47,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path, fmt: str, *, name: str 
     its = iterations or (CHAKRA_ITERATIONS if fmt == "chakra" else DEFAULT_ITERATIONS)
     if its < 1:
         raise UsageError(f"--iterations {its}: expected at least 1")
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     result = analyze_run(run, its if fmt == "perfetto" else DEFAULT_ITERATIONS)
     out = Path(out_dir)
     if fmt == "perfetto":
-        return [write_replay_trace(out / f"{name}.json", run, result.alignment, result.graph, result.schedule,
-                                   steps=result.model.steps)]
+        return [write_analyzed_replay(out / f"{name}.json", result)]
     g = graph_from_steps(result.model, its)
     meta = {"source": str(Path(run_dir)), "engine": str((run.meta or {}).get("engine", "")),
             "world_size": str(run.world_size), "iterations": str(its)}

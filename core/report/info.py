@@ -5,7 +5,7 @@ as is); ``format_run_summary`` renders that data as terminal text with aligned t
 
 Example::
 
-    print(format_run_summary(summarize_run(load_run("dpro-runs/20240101-120000"))))
+    print(format_run_summary(summarize_run(dpro.engines.load_prepared("dpro-runs/20240101-120000"))))
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from dpro.io.events import events_of
 from dpro.io.load import Run
 from dpro.record.trace import CATEGORIES, write_chunks_atomic
 from dpro.sim.replay import Schedule
+
+if TYPE_CHECKING:
+    from dpro.analyze.run import AnalyzedRun
 
 try:  # a fast encoder for a thousand ranks' timelines; the standard library's otherwise
     import orjson as _orjson
@@ -38,6 +41,7 @@ __all__ = [
     "nest_tracks",
     "nesting_problems",
     "replayed_events",
+    "write_analyzed_replay",
     "write_graph_trace",
     "write_replay_trace",
 ]
@@ -63,6 +67,13 @@ def write_replay_trace(path: Path, run: Run, alignment: Alignment, g: Graph, sch
     chunks = itertools.chain(_measured(run, alignment, shown), _replayed(g, sched, origin))
     write_chunks_atomic(path, _document(nest_tracks(events) for events in chunks))
     return path
+
+
+def write_analyzed_replay(path: Path, result: AnalyzedRun) -> Path:
+    """``write_replay_trace`` of what ``analyze_run`` computed (the measured side: the steps its model was built
+    from): ``dpro analyze``'s ``analysis/replay.json``, ``dpro export --format perfetto``."""
+    return write_replay_trace(path, result.run, result.alignment, result.graph, result.schedule,
+                              steps=result.model.steps)
 
 
 def write_graph_trace(path: Path, g: Graph, sched: Schedule, origin: float = 0.0) -> Path:

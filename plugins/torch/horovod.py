@@ -26,11 +26,11 @@ transfers Horovod really made come from its timeline. Horovod opens ``HOROVOD_TI
   front). The recorder accepts a run directory that holds only that file.
 - ``HOROVOD_TIMELINE=DYNAMIC``: the recorder starts the timeline into ``<run_dir>/horovod-timeline.json``
   when the profiled window begins (``hvd.start_timeline``) and stops it when recording ends.
-- any other path: recorded in run.json; ``dpro.io.load.load_run`` reads it from there if it still exists.
+- any other path: recorded in run.json; ``dpro.engines.prepared`` reads it from there if it still exists.
 
-``dpro.io.load.load_run`` merges the timeline when it finds it (``dpro.engines.horovod.timeline``): each
-per-tensor event ends when its fused buffer ended (the poll sees completions late) and names its buffer, with
-Horovod's phases.
+``dpro.engines.prepared`` (after ``load_run``, which only reads) merges the timeline when it finds it
+(``dpro.engines.horovod.timeline``): each per-tensor event ends when its fused buffer ended (the poll sees
+completions late) and names its buffer, with Horovod's phases.
 
 Example (run with ``horovodrun -np 2 -H localhost:2 --gloo python train.py``)::
 

@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpro.analyze import analyze_run
 from dpro.config import DPRO_CONFIG, Config
+from dpro.engines import load_prepared
 from dpro.errors import ConfigError, DproError
-from dpro.io.load import load_run
 from dpro.logs import get_logger
 from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config, recomputed, register_compression
 from dpro.plugins.torch.recorder import TorchRecorder
@@ -246,7 +246,7 @@ class DproProfiler(*_lightning_bases(".profilers", "Profiler")):
         self._summary = ""
         if recorder.rank == 0:
             try:
-                self._summary = format_summary(analyze_run(load_run(recorder.run_dir)).analysis)
+                self._summary = format_summary(analyze_run(load_prepared(recorder.run_dir)).analysis)
             except DproError as err:
                 self._summary = f"dpro: the run in {recorder.run_dir} could not be analyzed: {err}"
         return self._summary

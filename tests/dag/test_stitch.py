@@ -14,7 +14,7 @@ from dpro.dag.align import align
 from dpro.dag.graph import Graph, GraphBuilder
 from dpro.dag.step_model import step_model
 from dpro.dag.wiring import _share_cpus, _wire_iteration, graph_from_step_sequence, graph_from_steps
-from dpro.io.load import load_run
+from dpro.engines import load_prepared
 from dpro.sim.steps import one_step_models
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "mxnet" / "mlp-2workers-2servers"
@@ -44,7 +44,7 @@ def _runs(tmp_path: Path) -> list[Path]:
 
 def test_stitched_iterations_are_the_iterations_wired_in_one_go(tmp_path):
     for root in _runs(tmp_path):
-        run = load_run(root)
+        run = load_prepared(root)
         alignment = align(run)
         model = step_model(run, alignment)
         _same_graphs(graph_from_steps(model, iterations=4), _wired_in_one_go([model] * 4))
@@ -54,6 +54,7 @@ def test_stitched_iterations_are_the_iterations_wired_in_one_go(tmp_path):
 
 def test_analysis_in_workers_is_the_analysis_here(tmp_path):
     for root in [*_runs(tmp_path), shutil.copytree(RECORDED, tmp_path / "mxnet")]:
-        here, workers = analyze_run(load_run(root, jobs=1), jobs=1), analyze_run(load_run(root, jobs=2), jobs=2)
+        here = analyze_run(load_prepared(root, jobs=1), jobs=1)
+        workers = analyze_run(load_prepared(root, jobs=2), jobs=2)
         assert here.analysis == workers.analysis, root
         _same_graphs(here.graph, workers.graph)

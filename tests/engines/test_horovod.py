@@ -23,6 +23,7 @@ from run_builder import (
     make_run,
 )
 
+from dpro.engines import load_prepared, prepared
 from dpro.engines.horovod.search import HVD_CYCLES_MS, HVD_THRESHOLDS_MB, horovod_cycles, horovod_fusion
 from dpro.engines.horovod.timeline import (
     TIMELINE_FILE,
@@ -89,8 +90,22 @@ def test_broken_timeline_is_refused_with_the_file(tmp_path: Path) -> None:
         read_timeline(path)
 
 
-def test_load_run_merges_the_timeline_into_fused_comm_events(tmp_path: Path) -> None:
+def test_load_run_only_reads_and_prepared_merges_the_timeline_once(tmp_path: Path) -> None:
+    """Reading is io's (``load_run``); the engine's merge is a step of its own (``dpro.engines.prepared``), which a
+    second call leaves as it was."""
     run = load_run(make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4]))))
+    assert not run.engine_prepared and "merged" not in (run.meta.get("horovod") or {})
+    assert not any("buffer" in e["args"] for e in run.ranks[0].events if e["cat"] == "COMM")
+    assert prepared(run) is run and run.engine_prepared
+    merged = [(e["ts"], e["dur"], e["args"]["buffer"]) for e in run.ranks[0].events if e["cat"] == "COMM"]
+    problems, summary = list(run.problems), dict(run.meta["horovod"]["merged"])
+    prepared(run)
+    assert [(e["ts"], e["dur"], e["args"]["buffer"]) for e in run.ranks[0].events if e["cat"] == "COMM"] == merged
+    assert run.problems == problems and run.meta["horovod"]["merged"] == summary
+
+
+def test_load_prepared_merges_the_timeline_into_fused_comm_events(tmp_path: Path) -> None:
+    run = load_prepared(make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4]))))
     assert run.problems == []
     merged = run.meta["horovod"]["merged"]
     assert merged["fused_groups"] == 5 and merged["steps"] == [3, 4]  # 4 fused allreduces + the broadcast
@@ -118,16 +133,16 @@ def test_load_run_merges_the_timeline_into_fused_comm_events(tmp_path: Path) -> 
 
 def test_truncated_timeline_merges_and_says_so(tmp_path: Path) -> None:
     text = horovod_timeline_text(horovod_timeline_events([3, 4]))[:-1]
-    run = load_run(make_horovod_run(tmp_path / "run", text))
+    run = load_prepared(make_horovod_run(tmp_path / "run", text))
     assert any("cut off" in p for p in run.problems)
     assert all("buffer" in e["args"] for e in run.ranks[0].events if e["cat"] == "COMM")
 
 
 def test_unreadable_timeline_keeps_the_per_tensor_events(tmp_path: Path) -> None:
-    run = load_run(make_horovod_run(tmp_path / "run", "{not a timeline"))
+    run = load_prepared(make_horovod_run(tmp_path / "run", "{not a timeline"))
     assert any("not a Horovod timeline" in p for p in run.problems)
     assert any(e["name"] == "COMM.fc2.bias.allreduce" for e in run.ranks[0].events)
-    assert merge_horovod_timeline(load_run(make_run(tmp_path / "plain"))) is None  # no timeline: nothing to do
+    assert merge_horovod_timeline(load_prepared(make_run(tmp_path / "plain"))) is None  # no timeline: nothing to do
 
 
 # ---- fusion that differs from step to step (hand-written) ------------------------------------------
@@ -191,7 +206,7 @@ def _fusion_run(root: Path, fusions: dict[int, list[tuple[list[str], int]]] = FU
 
 
 def test_every_step_is_kept_when_fusion_differs_and_tensors_end_with_their_buffer(tmp_path: Path) -> None:
-    run = load_run(_fusion_run(tmp_path / "run"))
+    run = load_prepared(_fusion_run(tmp_path / "run"))
     merged = run.meta["horovod"]["merged"]
     assert merged["steps"] == [3, 4, 5, 6, 7] and merged["distinct_fusions"] == 3
     assert run.ranks[0].steps == run.ranks[1].steps == [3, 4, 5, 6, 7]  # none left out
@@ -213,7 +228,7 @@ def test_a_median_step_of_steps_fused_differently_replays_to_the_measured_step(t
     from dpro.dag.wiring import graph_from_steps
     from dpro.sim.replay import plan_levels, replay
 
-    run = load_run(_fusion_run(tmp_path / "run"))
+    run = load_prepared(_fusion_run(tmp_path / "run"))
     analysis = analyze_run(run).analysis
     assert analysis.measured_step_ms == pytest.approx(9.0)
     assert analysis.predicted_step_ms == pytest.approx(9.0, abs=0.1)
@@ -309,7 +324,7 @@ def test_allreduces_that_overlap_more_of_the_backward_slow_it_by_the_measured_sl
 def test_the_loop_is_calibrated_from_the_timeline_buffers(tmp_path: Path) -> None:
     from dpro.engines.horovod.search import horovod_loop
 
-    run = load_run(_fusion_run(tmp_path / "run"))
+    run = load_prepared(_fusion_run(tmp_path / "run"))
     ctx = context(run)
     loop = horovod_loop(ctx)
     # every buffer of the hand-written timeline starts 20 µs after the last launch of its tensors (rank 1's):
@@ -321,7 +336,7 @@ def test_the_loop_is_calibrated_from_the_timeline_buffers(tmp_path: Path) -> Non
 
 
 def test_horovod_fusion_picks_a_setting_and_optimize_writes_env_knobs(tmp_path: Path) -> None:
-    run = load_run(make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4]))))
+    run = load_prepared(make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4]))))
     ctx = context(run)
     results = horovod_fusion(ctx)
     # autotune's space: thresholds 0 (no fusion) .. 256 MB, cycles up to 50 ms; and the setting in force (48 MB)
@@ -394,7 +409,7 @@ def test_horovod_job_is_recorded(hvd_run: Path) -> None:
 @pytest.mark.slow
 @needs_horovod
 def test_horovod_timeline_is_merged(hvd_run: Path) -> None:
-    run = load_run(hvd_run)
+    run = load_prepared(hvd_run)
     merged = run.meta["horovod"]["merged"]
     assert merged["offset_us"] is not None and merged["clock"].startswith("wall clock")
     assert merged["probe_samples"] == 20
@@ -446,7 +461,7 @@ def test_a_killed_horovod_job_leaves_a_readable_timeline(hvd_run: Path, tmp_path
     shutil.copytree(hvd_run, copy)
     text = (copy / TIMELINE_FILE).read_text()
     (copy / TIMELINE_FILE).write_text(text[: int(len(text) * 0.97)])  # as a kill leaves it
-    run = load_run(copy)
+    run = load_prepared(copy)
     assert any("cut off" in p for p in run.problems)
     assert run.meta["horovod"]["merged"]["truncated"]
 
@@ -458,7 +473,7 @@ def test_dynamic_timeline_is_written_into_the_run_dir(tmp_path: Path) -> None:
     horovodrun("--model", "mlp", "--steps", "8", "--profile", "3:6", "--run-dir", str(root),
                env=job_env(HOROVOD_TIMELINE="DYNAMIC"))
     assert (root / TIMELINE_FILE).is_file()
-    run = load_run(root)
+    run = load_prepared(root)
     assert run.meta["horovod"]["merged"]["steps"]
 
 
@@ -477,14 +492,15 @@ def test_whatif_prices_horovod_knobs_and_refuses_them_on_another_engine(tmp_path
     from dpro.errors import UsageError
     from dpro.sim.whatif import parse_settings, predict
 
-    ctx = context(load_run(make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4])))))
+    run_dir = make_horovod_run(tmp_path / "run", horovod_timeline_text(horovod_timeline_events([3, 4])))
+    ctx = context(load_prepared(run_dir))
     knobs = parse_settings(["HOROVOD_CYCLE_TIME=25", "HOROVOD_FUSION_THRESHOLD=0"])
     assert knobs == {"HOROVOD_CYCLE_TIME": 25.0, "HOROVOD_FUSION_THRESHOLD": 0}
     baseline = predict(ctx, {}).predicted_step_ms
     expected = baseline + horovod_predict(ctx, 0, 25.0) - horovod_predict(ctx, 48 * 2**20, 5.0)
     assert predict(ctx, knobs).predicted_step_ms == pytest.approx(expected)
     assert predict(ctx, {"HOROVOD_CYCLE_TIME": 25.0}).predicted_step_ms != pytest.approx(baseline)
-    ddp = context(load_run(make_run(tmp_path / "ddp")))
+    ddp = context(load_prepared(make_run(tmp_path / "ddp")))
     with pytest.raises(UsageError, match="HOROVOD_CYCLE_TIME is a knob of the horovod engine; this run's engine is "
                                          "torch-ddp"):
         predict(ddp, {"HOROVOD_CYCLE_TIME": 25.0})

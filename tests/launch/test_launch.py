@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from jobrunner import JOBS, job_env, run_job
 
 from dpro.config import read_config
+from dpro.engines import load_prepared
 from dpro.errors import UsageError
-from dpro.io.load import load_run
 from dpro.launch import horovod_run, process
 from dpro.launch.cli import build_parser, config_from_args
 from dpro.launch.env import AUTOATTACH_DIR
@@ -361,7 +361,7 @@ def test_unmodified_script_is_recorded(tmp_path):
         env = {**env_for_jobs(), "MASTER_PORT": str(taken.getsockname()[1])}
         proc = run_job(launcher("-np", "2", "--profile", "2:6", "--run-dir", "run", "python", str(script),
                                 "--print-env"), env=env, cwd=tmp_path, timeout=180)
-    run = load_run(tmp_path / "run")
+    run = load_prepared(tmp_path / "run")
     assert run.meta["world_size"] == 2 and run.meta["engine"] == "torch-ddp" and not run.problems
     assert run.meta["knobs"]["dpro.launch"] == "autoattach"
     for rank in (0, 1):
@@ -387,7 +387,7 @@ def test_a_script_with_its_own_profiler_is_recorded_once(tmp_path):
     assert len(runs) == 1, runs
     (recorded,) = runs
     assert recorded.parent == tmp_path / "run"  # its Profiler(run_dir=None) went under $DPRO_RUN_DIR
-    run = load_run(recorded)
+    run = load_prepared(recorded)
     assert "dpro.launch" not in run.meta["knobs"] and sorted(run.ranks) == [0, 1]
 
 
@@ -396,7 +396,7 @@ def test_an_unmodified_lightning_script_gets_the_callback(tmp_path):
     pytest.importorskip("lightning")
     run_job(launcher("-np", "2", "--profile", "2:6", "--run-dir", "run", "python", str(JOBS / "plain_lightning.py")),
             env=env_for_jobs(), cwd=tmp_path, timeout=300)
-    run = load_run(tmp_path / "run")
+    run = load_prepared(tmp_path / "run")
     assert run.meta["knobs"]["lightning.strategy"] == "DDPStrategy" and sorted(run.ranks) == [0, 1]
     assert [e["args"]["step"] for e in _events(run, 0, "STEP")] == [2, 3, 4, 5]
 
@@ -412,7 +412,7 @@ def test_auto_profiles_optimizes_reruns_and_compares(tmp_path):
     assert kept == (verdict["change"] is not None and verdict["change"]["verdict"] == "faster"), verdict
     path = before / "analysis" / ("config.json" if kept else "config.not-kept.json")
     config = read_config(path) if path.exists() else read_config(before / "analysis" / "config.json")
-    assert load_run(before).ranks and load_run(after).ranks
+    assert load_prepared(before).ranks and load_prepared(after).ranks
     for row in ("before (measured)", "predicted with the config", "after (measured)", "knobs applied:",
                 "predicted gain"):
         assert row in proc.stdout, proc.stdout
@@ -440,7 +440,7 @@ def test_a_failing_rank_stops_the_job_with_its_status(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert time.monotonic() - began < 60  # a surviving rank would train 100000 steps
     assert "rank 1 exited with status 3" in proc.stderr
-    run = load_run(tmp_path / "run")
+    run = load_prepared(tmp_path / "run")
     # Rank 1 died outright after finishing step 149; rank 0 waited in step 150 until the launcher stopped it. The
     # recorder's builder thread journals every 50 ms: each rank's finished steps are readable but for its last 50 ms,
     # in order, each whole
@@ -481,7 +481,7 @@ def test_ctrl_c_stops_every_rank_and_keeps_their_steps(tmp_path):
     if shutil.which("pgrep"):
         left = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True)
         assert left.stdout.strip() == "", "ranks outlived the launcher"
-    run = load_run(tmp_path / "run")
+    run = load_prepared(tmp_path / "run")
     for rank in (0, 1):
         assert run.ranks[rank].steps, rank  # KeyboardInterrupt let each rank write what it finished
 
@@ -545,7 +545,7 @@ def test_a_host_over_ssh_records_and_is_collected(tmp_path, sshd):
     assert "ssh -p" in proc.stderr and "127.0.0.2" in proc.stderr  # rank 0 went through ssh
     assert "could not copy" not in proc.stderr
     assert _known(tmp_path / "known_hosts", port)  # the host key was checked and written down
-    run = load_run(tmp_path / "run")
+    run = load_prepared(tmp_path / "run")
     assert run.meta["world_size"] == 2 and sorted(run.ranks) == [0, 1] and not run.problems
     for rank in (0, 1):
         assert [e["args"]["step"] for e in _events(run, rank, "STEP")] == [2, 3, 4, 5]

@@ -18,8 +18,8 @@ import pytest
 from jobrunner import JOBS, job_env, run_job
 
 from dpro.analyze import analyze_run
+from dpro.engines import load_prepared
 from dpro.engines.horovod.timeline import TIMELINE_FILE, timeline_file
-from dpro.io.load import load_run
 from dpro.launch import horovod_run
 from dpro.launch.cli import build_parser, config_from_args
 from dpro.launch.env import AUTOATTACH_DIR
@@ -235,7 +235,7 @@ def test_the_horovod_timeline_is_captured_and_merged(plain_run):
     run_dir, _ = plain_run
     if not (run_dir / TIMELINE_FILE).is_file():
         pytest.skip("Horovod wrote no timeline (HOROVOD_TIMELINE=DYNAMIC not honoured)")
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     merged = run.meta["horovod"]["merged"]
     assert merged["steps"] == list(range(2, 8))
     names = sorted(g["name"] for g in run.model["gradients"])
@@ -261,7 +261,7 @@ def test_the_default_window_records_horovod_in_blocks_without_a_timeline(tmp_pat
     assert "recording steps 10..14, 20..24, 30..34" in proc.stderr
     run_dir = tmp_path / "run"
     assert not (run_dir / TIMELINE_FILE).exists()
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     assert not run.problems and "merged" not in run.meta["horovod"]
     for rank in (0, 1):
         overhead = run.ranks[rank].header["recording_overhead"]
@@ -285,7 +285,7 @@ def test_horovod_timeline_runs_in_the_last_block_and_the_step_model_is_the_other
     if not (run_dir / TIMELINE_FILE).is_file():
         pytest.skip("Horovod wrote no timeline (HOROVOD_TIMELINE=DYNAMIC not honoured)")
     assert not (run_dir / timeline_file(2)).exists()
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     merged = run.meta["horovod"]["merged"]
     assert merged["steps"] == list(range(30, 35)) and not run.problems
     assert merged["steps_without_timeline"] == [*range(10, 15), *range(20, 25)]
@@ -358,7 +358,7 @@ def test_horovod_recordings_replay_within_five_percent(conv1d_runs):
     from dpro.analyze import analyze_run
 
     for run_dir in conv1d_runs:
-        run = load_run(run_dir)
+        run = load_prepared(run_dir)
         merged = run.meta["horovod"]["merged"]
         assert merged["steps"] == list(range(6, 26)) == run.ranks[0].steps  # every step, whatever its fusion
         analysis = analyze_run(run).analysis
@@ -370,7 +370,7 @@ def test_horovod_recordings_replay_within_five_percent(conv1d_runs):
 
 @pytest.mark.slow
 def test_horovod_tensors_end_with_their_buffer_not_at_the_late_poll(conv1d_runs):
-    run = load_run(conv1d_runs[0])
+    run = load_prepared(conv1d_runs[0])
     late = 0
     for rank in (0, 1):
         for e in run.ranks[rank].events:
@@ -392,7 +392,7 @@ def test_horovod_straggler_waiting_fits_in_the_step(conv1d_runs):
     from dpro.analyze import analyze_run
 
     for run_dir in conv1d_runs:
-        analysis = analyze_run(load_run(run_dir)).analysis
+        analysis = analyze_run(load_prepared(run_dir)).analysis
         rows = analysis.stragglers
         assert rows
         mean_step = {r["rank"]: r["waits_ms_per_step"] / (r["waits_pct_of_step"] / 100.0)
@@ -434,7 +434,7 @@ def test_an_unmodified_hvd_keras_job_is_recorded_through_the_horovod_engine(tmp_
             assert all(e["args"]["bytes"] == grad_bytes[e["args"]["tensors"][0]] for e in comm)
             first_fw = min(e["ts"] for e in events if e["cat"] == "FW" and e["args"]["step"] == step)
             assert all(e["ts"] > first_fw for e in comm)
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     merged = run.meta["horovod"]["merged"]
     assert merged["buffers"] and all(b["allreduce_us"] is not None for b in merged["buffers"])
     out = subprocess.run([sys.executable, "-m", "dpro", "analyze", str(run_dir), "--json"], capture_output=True,
@@ -467,7 +467,7 @@ def test_a_hvd_keras_window_in_blocks_profiles_each_block_and_runs_the_timeline_
     run_dir = tmp_path / "run"
     assert (run_dir / "xplane-rank0").is_dir() and (run_dir / "xplane-rank0.2").is_dir()
     assert not (run_dir / "xplane-rank0.3").exists()
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     for rank in (0, 1):
         trace = run.ranks[rank]
         for step in (4, 5, 6, 10, 11, 12):  # every recorded step has its layers' times, from its block's profile

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from jobrunner import run_job, torchrun
+from run_builder import make_run
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
@@ -73,9 +74,6 @@ def test_report_of_a_kineto_trace_renders_in_chromium(tmp_path):
 
 
 def test_compare_page_renders_in_chromium(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from run_builder import make_run
-
     a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
     page = tmp_path / "compare.html"
     run_job([sys.executable, "-m", "dpro", "compare", str(a), str(b), "-o", str(page)])

@@ -12,7 +12,7 @@ from run_builder import make_horovod_run, make_run, make_wide_run, x_event
 
 from dpro.analyze import analyze_run
 from dpro.cli import main
-from dpro.io.load import load_run
+from dpro.engines import load_prepared
 from dpro.report.collect import collect_run, collect_traces
 from dpro.report.html import render_report
 
@@ -72,7 +72,7 @@ def test_timeline_holds_measured_and_replayed_lanes_with_the_critical_path(tmp_p
 
 
 def test_parts_of_the_step_add_up_to_the_replayed_step(tmp_path):
-    run = load_run(make_wide_run(tmp_path / "wide", world_size=3, layers=40, per_bucket=8))
+    run = load_prepared(make_wide_run(tmp_path / "wide", world_size=3, layers=40, per_bucket=8))
     data = collect_run(run.path, whatif=False, recommend=False)
     for row in data.analysis.per_rank:
         parts = data.step_parts[row["rank"]]
@@ -158,7 +158,7 @@ def test_report_refuses_a_linked_analysis_folder(tmp_path, capsys):
 def test_report_of_an_analyzed_run_matches_analyze_run(tmp_path):
     run = make_run(tmp_path / "run")
     data = collect_run(run, whatif=False, recommend=False)
-    assert data.analysis.predicted_step_ms == analyze_run(load_run(run)).analysis.predicted_step_ms
+    assert data.analysis.predicted_step_ms == analyze_run(load_prepared(run)).analysis.predicted_step_ms
 
 
 def test_mxnet_parameter_server_run_report(tmp_path):

@@ -1,7 +1,7 @@
 """The ``horovod`` engine: Horovod's ``DistributedOptimizer`` (PyTorch), allreduces fused by Horovod's background
-loop. Its traces: ``timeline`` (HOROVOD_TIMELINE, merged into the run at load time: each tensor's COMM ends with
-its fused buffer); its search: ``search`` (fusion threshold, cycle time and response cache by a simulation of the
-loop, written as the config's ``env`` knobs)."""
+loop. Its traces: ``timeline`` (HOROVOD_TIMELINE, merged into the loaded run by ``dpro.engines.prepared``: each
+tensor's COMM ends with its fused buffer); its search: ``search`` (fusion threshold, cycle time and response cache
+by a simulation of the loop, written as the config's ``env`` knobs)."""
 
 from __future__ import annotations
 

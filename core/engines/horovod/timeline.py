@@ -19,7 +19,7 @@ Tensors whose ALLREDUCE phases overlap were fused into one buffer: Horovod opens
 phase of every tensor of a response before it runs the response, and closes them all afterwards,
 and it runs one response at a time (``fused_groups``).
 
-``merge_horovod_timeline(run)`` (called by ``dpro.io.load.load_run`` when the run holds
+``merge_horovod_timeline(run)`` (called by ``dpro.engines.prepared`` when the run holds
 ``horovod-timeline.json``) places the timeline on rank 0's clock and gives each of the recorder's
 per-tensor ``COMM.<tensor>.allreduce`` events the end of the fused buffer the tensor went in (the
 recorder sees a completion only at its next poll) and the buffer's index, size and phases. Names do

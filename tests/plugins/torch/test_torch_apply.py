@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from dpro.config import DPRO_CONFIG, Config, write_config  # noqa: E402
+from dpro.engines import load_prepared  # noqa: E402
 from dpro.errors import ConfigError, UsageError  # noqa: E402
-from dpro.io.load import load_run  # noqa: E402
 from dpro.plugins.torch import apply, ddp_kwargs, load_config  # noqa: E402
 from dpro.plugins.torch.apply import apply_recompute, fingerprint, recomputed  # noqa: E402
 from dpro.plugins.torch.models import TinyTransformer, get_example  # noqa: E402
@@ -226,7 +226,7 @@ def baseline(tmp_path_factory):
     """A 2-rank DDP run of the transformer at DDP's bucket size 25 MB (one bucket)."""
     run_dir = tmp_path_factory.mktemp("baseline") / "run"
     torchrun("ddp_job.py", "--model", "transformer", "--steps", "6", "--profile", "2:5", "--run-dir", str(run_dir))
-    return load_run(run_dir)
+    return load_prepared(run_dir)
 
 
 def events(run, rank: int, step: int) -> list[dict]:
@@ -241,7 +241,7 @@ def test_ddp_job_applies_bucket_size_and_recompute(tmp_path, baseline):
     run_dir = tmp_path / "run"
     torchrun("ddp_job.py", "--model", "transformer", "--steps", "6", "--profile", "2:5", "--run-dir", str(run_dir),
              "--config", str(config))
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     assert run.meta["knobs"]["torch.ddp.bucket_cap_mb"] == 0.25
     assert len(run.model["buckets"]) > 1
     assert sum(b["bytes"] for b in run.model["buckets"]) == run.model["param_bytes"]
@@ -264,7 +264,7 @@ def test_ddp_job_applies_tensor_groups(tmp_path, baseline):
     run_dir = tmp_path / "run"
     torchrun("ddp_job.py", "--model", "transformer", "--steps", "6", "--profile", "2:5", "--run-dir", str(run_dir),
              "--config", str(config))
-    buckets = load_run(run_dir).model["buckets"]
+    buckets = load_prepared(run_dir).model["buckets"]
     assert [sorted(b["tensors"]) for b in buckets] == [sorted(g) for g in groups]
 
 
@@ -288,7 +288,7 @@ def test_fp16_compression_replaces_dpro_comm_timing(tmp_path):
     proc = torchrun("ddp_job.py", "--steps", "4", "--profile", "1:3", "--run-dir", str(run_dir), "--config",
                     str(path), nproc=1)
     assert "fp16_compress_hook" in proc.stderr and "COMM events are not recorded" in proc.stderr
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     assert run.meta["knobs"]["torch.ddp.comm_hook"] == "user hook"
     assert not [e for e in run.ranks[0].events if e["cat"] == "COMM"]
 
@@ -321,7 +321,7 @@ def test_lightning_job_applies_config(tmp_path, package):
     run_dir = tmp_path / "run"
     run_job([sys.executable, str(JOBS / "lightning_job.py"), "--package", package, "--steps", "6",
              "--profile", "2:5", "--run-dir", str(run_dir), "--config", str(path)], timeout=240, cwd=tmp_path)
-    run = load_run(run_dir)
+    run = load_prepared(run_dir)
     knobs = run.meta["knobs"]
     assert knobs["torch.ddp.bucket_cap_mb"] == 0.25 and knobs["lightning.strategy"] == "DDPStrategy"
     assert knobs["recompute"] == ["net"] and knobs["dpro.config"] == str(path)
