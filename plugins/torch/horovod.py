@@ -139,7 +139,7 @@ class HorovodRecorder(TorchRecorder):
                          versions={"horovod": horovod.__version__}, engine=ENGINE, who=who,
                          transport=CollectiveTransport(HorovodCollectives()), claim=_claim_beside_timeline,
                          backward_marks=backward_marks,
-                         mechanisms=mechanisms)
+                         mechanisms=mechanisms, probes=False)  # a probe's backward would fire Horovod's allreduces
         self._pending: dict[Any, tuple[str, str, list[str], int, Any, int, dict]] = {}
         self._update_start: Any = None
         self._update_open = False

@@ -190,9 +190,9 @@ def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, f
     args, kwargs, _ = batch
     began = time.perf_counter()
     sync_off = rec.ddp.no_sync() if rec.ddp is not None else contextlib.nullcontext()
-    rec._install_hooks()
-    rec._recording = True
     try:
+        rec._install_hooks()  # inside: hooks a failed install left in place are removed below
+        rec._recording = True
         # enable_grad: the auto-attach closes its recorder from an optimizer's step hook
         with sync_off, training_state_kept(rec.module), torch.enable_grad():
             for amp, rows in _variants(full):
