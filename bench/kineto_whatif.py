@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_doc import write_bench_doc
+
 from dpro import testbed
 from dpro.analyze import error_pct
 from dpro.analyze.traces import whatif_traces
@@ -48,6 +50,7 @@ def main() -> int:
     parser.add_argument("--script-arg", action="append", default=None,
                         help=f"one more argument for the script (the default's: {' '.join(DEFAULT_SCRIPT_ARGS)})")
     parser.add_argument("--keep", type=Path, help="keep the traces under this folder (else a temporary one)")
+    parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
     ok, why = testbed.testbed_available()
     if not ok:
@@ -77,11 +80,14 @@ def main() -> int:
                                  f"{measured[source]:.2f}", f"{result['recorded_buckets_modelled_step_ms']:.2f}",
                                  f"{result['predicted_step_ms']:.2f}", f"{measured[target]:.2f}", f"{err:+.2f}"])
             print(f"round {k + 1} done", flush=True)
-    print(f"\n{args.script.name}, 2 ranks (gloo) on emulated {args.rate} links, torch.profiler CPU traces with shapes; "
-          "step = median ProfilerStep over the profiled steps and ranks")
-    print(format_table(["round", "what-if", "buckets", "source measured ms", "source modelled ms",
-                        "predicted ms", "target measured ms", "error %"], rows, align="<<>>>>>>"))
-    print(f"\n|error| median {statistics.median(errors):.2f} %, worst {max(errors):.2f} % ({len(errors)} predictions)")
+    lines = [f"{args.script.name}, 2 ranks (gloo) on emulated {args.rate} links, torch.profiler CPU traces with "
+             "shapes; step = median ProfilerStep over the profiled steps and ranks",
+             format_table(["round", "what-if", "buckets", "source measured ms", "source modelled ms",
+                           "predicted ms", "target measured ms", "error %"], rows, align="<<>>>>>>"),
+             f"|error| median {statistics.median(errors):.2f} %, worst {max(errors):.2f} % ({len(errors)} predictions)"]
+    print("\n" + "\n\n".join(lines))
+    if args.doc:
+        write_bench_doc(args.doc, "Bucket what-ifs on profiler traces against real runs", lines)
     return 0
 
 
