@@ -14,25 +14,12 @@ from typing import Any
 
 from dpro.errors import TraceError
 from dpro.io.limits import is_finite_number, parse_bounded_json, read_file, world_size_limit
-from dpro.record.trace import PROBES_DIR, PROBES_SCHEMA
+from dpro.record.trace import PROBES_DIR, PROBES_SCHEMA, Probe
 
 __all__ = ["Probe", "RankProbes", "read_probes"]
 
 _PROBE_FILE = re.compile(r"rank-(\d+)\.json")
 AMPS = (None, "bf16", "fp16")
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One probe of one rank: ``amp`` (None: the precision recorded) at ``batch`` rows; each op's median µs over
-    ``passes`` passes, the pass's µs, and the output bytes the model's modules kept for the backward."""
-
-    amp: str | None
-    batch: int
-    passes: int
-    ops: dict[str, float]
-    pass_us: float
-    activation_bytes: int
 
 
 @dataclass

@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "MODEL_SCHEMA",
     "PROBES_DIR",
     "PROBES_SCHEMA",
+    "Probe",
     "QUEUES",
     "QUEUE_ID",
     "RUN_FILE",
@@ -89,6 +91,24 @@ def rank_file(rank: int) -> str:
 
 PROBES_SCHEMA = "dpro.probes/1"
 PROBES_DIR = "probes"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe pass set of one rank (a probe file's entry): ``amp`` (None: the precision recorded) at ``batch``
+    rows; each op's median µs over ``passes`` passes, the pass's µs, and the output bytes the model's modules kept
+    for the backward."""
+
+    amp: str | None
+    batch: int
+    passes: int
+    ops: dict[str, float]
+    pass_us: float
+    activation_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"amp": self.amp, "batch": self.batch, "passes": self.passes, "pass_us": round(self.pass_us, 3),
+                "activation_bytes": self.activation_bytes, "ops": {k: round(v, 3) for k, v in self.ops.items()}}
 
 
 def probes_file(rank: int) -> str:

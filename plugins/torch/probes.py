@@ -26,14 +26,14 @@ from torch import nn
 
 from dpro.logs import get_logger
 from dpro.record import job_env
-from dpro.record.trace import PROBES_SCHEMA, probes_file, write_json_atomic
+from dpro.record.trace import PROBES_SCHEMA, Probe, probes_file, write_json_atomic
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from dpro.plugins.torch.recorder import TorchRecorder
 
-__all__ = ["AMP_DTYPES", "PROBE_BUDGET_S", "PROBE_PASSES", "ProbeResult", "batch_size", "probes_summary",
+__all__ = ["AMP_DTYPES", "PROBE_BUDGET_S", "PROBE_PASSES", "batch_size", "probes_summary",
            "probes_wanted", "run_probes", "sliced", "training_state_kept", "write_probes"]
 
 logger = get_logger("dpro.plugins.torch")
@@ -45,24 +45,8 @@ PROBED_FRACTIONS = (2, 4)  # micro-batch probes at B/2 and B/4 (a batch that div
 
 
 @dataclass
-class ProbeResult:
-    """One probe: ``amp`` (None: the precision recorded) at ``batch`` rows; each op's median µs over the passes."""
-
-    amp: str | None
-    batch: int
-    passes: int
-    ops: dict[str, float]
-    pass_us: float
-    activation_bytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"amp": self.amp, "batch": self.batch, "passes": self.passes, "pass_us": round(self.pass_us, 3),
-                "activation_bytes": self.activation_bytes, "ops": {k: round(v, 3) for k, v in self.ops.items()}}
-
-
-@dataclass
 class _Probes:
-    results: list[ProbeResult] = field(default_factory=list)
+    results: list[Probe] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
 
     def skip(self, probe: str, why: str) -> None:
@@ -146,12 +130,12 @@ def _one_pass(rec: TorchRecorder, args: tuple, kwargs: dict, amp: str | None) ->
     return rec.probe_pass(args, kwargs, cast, _probe_loss)
 
 
-def _probe(rec: TorchRecorder, args: tuple, kwargs: dict, amp: str | None, rows: int) -> ProbeResult:
+def _probe(rec: TorchRecorder, args: tuple, kwargs: dict, amp: str | None, rows: int) -> Probe:
     _one_pass(rec, args, kwargs, amp)  # warm-up
     passes = [_one_pass(rec, args, kwargs, amp) for _ in range(PROBE_PASSES)]
     names = set().union(*(p[0] for p in passes))
     ops = {n: statistics.median(p[0].get(n, 0.0) for p in passes) for n in sorted(names)}
-    return ProbeResult(amp, rows, len(passes), ops, statistics.median(p[1] for p in passes), passes[-1][2])
+    return Probe(amp, rows, len(passes), ops, statistics.median(p[1] for p in passes), passes[-1][2])
 
 
 def _variants(full: int) -> list[tuple[str | None, int]]:
