@@ -24,7 +24,13 @@ from run_builder import (
 )
 
 from dpro.engines import load_prepared, prepared
-from dpro.engines.horovod.search import HVD_CYCLES_MS, HVD_THRESHOLDS_MB, horovod_cycles, horovod_fusion
+from dpro.engines.horovod.search import (
+    HVD_CYCLES_MS,
+    HVD_THRESHOLDS_MB,
+    horovod_comm_model,
+    horovod_cycles,
+    horovod_fusion,
+)
 from dpro.engines.horovod.timeline import (
     TIMELINE_FILE,
     fused_groups,
@@ -558,3 +564,23 @@ def test_horovodrun_config_file_holds_the_configs_env(tmp_path: Path, env: dict,
     path = tmp_path / "horovodrun.yaml"
     path.write_text(text)
     assert read_horovod_config_file(path) == (params, None)
+
+
+@pytest.mark.parametrize(("probe_fixed_us", "bounded"), [(20_000.0, True), (300.0, False)])
+def test_a_probe_fixed_cost_above_every_recorded_allreduce_is_bounded_by_the_shortest(
+        tmp_path: Path, probe_fixed_us: float, bounded: bool) -> None:
+    """Without a timeline the fixed cost comes from the probe after the window; a probe a neighbour slowed reads it
+    far above what any recorded allreduce took (launch to completion), which bounds it."""
+    run_dir = make_horovod_run(tmp_path / "run", None)
+    meta = json.loads((run_dir / "run.json").read_text())
+    meta["comm_probe"] = {"op": "allreduce", "world_size": 2,
+                          "samples": [[float(b), probe_fixed_us + b / 1000.0] for b in (65536, 524288, 2097152)
+                                      for _ in range(3)]}
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    comm = horovod_comm_model(context(load_prepared(run_dir)))
+    fixed = comm.latency_us * 2  # two ranks: 2 (n - 1) hops
+    shortest = 1490.0  # horovod_comm_events: the second tensor of a buffer, launched 10 us after the first
+    if bounded:
+        assert fixed == pytest.approx(shortest) and "shortest allreduce" in comm.source
+    else:
+        assert fixed < shortest and "shortest allreduce" not in comm.source

@@ -123,7 +123,8 @@ def horovod_comm_model(ctx: Context) -> CommModel:
     buffers that waited for a late rank. Otherwise the slope
     is ``fit_comm_model``'s and the fixed cost the median, over the buffers, of what each took beyond its
     bytes. (The least, the lower envelope, prices a buffer as if the background threads always ran at
-    once; on a busy CPU-only machine they wait to be scheduled.)
+    once; on a busy CPU-only machine they wait to be scheduled.) Without a timeline that median is the probe's,
+    bounded by the shortest allreduce the recorded steps saw (``_shortest_recorded_allreduce``).
     """
     transfers = [(float(b["bytes"]), float(b["allreduce_us"])) for b in _hvd_buffers(ctx)
                  if b.get("bytes") and b.get("allreduce_us") is not None]
@@ -145,9 +146,25 @@ def horovod_comm_model(ctx: Context) -> CommModel:
         return dataclasses.replace(fitted, latency_us=intercept / hops, us_per_byte=slope / frac,
                                    source=f"robust line through the step's {len(transfers)} buffers")
     samples = transfers or [(float(b), float(us)) for b, us in probe]
-    typical = statistics.median(us - frac * b * fitted.us_per_byte for b, us in samples)
-    return dataclasses.replace(fitted, latency_us=max(0.0, typical / hops),
-                               source=fitted.source + ", fixed cost: median of the step's buffers")
+    typical = max(0.0, statistics.median(us - frac * b * fitted.us_per_byte for b, us in samples))
+    source = fitted.source + ", fixed cost: median of the step's buffers"
+    bound = _shortest_recorded_allreduce(ctx) if not transfers else None
+    if bound is not None and typical > bound:
+        typical, source = bound, fitted.source + (f", fixed cost: the shortest allreduce the steps recorded "
+                                                  f"({bound:.0f} us), below the probe's")
+    return dataclasses.replace(fitted, latency_us=typical / hops, source=source)
+
+
+def _shortest_recorded_allreduce(ctx: Context) -> float | None:
+    """The shortest launch-to-completion of a gradient's allreduce in the recorded steps (the recorder's per-tensor
+    COMM events): no allreduce's fixed cost exceeds it, since a tensor completes only after its buffer's allreduce
+    ran, whole. A probe after the window that a neighbour slowed reads fixed costs several times that, and a
+    what-if of many small buffers then multiplies the error."""
+    if ctx.run is None:
+        return None
+    durations = [float(e["dur"]) for trace in ctx.run.ranks.values() for e in trace.events
+                 if e["cat"] == "COMM" and "hvd_name" in e["args"] and e["dur"] > 0]
+    return min(durations) if durations else None
 
 
 def horovod_memcpy_us_per_byte(ctx: Context) -> float:
