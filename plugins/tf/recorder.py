@@ -238,6 +238,11 @@ class TFRecorder(WindowRecorder):
     # ---- step boundaries (``begin_step``: before its work is dispatched; ``end_step``: its results are back) ----
 
     def _on_step_begin(self) -> None:
+        if self._profiling and self.iteration not in self.window:
+            # the first step of a gap: the block before it ends here, not at its last step's end, so that stopping
+            # the profiler (collecting and writing its XPlane, tens of ms) lands in an unrecorded step that the
+            # overhead's clock leaves out, not in a recorded step's time
+            self._stop_profiler()
         if self.iteration in self.window and self.started and not self._profiling:
             self._start_profiler()  # the first step of a later block (the window's first started it as it opened)
         now = self.clock.now()
@@ -250,8 +255,6 @@ class TFRecorder(WindowRecorder):
             self._marks.append((self.iteration, self._step_begin, now))
             self._blocks[-1][1].append(self.iteration)
         self._last_end = now
-        if self._profiling and self.iteration + 1 not in self.window and self.iteration < self.steps[-1]:
-            self._stop_profiler()  # a gap follows: it runs unrecorded, and measures what recording costs
 
     # ---- window --------------------------------------------------------------------------------------
 

@@ -359,6 +359,38 @@ def test_keras3_recompute_is_applied_with_remat(tmp_path: Path) -> None:
     assert not any(n.startswith("RECOMPUTE.block1") for n in names)
 
 
+@pytest.mark.slow
+def test_a_block_ends_in_the_gap_so_stopping_the_profiler_is_in_no_recorded_step(tmp_path: Path, monkeypatch) -> None:
+    """Stopping TensorFlow's profiler (collecting and writing its XPlane) takes longer than a small step: done at the
+    end of a block's last step it would be in that recorded step's time on the overhead's clock (and in any step clock
+    after dpro's callback), so the block is stopped as the gap's first step begins."""
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    from dpro.plugins.tf.callback import DproCallback
+
+    keras = pytest.importorskip("keras")
+    stops: list[float] = []
+    real_stop = tf.profiler.experimental.stop
+
+    def stop() -> None:
+        stops.append(time.perf_counter())
+        real_stop()
+
+    monkeypatch.setattr(tf.profiler.experimental, "stop", stop)
+    model = keras.Sequential([keras.Input(shape=(4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    callback = DproCallback(run_dir=tmp_path / "run", steps=[2, 3, 6, 7])
+    model.fit(np.zeros((80, 4), "f4"), np.zeros(80, "f4"), batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    ends = callback.recorder._step_ends  # iteration -> (perf_counter, thread CPU) at its end, as the overhead uses
+    assert len(stops) == 2
+    assert ends[3][0] < stops[0] < ends[4][0]  # the first block (2, 3) stopped inside step 4, a gap step
+    events = _events(tmp_path / "run", 0)
+    assert {e["args"]["step"] for e in events if e["cat"] == "FW"} == {2, 3, 6, 7}
+
+
 def test_the_fit_batch_size_comes_from_its_arguments() -> None:
     import numpy as np
     import tensorflow as tf
