@@ -14,7 +14,7 @@ round by round:
 - ``dpro``:       the recorder plus ``HOROVOD_TIMELINE=DYNAMIC`` (the timeline started and stopped by the recorder
                   around its window), over the whole window;
 - ``blocks``:     what ``dpro-launch`` runs for Horovod by default: the recorder with every mechanism, no timeline, in
-                  blocks (``--profile START:STOP:5``); its step is the median over the recorded steps (each block's
+                  blocks (``--profile START:STOP:5``); its step is the mean over the recorded steps (each block's
                   first left out: the hooks go in at its start), against the same steps of the ``off`` job, and its
                   ``self`` column is what the recorder itself reported (``dpro info``: recorded vs gap steps);
 - ``blocks+tl``:  the same with ``dpro-launch --horovod-timeline``: Horovod's timeline in the last block.
@@ -22,15 +22,16 @@ round by round:
 The ``model`` column (blocks configurations) is the step ``dpro whatif`` and ``dpro optimize`` start from, the
 recorded configuration replayed with recording's measured cost taken out (``sim.whatif.without_recording_cost``),
 against the same steps of the ``off`` job: how far the model's baseline is from the job that will run unrecorded.
-The ``after`` column is the median step after the window (the timeline stopped, the hooks removed) against the
+The ``after`` column is the mean step after the window (the timeline stopped, the hooks removed) against the
 same steps of the ``off`` job: what recording leaves behind for the rest of the job.
 
-Each job runs ``--steps`` steps and records (where it records) the window ``--profile``. A job's step is the median
-interval between the ends of consecutive steps inside the window (rank 0's step clock, ``DPRO_STEP_TIMES``); the
-same steps of the ``off`` job are its baseline. The CPU time is rank 0's process (every thread: the training
-thread, Horovod's background thread, dpro's builder thread) per step, the median over the same steps. Each
-configuration's overhead is given per round against that round's ``off`` job (the spread) and as the ratio of
-medians. The last lines time the merge of the timeline
+Each job runs ``--steps`` steps and records (where it records) the window ``--profile``. A job's step is the mean
+interval between the ends of consecutive steps inside the window (rank 0's step clock, ``DPRO_STEP_TIMES``): what
+the job's throughput is, and what the model's replay reproduces (a median would sit below both where a few steps
+stall); the same steps of the ``off`` job are its baseline. The CPU time is rank 0's process (every thread: the
+training thread, Horovod's background thread, dpro's builder thread) per step, the mean over the same steps. Each
+configuration's overhead is given per round against that round's ``off`` job (the spread) and as the ratio of the
+jobs' medians. The last lines time the merge of the timeline
 into the loaded run (``dpro.engines.load_prepared``, with and without the timeline file).
 
     python bench/horovod_overhead.py [--loopback] [--rate 1gbit] [--rounds 3] [--steps 60] [--profile 20:50]
@@ -74,7 +75,7 @@ def config_env(name: str, work: Path, window: str) -> dict[str, str]:
 
 
 def measured_steps(name: str, window: str) -> list[int]:
-    """The steps a configuration's step time is the median of: the window's, or the recorded steps of the blocks
+    """The steps a configuration's step time is the mean of: the window's, or the recorded steps of the blocks
     after each block's first."""
     start, stop = (int(v) for v in window.split(":"))
     if not name.startswith("blocks"):
@@ -97,11 +98,11 @@ def run_one(cluster: tb.Cluster | None, args: argparse.Namespace, name: str) -> 
         for config in ("window", "blocks"):  # off is the baseline of both
             steps = measured_steps(config, args.profile)
             suffix = "" if config == "window" else "_blocks"
-            out["step_ms" + suffix] = statistics.median(intervals(result["step_ends"], steps))
-            out["cpu_ms_per_step" + suffix] = statistics.median(intervals(result["cpu_ends"], steps))
+            out["step_ms" + suffix] = statistics.fmean(intervals(result["step_ends"], steps))
+            out["cpu_ms_per_step" + suffix] = statistics.fmean(intervals(result["cpu_ends"], steps))
         stop = int(args.profile.split(":")[1])
         after = intervals(result["step_ends"], list(range(stop + 1, len(result["step_ends"]))))
-        out["after_ms"] = statistics.median(after) if after else None
+        out["after_ms"] = statistics.fmean(after) if after else None
         if name.startswith("blocks"):
             out["step_ms"], out["cpu_ms_per_step"] = out["step_ms_blocks"], out["cpu_ms_per_step_blocks"]
             out["self_pct"] = self_reported(work / "run")

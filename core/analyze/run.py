@@ -361,12 +361,12 @@ def _unrecorded_note(run: Run, predicted_us: float) -> list[str]:
     cost = recording_cost(run)
     if cost is None:
         return []
-    told = "" if cost.noise_pct is None else f"; noise +/-{cost.noise_pct:.1f}%" + \
-        (", so within it" if abs(cost.pct) <= cost.noise_pct else "")
+    told = "" if cost.stderr_pct is None else f" +/- {cost.stderr_pct:.1f}% (standard error)" + \
+        ("" if cost.beyond_noise or cost.pct <= 1.0 else ", so within chance")
     used = ("what-if and optimize price the job without it" if cost.beyond_noise
             else "what-if and optimize keep the recorded times")
-    return [f"recorded steps ran {cost.pct:+.1f}% against the unrecorded steps between the window's blocks (median "
-            f"over ranks{told}): the job unrecorded would take about "
+    return [f"recorded steps ran {cost.pct:+.1f}%{told} against the unrecorded steps between the window's blocks "
+            f"(median over ranks): the job unrecorded would take about "
             f"{predicted_us / (1.0 + cost.pct / 100.0) / 1000.0:.2f} ms a step where this replay says what it "
             f"recorded; {used}"]
 

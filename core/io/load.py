@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from collections.abc import Callable, Iterable
@@ -1019,16 +1020,29 @@ def overhead_of(value: Any) -> dict[str, Any] | None:
 class RecordingCost:
     """What recording cost the recorded steps, as the window's gaps measured it (recorded blocks against the
     unrecorded steps between them, median over ranks): ``pct`` longer, with ``noise_pct`` the unrecorded steps'
-    own half interquartile spread (None where too few were seen)."""
+    own half interquartile spread and ``stderr_pct`` the standard error of ``pct`` that spread and the steps counted
+    give (None where too few were seen)."""
 
     pct: float
     noise_pct: float | None
     ranks: int
+    stderr_pct: float | None = None
 
     @property
     def beyond_noise(self) -> bool:
-        """A cost the gaps can tell from their own variation (and over 1%): one the model should not replay."""
-        return self.pct > max(self.noise_pct or 0.0, 1.0)
+        """A cost the gaps can tell from chance (over twice its standard error, and over 1%): one the model should
+        not replay. A single step's spread is not the bar: a window of many steps measures a median far more
+        closely than any one step varies."""
+        bar = 2.0 * self.stderr_pct if self.stderr_pct is not None else self.noise_pct
+        return self.pct > max(bar or 0.0, 1.0)
+
+
+def median_difference_stderr_pct(spread_pct: float, unrecorded: int, recorded: int) -> float:
+    """The standard error (%) of the difference of two medians of ``unrecorded`` and ``recorded`` steps whose half
+    interquartile spread is ``spread_pct``: sigma ~ IQR / 1.349 and a median's error ~ 1.253 sigma / sqrt(n), as for
+    a normal spread (steps are skewed, so this is a guide, not a bound)."""
+    sigma = 2.0 * spread_pct / 1.349
+    return 1.253 * sigma * math.sqrt(1.0 / max(unrecorded, 1) + 1.0 / max(recorded, 1))
 
 
 def recording_cost(run: Run) -> RecordingCost | None:
@@ -1039,8 +1053,11 @@ def recording_cost(run: Run) -> RecordingCost | None:
     if not overheads:
         return None
     spreads = [o["wall_spread_pct"] for o in overheads if "wall_spread_pct" in o]
+    errors = [median_difference_stderr_pct(o["wall_spread_pct"], int(o["unrecorded_steps"]),
+                                           int(o["recorded_steps"])) for o in overheads if "wall_spread_pct" in o]
     return RecordingCost(pct=statistics.median(o["wall_pct"] for o in overheads),
-                         noise_pct=statistics.median(spreads) if spreads else None, ranks=len(overheads))
+                         noise_pct=statistics.median(spreads) if spreads else None, ranks=len(overheads),
+                         stderr_pct=statistics.median(errors) if errors else None)
 
 
 def run_step_times_ms(run: Run) -> list[float]:

@@ -9,13 +9,13 @@ from dpro.io.load import load_run, recording_cost
 from dpro.sim.whatif import context, predict
 
 
-def _with_overhead(root, pct, spread, baseline="gaps"):
+def _with_overhead(root, pct, spread, baseline="gaps", steps=(6, 4)):
     run = make_run(root)
     for rank in (0, 1):
         path = run / f"rank-{rank}.json"
         doc = json.loads(path.read_text())
-        doc["recording_overhead"] = {"wall_pct": pct, "thread_cpu_pct": pct, "unrecorded_steps": 6,
-                                     "recorded_steps": 4, "baseline": baseline, "wall_spread_pct": spread}
+        doc["recording_overhead"] = {"wall_pct": pct, "thread_cpu_pct": pct, "unrecorded_steps": steps[0],
+                                     "recorded_steps": steps[1], "baseline": baseline, "wall_spread_pct": spread}
         path.write_text(json.dumps(doc))
     return run
 
@@ -39,3 +39,12 @@ def test_a_cost_within_noise_or_not_measured_against_gaps_is_kept(tmp_path, pct,
     assert ctx.as_recorded_ms is None
     assert predict(ctx, {}).predicted_step_ms == pytest.approx(predict(plain, {}).predicted_step_ms, rel=1e-9)
     assert (recording_cost(run) is None) == (baseline == "before")
+
+
+def test_the_bar_is_the_costs_standard_error_so_more_steps_tell_a_smaller_cost_from_chance(tmp_path):
+    """+6% against steps that each vary by +/-10%: within chance over 10 steps, beyond it over 400."""
+    few = recording_cost(load_run(_with_overhead(tmp_path / "few", 6.0, 10.0)))
+    many = recording_cost(load_run(_with_overhead(tmp_path / "many", 6.0, 10.0, steps=(200, 200))))
+    assert few.stderr_pct > many.stderr_pct > 0
+    assert not few.beyond_noise and many.beyond_noise
+    assert context(load_run(_with_overhead(tmp_path / "m2", 6.0, 10.0, steps=(200, 200)))).as_recorded_ms is not None
