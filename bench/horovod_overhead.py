@@ -76,12 +76,14 @@ def config_env(name: str, work: Path, window: str) -> dict[str, str]:
 
 def measured_steps(name: str, window: str) -> list[int]:
     """The steps a configuration's step time is the mean of: the window's, or the recorded steps of the blocks
-    after each block's first."""
+    after each block's first; never the window's first or last (opening the window; closing it, which writes the
+    run's files and runs its probes once, a second or so: one such step would move a mean of a hundred by 10%)."""
     start, stop = (int(v) for v in window.split(":"))
     if not name.startswith("blocks"):
-        return list(range(start + 1, stop))
+        return list(range(start + 1, stop - 1))
     recorded = set(parse_window(f"{window}:{BLOCK}").steps)
-    return [i for i in range(start, stop) if i in recorded and i - 1 in recorded]
+    last = max(recorded)
+    return [i for i in range(start, stop) if i in recorded and i - 1 in recorded and i != last]
 
 
 def intervals(ends: list[float], steps: list[int]) -> list[float]:
