@@ -355,6 +355,8 @@ class _State:
     def on_hvd_step_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.decided and (self.optimizer is None or self.optimizer() is not optimizer):
             return
+        if not self.hvd_depth.get(id(optimizer)) and _inside_state_broadcast():
+            return  # not an iteration: Horovod steps the wrapped optimizer once to create the state it broadcasts
         if self.decided or self._hvd_watched(optimizer) is not None:
             self.hvd_depth[id(optimizer)] = self.hvd_depth.get(id(optimizer), 0) + 1
 
@@ -733,6 +735,21 @@ def _patch_horovod(module: ModuleType) -> None:
     inner_module = sys.modules.get("horovod.torch.optimizer")
     if inner_module is not None and getattr(inner_module, "DistributedOptimizer", None) is original:
         inner_module.DistributedOptimizer = DistributedOptimizer
+
+
+def _inside_state_broadcast(depth: int = 8) -> bool:
+    """Whether Horovod's ``broadcast_optimizer_state`` is on the stack: for a stateful optimizer with no state yet it
+    runs one ``step()`` of the wrapped optimizer on zero gradients, which neither the script nor the step clock
+    counts as an iteration (so neither may the recorder, or its window would begin a step early)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "broadcast_optimizer_state" and "horovod" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _step_clock(optimizer: Any) -> Any:

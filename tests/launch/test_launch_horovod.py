@@ -144,6 +144,26 @@ def test_distributed_optimizer_gets_a_recorder_one_step_per_iteration(tmp_path, 
         ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias", "head.weight", "head.bias"])
 
 
+def test_the_step_horovod_runs_to_create_optimizer_state_is_not_an_iteration(tmp_path):
+    """``hvd.broadcast_optimizer_state`` steps a stateless Adam once on zero gradients: counted, the recorder's
+    iterations would run one ahead of the script's (and of the step clock's), and a window at the script's last
+    steps would begin a step early. 7 iterations (0..6), window 7:9: nothing to record."""
+    script = tmp_path / "one.py"
+    script.write_text(ONE_PROCESS.replace("torch.optim.SGD(model.parameters(), lr=0.1)",
+                                          "torch.optim.Adam(model.parameters(), lr=0.1)")
+                      .replace("for _ in range(7):",
+                               "hvd.broadcast_optimizer_state(opt, root_rank=0)\nfor _ in range(7):"))
+    run_dir = tmp_path / "run"
+    env = env_for_jobs(PYTHONPATH=str(AUTOATTACH_DIR), DPRO_AUTO_RECORD="1", DPRO_PROFILE="7:9",
+                       DPRO_RUN_DIR=str(run_dir))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # the window opens as iteration 7 would begin, which never comes: no step recorded (counted, the dummy step
+    # made iteration 6 the recorder's 7)
+    assert not [e for e in _rank_events(run_dir, 0) if e["cat"] == "STEP"]
+
+
 def test_step_clock_times_an_unmodified_scripts_steps(tmp_path):
     times = tmp_path / "steps.json"
     script = tmp_path / "one.py"
