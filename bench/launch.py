@@ -15,7 +15,8 @@ namespaces joined by tbf-limited links, 1 Gbit/s by default), one rank per host:
             autotune's, from the job's start until the recording is complete (the last rank file written at
             the profiled window's end), plus the search.
 
-Each measured step time is the median over the steps after warm-up, from rank 0. The last lines say how much
+Each measured step time is the mean over the steps after warm-up, from rank 0 (the job's throughput, and what the
+replay reproduces; a median sits below it where a few steps stall). The last lines say how much
 recording inflated the step it models: the recorded window's step against the unrecorded default jobs (the same
 setting), next to what the recorder measured itself against the gaps of its window (``dpro info``).
 
@@ -23,7 +24,7 @@ setting), next to what the recorder measured itself against the gaps of its wind
 instead of the bundled job. Its step time is measured without its cooperation: dpro's auto-attach
 (``dpro/launch/autoattach`` first on ``PYTHONPATH``, what ``dpro-launch`` does) with
 ``DPRO_STEP_TIMES`` times the end of every ``step()`` of the script's ``hvd.DistributedOptimizer`` on rank
-0 (no recorder, one wrapper call per step); the step time is the median interval between step ends after
+0 (no recorder, one wrapper call per step); the step time is the mean interval between step ends after
 ``--warmup`` steps. The script needs only to step an ``hvd.DistributedOptimizer`` once per iteration (what
 dpro records anyway). Its own arguments decide how many steps it runs; ``--autotune-args`` are appended
 for the autotune job (e.g. ``"--steps 220"``, so the autotuner has time to finish), ``--record-args`` for
@@ -125,7 +126,7 @@ def hvd_env(cluster: tb.Cluster, rank: int, world: int, port: int) -> dict[str, 
 
 
 def _step_clock_result(path: Path, warmup: int) -> dict:
-    """Step time of an unmodified script from its step clock (``DPRO_STEP_TIMES``): the median interval
+    """Step time of an unmodified script from its step clock (``DPRO_STEP_TIMES``): the mean interval
     between the ends of consecutive ``hvd.DistributedOptimizer`` steps after ``warmup`` steps."""
     if not path.is_file():
         raise RuntimeError(f"the script wrote no step times ({path}): does it step a hvd.DistributedOptimizer?")
@@ -134,7 +135,7 @@ def _step_clock_result(path: Path, warmup: int) -> dict:
     tail = intervals[max(0, warmup - 1):] or intervals
     if not tail:
         raise RuntimeError(f"the script ran {len(ends)} step(s): too few to time")
-    return {"step_ms": statistics.median(tail) * 1000, "steps": len(ends), "step_ends": ends,
+    return {"step_ms": statistics.fmean(tail) * 1000, "steps": len(ends), "step_ends": ends,
             "cpu_ends": json.loads(path.read_text()).get("cpu_ends", [])}
 
 
@@ -247,7 +248,7 @@ def autotune_run(cluster: tb.Cluster | None, args: argparse.Namespace, work: Pat
                f"{float(best[4]):.1f} ms" if len(best) >= 6 else "?")
     return {"setting": setting + ("" if finished else " (autotuning did not finish)"),
             "find_s": (done_at - began) if finished else float("nan"),
-            "step_ms": statistics.median(after) * 1000 if finished else float("nan"),
+            "step_ms": statistics.fmean(after) * 1000 if finished else float("nan"),
             "job_s": wall, "samples": len(lines) - 1 if finished else len(lines), "steps": len(ends),
             "steps_after": len(after)}
 
@@ -369,12 +370,12 @@ def main() -> int:
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--loopback", action="store_true", help="one host, horovodrun -H localhost:2 (no emulation)")
     parser.add_argument("--steps", type=int, default=40, help="steps of each measured job")
-    parser.add_argument("--warmup", type=int, default=10, help="steps left out of each measured median")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of each measured mean")
     parser.add_argument("--record-steps", type=int, default=30)
     parser.add_argument("--profile", default="8:28:5", help="the steps dpro records, START:STOP[:BLOCK] (default: "
                                                             "blocks, as dpro-launch records Horovod)")
     parser.add_argument("--autotune-steps", type=int, default=220)
-    parser.add_argument("--repeat", type=int, default=3, help="jobs per measured setting (median of their medians)")
+    parser.add_argument("--repeat", type=int, default=3, help="jobs per measured setting (median of their means)")
     parser.add_argument("--autotune-steps-per-sample", type=int, default=2)
     parser.add_argument("--autotune-warmup-samples", type=int, default=1)
     parser.add_argument("--autotune-bayes-samples", type=int, default=10)
@@ -430,7 +431,7 @@ def main() -> int:
                 cluster_cm.__exit__(None, None, None)
     what = f"script {' '.join(args.script)}" if args.script else f"model {args.model}"
     length = "the script's steps" if args.script else f"{args.steps} steps"
-    print(f"\nHorovod 0.28.1 + Gloo, {what}, {where}; step = median of steps after {args.warmup}, "
+    print(f"\nHorovod 0.28.1 + Gloo, {what}, {where}; step = mean of steps after {args.warmup}, "
           f"median of {args.repeat} jobs of {length} (autotune: the steps after it finished, 1 job)")
     print(f"{'way':<10} {'setting':<34} {'step ms':>9} {'jobs (ms)':<24} {'time to setting s':>18}")
 

@@ -3,8 +3,8 @@ recorded by dpro's record_horovod (optional), optional dpro config (tensor_group
 
 Run with ``horovodrun -np 2 -H localhost:2 --gloo python tests/jobs/hvd_job.py --run-dir RUN``.
 HOROVOD_TIMELINE, HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME come from the environment.
-Prints one JSON line on rank 0: the median step time (ms) of the steps after warm-up, and the wall-clock
-time (time.time()) when training started and when each step ended.
+Prints one JSON line on rank 0: the mean step time (ms) of the steps after warm-up (the job's throughput), and the
+wall-clock time (time.time()) when training started and when each step ended.
 """
 
 import argparse
@@ -23,7 +23,7 @@ parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--profile", default="3:7", help="steps to record, START:STOP[:BLOCK] ('' records nothing)")
 parser.add_argument("--run-dir", default=None)
 parser.add_argument("--config", default=None, help="a dpro config.json: its tensor_groups become groups=")
-parser.add_argument("--warmup", type=int, default=3, help="steps left out of the printed median")
+parser.add_argument("--warmup", type=int, default=3, help="steps left out of the printed mean")
 args = parser.parse_args()
 
 hvd.init()
@@ -75,6 +75,6 @@ else:
 
 if hvd.rank() == 0:
     tail = times[args.warmup:] or times
-    print(json.dumps({"step_ms": statistics.median(tail) * 1000, "steps": len(times), "started": started,
+    print(json.dumps({"step_ms": statistics.fmean(tail) * 1000, "steps": len(times), "started": started,
                       "step_ends": ends}), flush=True)
 hvd.shutdown()
