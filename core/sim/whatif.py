@@ -381,6 +381,7 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
     """The mean step under ``knobs`` (names from ``whatif_knobs()``)."""
     _validate(knobs)
     model = ctx.base
+    regions = _compiled_regions(ctx, knobs)  # first: it refuses the knobs it was not probed with
     recorded_amp = ctx.knobs.get("amp")
     if knobs.get("amp", recorded_amp) != recorded_amp:
         if recorded_amp:
@@ -389,7 +390,6 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
         model = with_amp(model, ctx.probes, knobs["amp"])
     if int(knobs.get("micro_batches") or 1) > 1:
         model = with_micro_batches(model, ctx.probes, int(knobs["micro_batches"]))
-    regions = _compiled_regions(ctx, knobs)
     if regions:
         model = with_compile(model, ctx.probes, regions)
     engine = get_engine(ctx.engine)

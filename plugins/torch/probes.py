@@ -48,7 +48,8 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PROBE_PASSES = 3  # timed passes per probe, after one warm-up pass (autocast's first pass builds its casts)
 PROBE_BUDGET_S = 60.0  # no further probe starts once the probes took this long (bf16 on a CPU may be 10x slower)
 PROBED_FRACTIONS = (2, 4)  # micro-batch probes at B/2 and B/4 (a batch that divides)
-COMPILE_PASSES = 5  # eager and compiled passes, alternating, after the compile's warm-up pass
+COMPILE_PASSES = 15  # eager and compiled passes, alternating, after the compile's warm-up (a pass is cheap
+# beside the compile; another rank compiling meanwhile makes single passes noisy)
 
 
 @dataclass
