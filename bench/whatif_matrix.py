@@ -26,7 +26,8 @@ last lines give the median and worst |error| per engine.
         [--doc docs/benchmarks/whatif_matrix.md]
 
 The micro-batch, amp and compile cases price from the recorder's probe passes (``dpro.sim.probes``); in the
-Accelerate case the script splits its batch itself (``--micro-batches``), since a plain loop cannot be split from outside.
+Accelerate case the script splits its batch itself (``--micro-batches``), since a plain loop cannot be split from
+outside.
 The Trainer and Accelerate scripts need ``pip install transformers accelerate`` in the torch venv (a case whose
 script cannot import its framework is skipped with the reason); the Horovod cases need ``make horovod``, the MXNet
 case ``make mxnet``, and both run on loopback only. Needs root for the emulated networks.

@@ -310,7 +310,7 @@ def with_compile(model: StepModel, probes: dict[int, RankProbes], regions: list[
             last_category = op.category
             region = next((r for r, _ in priced if in_region(op.name, r)), None)
             if model_ops is not None and base_name(op.name) not in model_ops and op.category != "RECOMPUTE":
-                region = None  # not the model's own module (DDP's work after the forward)
+                region = None  # not a module of the model (an engine's own work after the forward)
             if region is not None:
                 ratio = dict(priced)[region].get("BW" if op.category == "BW" else "FW")
                 if ratio is not None:
