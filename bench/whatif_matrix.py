@@ -21,12 +21,13 @@ spread (``dpro-launch --auto`` keeps a config only when its re-run measured fast
 last lines give the median and worst |error| per engine.
 
     python bench/whatif_matrix.py [--cases trainer,trainer-unused,accelerate,hvd-fusion,hvd-cycle,gluon-servers,
-                                   trainer-micro,accelerate-micro,trainer-amp]
+                                   trainer-micro,accelerate-micro,trainer-amp,trainer-compile]
         [--networks loopback,300mbit] [--rounds 3]
         [--doc docs/benchmarks/whatif_matrix.md]
 
-The micro-batch and amp cases price from the recorder's probe passes (``dpro.sim.probes``); in the Accelerate case
-the script splits its batch itself (``--micro-batches``), since a plain loop cannot be split from outside.
+The micro-batch, amp and compile cases price from the recorder's probe passes (``dpro.sim.probes``); in the
+Accelerate case the script splits its batch itself (``--micro-batches``), since a plain loop cannot be split from
+outside.
 The Trainer and Accelerate scripts need ``pip install transformers accelerate`` in the torch venv (a case whose
 script cannot import its framework is skipped with the reason); the Horovod cases need ``make horovod``, the MXNet
 case ``make mxnet``, and both run on loopback only. Needs root for the emulated networks.
@@ -99,6 +100,8 @@ class Case:
         """The config's knobs that run the script at ``value`` (none where the script's own option does)."""
         if self.script_option is not None:
             return {}
+        if self.knob == "compile":
+            return {self.knob: str(value).split(",")}  # module paths
         if self.env is None or isinstance(value, str):
             return {self.knob: value}
         value = float(value)
@@ -132,6 +135,9 @@ CASES = {
                              script_option="--micro-batches"),
     "trainer-amp": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"), "transformers",
                         "amp", ("bf16",), None),
+    # the whole model under torch.compile, priced by the recorder's compile probe and applied by dpro in place
+    "trainer-compile": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"),
+                            "transformers", "compile", ("<root>",), None),
     "hvd-fusion": Case("horovod", SCRIPTS / "hvd_synthetic.py", (), "horovod.torch", "HOROVOD_FUSION_THRESHOLD",
                        (0.0, 2.0**20), 2.0**27, launcher="horovod", env="HOROVOD_FUSION_THRESHOLD"),
     "hvd-cycle": Case("horovod", SCRIPTS / "hvd_synthetic.py", (), "horovod.torch", "HOROVOD_CYCLE_TIME",

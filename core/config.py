@@ -41,7 +41,7 @@ from typing import Any
 from dpro.errors import ConfigError, kind_of, shown
 from dpro.io.limits import WORLD_SIZE_ENV, parse_bounded_json, read_bounded, world_size_limit
 from dpro.record import job_env
-from dpro.record.trace import write_json_atomic
+from dpro.record.trace import ROOT_MODULE, write_json_atomic
 
 __all__ = [
     "CONFIG_FILE",
@@ -186,6 +186,16 @@ def _recompute(value: Any, source: str, key: str) -> list[str]:
     return _names(value, source, key, {})
 
 
+def _compile(value: Any, source: str, key: str) -> list[str]:
+    """Module paths to compile, none inside another (``<root>``, the whole model, alone)."""
+    paths = _names(value, source, key, {})
+    for i, path in enumerate(paths):
+        outer = next((o for o in paths if o != path and (o == ROOT_MODULE or path.startswith(o + "."))), None)
+        if outer is not None:
+            raise ConfigError(source, f"{path!r} lies inside {outer!r}, which is compiled as a whole", f"{key}[{i}]")
+    return paths
+
+
 def _compression(value: Any, source: str, key: str) -> str | None:
     if value not in COMPRESSIONS or isinstance(value, bool):
         raise ConfigError(source, f"must be null, \"fp16\" or \"bf16\", found {shown(value)}", key)
@@ -256,6 +266,8 @@ COMMON_KNOBS: tuple[Knob, ...] = (
          "passes; changes numerics)", _compression),
     Knob("micro_batches", "k >= 1: the same batch as k micro-batches, gradients communicated after the last "
          "(priced by the recorder's probe passes)", _micro_batches, default=1),
+    Knob("compile", f"module paths run under torch.compile ({ROOT_MODULE}: the whole model; priced by the "
+         "recorder's compile probe)", _compile, default=[]),
     Knob("env", "environment variables set by the launcher (name -> text)", _env, default={}, whatif=False),
     Knob("world_size", "number of ranks (communication priced for N ranks)", _world_size, config=False),
     Knob("bandwidth_scale", "network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s)", _positive_number,

@@ -18,7 +18,8 @@ T = TypeVar("T")
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # DPRO_PROBE_COMPILE=0: the compile probe (tens of seconds of inductor builds) only where a test asks for it
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", DPRO_PROBE_COMPILE="0")
     env.update(extra)
     return env
 

@@ -1,8 +1,9 @@
 """Reading the probe passes a recorder ran after its window (``RUN/probes/rank-<r>.json``, schema
-``dpro.probes/1``): each op's time with the captured batch under another precision or cut to fewer rows.
+``dpro.probes/1``): each op's time with the captured batch under another precision or cut to fewer rows, and
+regions of the model timed with and without ``torch.compile``.
 
-They are never part of the recorded steps (``load_run`` does not read them); ``dpro.sim.probes`` prices the ``amp``
-and ``micro_batches`` knobs from them, and ``dpro info`` lists them.
+They are never part of the recorded steps (``load_run`` does not read them); ``dpro.sim.probes`` prices the ``amp``,
+``micro_batches`` and ``compile`` knobs from them, and ``dpro info`` lists them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,17 @@ class RankProbes:
     skipped: list[dict[str, str]] = field(default_factory=list)
 
     def find(self, amp: str | None, batch: int) -> Probe | None:
-        return next((p for p in self.probes if p.amp == amp and p.batch == batch), None)
+        """The probe of the whole model under ``amp`` at ``batch`` rows (compile probes are not among them)."""
+        return next((p for p in self.probes if p.amp == amp and p.batch == batch and p.compile is None), None)
+
+    def compiled(self, region: str) -> Probe | None:
+        """The compile probe of ``region`` (a module path, ``<root>`` for the whole model), or None."""
+        return next((p for p in self.probes if p.compile == region), None)
+
+    @property
+    def compiled_regions(self) -> list[str]:
+        """The regions a compile probe timed."""
+        return [p.compile for p in self.probes if p.compile is not None]
 
 
 def _number(value: Any, path: Path, where: str) -> float:
@@ -56,12 +67,28 @@ def _probe(raw: Any, path: Path, where: str) -> Probe:
     ops = raw.get("ops")
     if not isinstance(ops, dict) or not all(isinstance(k, str) for k in ops):
         raise TraceError(path, "ops must be an object of op name -> µs", f"{where}.ops")
+    region, eager = _compiled(raw, path, where)
     return Probe(amp=raw["amp"], batch=_count(raw.get("batch"), path, f"{where}.batch"),
                  passes=_count(raw.get("passes"), path, f"{where}.passes"),
                  ops={k: _number(v, path, f"{where}.ops[{k!r}]") for k, v in ops.items()},
                  pass_us=_number(raw.get("pass_us"), path, f"{where}.pass_us"),
                  activation_bytes=_count(raw.get("activation_bytes"), path, f"{where}.activation_bytes",
-                                         positive=False))
+                                         positive=False), compile=region, eager=eager)
+
+
+def _compiled(raw: dict[str, Any], path: Path, where: str) -> tuple[str | None, dict[str, float] | None]:
+    """A compile probe's region and its eager times (None, None for any other probe)."""
+    region = raw.get("compile")
+    if region is None:
+        return None, None
+    if not isinstance(region, str) or not region:
+        raise TraceError(path, f"compile must be a module path, found {region!r:.40}", f"{where}.compile")
+    if raw.get("amp") is not None:
+        raise TraceError(path, "a compile probe runs in the recorded precision (amp null)", f"{where}.amp")
+    eager = raw.get("eager")
+    if not isinstance(eager, dict) or not all(isinstance(k, str) for k in eager):
+        raise TraceError(path, "eager must be an object of op name -> µs", f"{where}.eager")
+    return region, {k: _number(v, path, f"{where}.eager[{k!r}]") for k, v in eager.items()}
 
 
 def _read_one(path: Path, rank: int) -> RankProbes:

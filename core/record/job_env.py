@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 __all__ = ["APPLY_SEARCH", "AUTO_RECORD", "BACKWARD_MARKS", "CLOCK_SKEW", "CONFIG", "FORCE", "LAUNCH", "MECHANISMS",
-           "PROBES", "PROFILE", "RUN_DIR", "SEEN_FILE", "STEP_TIMES", "say"]
+           "PROBES", "PROBE_COMPILE", "PROFILE", "RUN_DIR", "SEEN_FILE", "STEP_TIMES", "say"]
 
 LAUNCH = "DPRO_LAUNCH"                  # "1" in every process dpro-launch starts
 AUTO_RECORD = "DPRO_AUTO_RECORD"        # "1": the plugins attach a recorder to the script (its model or optimizer)
@@ -18,6 +18,8 @@ FORCE = "DPRO_FORCE"                    # "1": apply a config made for another j
 BACKWARD_MARKS = "DPRO_BACKWARD_MARKS"  # "tensors": the torch recorder times BW per module with tensor hooks
 MECHANISMS = "DPRO_MECHANISMS"          # the torch recorder's mechanisms, comma-separated (the overhead benches)
 PROBES = "DPRO_PROBES"                  # "0": the torch recorder runs no probe passes after its window
+PROBE_COMPILE = "DPRO_PROBE_COMPILE"    # module paths the torch recorder's compile probe times (<root> when unset;
+#                                       "0": none)
 STEP_TIMES = "DPRO_STEP_TIMES"          # a file where rank 0 of an unrecorded job writes when each step ended
 SEEN_FILE = "seen.json"                 # what the auto-attach saw of a job it recorded nothing of (in RUN_DIR)
 CLOCK_SKEW = "DPRO_CLOCK_SKEW_US"       # tests: a skew added to the ranks' clocks, to check the alignment

@@ -26,6 +26,7 @@ __all__ = [
     "Probe",
     "QUEUES",
     "QUEUE_ID",
+    "ROOT_MODULE",
     "RUN_FILE",
     "RUN_SCHEMA",
     "TRACE_SCHEMA",
@@ -91,13 +92,18 @@ def rank_file(rank: int) -> str:
 
 PROBES_SCHEMA = "dpro.probes/1"
 PROBES_DIR = "probes"
+ROOT_MODULE = "<root>"  # the model itself among module paths (op names FW.<root>, the compile knob's whole model)
 
 
 @dataclass(frozen=True)
 class Probe:
     """One probe pass set of one rank (a probe file's entry): ``amp`` (None: the precision recorded) at ``batch``
     rows; each op's median µs over ``passes`` passes, the pass's µs, and the output bytes the model's modules kept
-    for the backward."""
+    for the backward.
+
+    A compile probe (``compile``: the module path compiled, ``<root>`` for the whole model) times the region alone,
+    forward (``ops["FW"]``) and backward (``ops["BW"]``) under ``torch.compile``, and ``eager`` the same ops
+    without it, in passes paired with the compiled ones; ``pass_us`` is the compiled pass."""
 
     amp: str | None
     batch: int
@@ -105,10 +111,16 @@ class Probe:
     ops: dict[str, float]
     pass_us: float
     activation_bytes: int
+    compile: str | None = None
+    eager: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"amp": self.amp, "batch": self.batch, "passes": self.passes, "pass_us": round(self.pass_us, 3),
-                "activation_bytes": self.activation_bytes, "ops": {k: round(v, 3) for k, v in self.ops.items()}}
+        doc = {"amp": self.amp, "batch": self.batch, "passes": self.passes, "pass_us": round(self.pass_us, 3),
+               "activation_bytes": self.activation_bytes, "ops": {k: round(v, 3) for k, v in self.ops.items()}}
+        if self.compile is not None:
+            doc["compile"] = self.compile
+            doc["eager"] = {k: round(v, 3) for k, v in (self.eager or {}).items()}
+        return doc
 
 
 def probes_file(rank: int) -> str:

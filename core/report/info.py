@@ -18,7 +18,7 @@ from typing import Any
 
 from dpro.errors import TraceError
 from dpro.io.load import RankTrace, Run, format_steps, overhead_of, step_times_ms
-from dpro.io.probes import read_probes
+from dpro.io.probes import Probe, read_probes
 from dpro.record.trace import CATEGORIES
 from dpro.report.tables import format_bytes, format_table, indent
 
@@ -65,11 +65,18 @@ def _probes_summary(run: Run) -> dict[str, Any] | None:
         return None
     first = probes[min(probes)]
     reference = first.find(None, first.batch) if first.batch is not None else None
-    rows = [{"amp": p.amp, "batch": p.batch, "passes": p.passes, "pass_ms": p.pass_us / 1000.0,
-             "vs_recorded": p.pass_us / reference.pass_us if reference is not None and reference.pass_us else None}
-            for p in first.probes]
+    rows = [{"amp": p.amp, "batch": p.batch, "passes": p.passes, "pass_ms": p.pass_us / 1000.0, "compile": p.compile,
+             "vs_recorded": _versus(p, reference)} for p in first.probes]
     return {"rank": first.rank, "ranks": sorted(probes), "batch": first.batch, "probes": rows,
             "skipped": [f"{s['probe']}: {s['why']}" for s in first.skipped]}
+
+
+def _versus(probe: Probe, reference: Probe | None) -> float | None:
+    """A probe's pass against the same pass as recorded: for a compile probe, its region eager in the same probe."""
+    if probe.compile is not None:
+        eager = sum((probe.eager or {}).values())
+        return probe.pass_us / eager if eager else None
+    return probe.pass_us / reference.pass_us if reference is not None and reference.pass_us else None
 
 
 def _common_steps(run: Run) -> list[int]:
@@ -168,10 +175,12 @@ def _probes_block(probes: dict[str, Any]) -> str:
         return f"probe passes: unreadable ({probes['error']})"
     head = (f"probe passes after the window (rank {probes['rank']}; ranks with probes: "
             f"{', '.join(map(str, probes['ranks']))}): not recorded steps, left out of the model of this run; "
-            "they price the amp and micro_batches what-ifs")
-    rows = [[p["amp"] or "as recorded", str(p["batch"]), str(p["passes"]), f"{p['pass_ms']:.2f}",
+            "they price the amp, micro_batches and compile what-ifs (a compile probe: its region alone, against "
+            "itself eager)")
+    rows = [[f"compiled {p['compile']}" if p.get("compile") else p["amp"] or "as recorded", str(p["batch"]),
+             str(p["passes"]), f"{p['pass_ms']:.2f}",
              "?" if p["vs_recorded"] is None else f"{p['vs_recorded']:.2f}x"] for p in probes["probes"]]
-    text = head + "\n" + indent(format_table(["precision", "batch", "passes", "pass ms", "vs as recorded"], rows,
+    text = head + "\n" + indent(format_table(["probe", "batch", "passes", "pass ms", "vs as recorded"], rows,
                                               align="<>>>>"))
     if probes["skipped"]:
         text += "\n" + "\n".join(f"  skipped {s}" for s in probes["skipped"])

@@ -12,7 +12,8 @@ the searches every engine shares.
   only when the caller allows it, since it changes numerics; recomputation under a budget).
 - ``probed_choices``: after every search, the knobs the recorder's probe passes price (``dpro.sim.probes``):
   micro-batches weighed against recomputation under a memory budget (the cheaper way that fits), and autocast
-  precision, only when the caller allows it (it changes numerics) and only where it measured faster.
+  precision, only when the caller allows it (it changes numerics) and only where it measured faster; and compiling
+  the regions the compile probe timed, only where it measured faster beyond the prediction's uncertainty.
 """
 
 from __future__ import annotations
@@ -240,8 +241,9 @@ def probed_choices(ctx: Context, result: OptimizeResult, *, memory_budget_bytes:
                    allow_precision: bool = False) -> OptimizeResult:
     """``result`` (an engine's search) weighed against the knobs only the probe passes price: under a memory budget,
     micro-batches in place of recomputation where they fit at a shorter replayed step; then autocast precision when
-    ``allow_precision`` and it clears the uncertainty (never where the probes measured it slower). A run without
-    probes comes back as it was, with a note when either was asked for."""
+    ``allow_precision`` and it clears the uncertainty (never where the probes measured it slower); then compiled
+    regions where they clear it. A run without probes comes back as it was, with a note when either was asked
+    for."""
     if not ctx.probes:
         if memory_budget_bytes is not None or allow_precision:
             result.explain.append({"knob": "micro_batches / amp", "predicted_gain_ms": 0.0,
@@ -253,6 +255,8 @@ def probed_choices(ctx: Context, result: OptimizeResult, *, memory_budget_bytes:
         knobs, current, note = _weigh_micro_batches(ctx, knobs, current, memory_budget_bytes)
         explain.append(note)
     knobs, current, note = _precision(ctx, knobs, current, allow_precision, memory_budget_bytes)
+    explain.append(note)
+    knobs, current, note = _compiled(ctx, knobs, current)
     explain.append(note)
     return OptimizeResult(knobs=knobs, baseline=result.baseline, predicted=current, explain=explain,
                           search_seconds=result.search_seconds, measured_step_ms=result.measured_step_ms)
@@ -337,3 +341,37 @@ def _precision(ctx: Context, knobs: dict[str, Any], current: Prediction, allowed
                             "why": "not applied: " + ("autocast changes numerics; pass --allow-precision "
                                                       f"({amp}: {shown})" if worth else
                                                       f"{amp}'s {shown} is within what the prediction can tell")}
+
+
+def _compiled(ctx: Context, knobs: dict[str, Any], current: Prediction) -> tuple[dict[str, Any], Prediction,
+                                                                                dict[str, Any]]:
+    """The compile probe's region (one, the fastest) run under torch.compile, when its predicted gain clears the
+    uncertainty; a region measured slower compiled is never recommended."""
+    regions = sorted({c for r in ctx.probes.values() for c in r.compiled_regions})
+    if not regions:
+        why = next((s["why"] for r in ctx.probes.values() for s in r.skipped if s["probe"].startswith("compile")),
+                   "the run has no compile probe")
+        return knobs, current, {"knob": "compile", "predicted_gain_ms": 0.0, "why": f"not priced: {why}"}
+    priced, refused = [], []
+    for region in regions:
+        try:
+            pred = predict(ctx, {**knobs, "compile": [region]})
+        except UsageError as err:
+            refused.append(str(err))
+            continue
+        priced.append((current.predicted_step_ms - pred.predicted_step_ms, region, pred))
+    if not priced:
+        return knobs, current, {"knob": "compile", "predicted_gain_ms": 0.0, "why": "not priced: " + "; ".join(refused)}
+    gain, region, pred = max(priced)
+    if gain <= 0:
+        return knobs, current, {"knob": "compile", "predicted_gain_ms": 0.0,
+                                "why": f"not applied: {region} measured slower compiled ({pred.predicted_step_ms:.2f} "
+                                       f"ms against {current.predicted_step_ms:.2f} ms)"}
+    worth, shown = clears(ctx, gain, current.predicted_step_ms)
+    if not worth:
+        return knobs, current, {"knob": "compile", "predicted_gain_ms": 0.0,
+                                "why": f"not applied: compiling {region}: {shown} is within what the prediction "
+                                       "can tell"}
+    return {**knobs, "compile": [region]}, pred, {"knob": "compile", "predicted_gain_ms": gain,
+                                                  "why": f"torch.compile of {region}, priced by the compile probe: "
+                                                         f"{shown}"}

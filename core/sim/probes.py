@@ -1,4 +1,5 @@
-"""Pricing ``amp`` and ``micro_batches`` from the recorder's probe passes (``dpro.io.probes``), never from FLOPs.
+"""Pricing ``amp``, ``micro_batches`` and ``compile`` from the recorder's probe passes (``dpro.io.probes``), never
+from FLOPs.
 
 Each op keeps its recorded mean time and is scaled by what the probes measured for it, relative to the probe of the
 batch as recorded (the probes run outside the step, without communication, so only their ratios are used):
@@ -11,6 +12,10 @@ batch as recorded (the probes run outside the step, without communication, so on
   at the recorded batch and its slices), and the op runs k times per step at t(B/k) / t(B) of its time. Collectives
   run once, after the last micro-batch's backward (the engine skips synchronising the others). Activations scale as
   the probes' kept bytes did at B/k (1/k where B/k was not probed).
+- ``compile`` (module paths, ``<root>`` for the whole model): the forward ops of each region's modules scale by its
+  compiled over eager forward time, the backward ops by the backward's, both measured in the same compile probe in
+  paired passes; so do the gaps between two ops of the region (work of the region's own code between its
+  modules). Communication, and every op outside the regions, keep their time.
 
 Work between the recorded modules (a parent's own tensor ops, such as attention's products inside a block whose
 children are the recorded layers) is in the gaps before the forward and backward ops; the probes measure it as the
@@ -26,9 +31,10 @@ from collections.abc import Callable
 from dpro.dag.step_model import OpStats, StepModel, occurrence_name
 from dpro.errors import UsageError
 from dpro.io.probes import Probe, RankProbes
+from dpro.record.trace import ROOT_MODULE
 
-__all__ = ["BETWEEN", "MIN_BATCH_RATIO", "activation_scale", "amp_ratios", "batch_ratios", "fit_line", "probes_of",
-           "with_amp", "with_micro_batches"]
+__all__ = ["BETWEEN", "MIN_BATCH_RATIO", "activation_scale", "amp_ratios", "batch_ratios", "compile_probe_of",
+           "compile_ratios", "fit_line", "in_region", "probes_of", "with_amp", "with_compile", "with_micro_batches"]
 
 MIN_BATCH_RATIO = 0.02  # a fitted time at a small batch is at least this share of the recorded one (a line may
 # cross zero below the batches probed)
@@ -117,7 +123,7 @@ def batch_ratios(rank_probes: RankProbes, k: int) -> dict[str, float]:
     """
     reference = _reference(rank_probes)
     full = reference.batch
-    sliced = [p for p in rank_probes.probes if p.amp is None and p.batch != full]
+    sliced = [p for p in rank_probes.probes if p.amp is None and p.batch != full and p.compile is None]
     if not sliced:
         raise UsageError(f"micro_batches={k}: rank {rank_probes.rank}'s probes ran no smaller batch than the "
                          f"recorded {full} rows")
@@ -145,7 +151,7 @@ def activation_scale(rank_probes: RankProbes, amp: str | None, k: int) -> float:
         scale *= probe.activation_bytes / reference.activation_bytes if probe is not None else 0.5
     if k > 1:
         rows = reference.batch / k
-        probe = next((p for p in rank_probes.probes if p.amp is None and p.batch == rows), None)
+        probe = rank_probes.find(None, int(rows)) if rows == int(rows) else None
         scale *= probe.activation_bytes / reference.activation_bytes if probe is not None else 1.0 / k
     return scale
 
@@ -243,3 +249,82 @@ def _passes(ops: list[OpStats], ratios: dict[str, float], k: int, rank: int) -> 
         moved.order += (k - 1) * span
         out.append(moved)
     return out
+
+
+# ---- compile ------------------------------------------------------------------------------------------
+
+
+def in_region(op_name: str, region: str) -> bool:
+    """Whether the op ``FW.<module>`` / ``BW.<module>`` (``#k`` runs alike) times a module inside ``region``."""
+    module = base_name(op_name).partition(".")[2]
+    return region == ROOT_MODULE or module == region or module.startswith(region + ".")
+
+
+def compile_probe_of(probes: dict[int, RankProbes], rank: int, region: str) -> Probe:
+    """The compile probe of ``region`` on ``rank`` (else on the lowest rank that ran one).
+
+    Raises:
+        UsageError: no rank probed ``region`` compiled; the message names the regions probed (or why none was).
+    """
+    own = probes.get(rank)
+    if own is not None and own.compiled(region) is not None:
+        return own.compiled(region)
+    found = next((probes[r].compiled(region) for r in sorted(probes) if probes[r].compiled(region)), None)
+    if found is not None:
+        return found
+    probed = sorted({c for r in probes.values() for c in r.compiled_regions})
+    if probed:
+        raise UsageError(f"compile={region}: the probes timed compiled only {', '.join(probed)}; record again with "
+                         f"$DPRO_PROBE_COMPILE={region} to price it")
+    skipped = [s["why"] for r in sorted(probes) for s in probes[r].skipped if s["probe"].startswith("compile")][:1]
+    why = f"it was skipped: {skipped[0]}" if skipped else "the run has none (RUN/probes/)"
+    raise UsageError(f"compile={region}: no compile probe prices it ({why})")
+
+
+def compile_ratios(probe: Probe) -> dict[str, float]:
+    """``{"FW": compiled / eager forward, "BW": compiled / eager backward}`` of one compile probe (a phase the probe
+    did not time keeps its time)."""
+    eager = probe.eager or {}
+    return {phase: probe.ops[phase] / eager[phase] for phase in ("FW", "BW")
+            if phase in probe.ops and eager.get(phase, 0.0) > 0}
+
+
+def with_compile(model: StepModel, probes: dict[int, RankProbes], regions: list[str]) -> StepModel:
+    """``model`` with the forward and backward ops of each of ``regions`` at their compiled time (``compile_ratios``
+    of the region's probe), and the gaps between two ops of one region alike.
+
+    Raises:
+        UsageError: a region was not probed compiled.
+    """
+    out = copy.deepcopy(model)
+    for rank, ops in out.ops.items():
+        priced = [(region, compile_ratios(compile_probe_of(probes, rank, region))) for region in regions]
+        model_ops = _model_ops(probes.get(rank))
+        previous: str | None = None  # the region of the rank's previous forward/backward op in the same pass
+        last_category = ""
+        for op in ops:
+            if op.category not in SCALED:
+                continue
+            if op.category == "FW" and last_category == "BW":
+                previous = None  # a new pass: the gap before it is the loop's own work
+            last_category = op.category
+            region = next((r for r, _ in priced if in_region(op.name, r)), None)
+            if model_ops is not None and base_name(op.name) not in model_ops and op.category != "RECOMPUTE":
+                region = None  # not a module of the model (an engine's own work after the forward)
+            if region is not None:
+                ratio = dict(priced)[region].get("BW" if op.category == "BW" else "FW")
+                if ratio is not None:
+                    _scale_op(op, ratio)
+                    if previous == region and op.gap is not None:
+                        op.gap *= ratio
+            previous = region
+    return out
+
+
+def _model_ops(rank_probes: RankProbes | None) -> set[str] | None:
+    """The ops the reference probe timed on the model alone (None without one)."""
+    if rank_probes is None or rank_probes.batch is None:
+        return None
+    reference = rank_probes.find(None, rank_probes.batch)
+    return set(reference.ops) if reference is not None else None
+

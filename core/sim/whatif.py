@@ -15,6 +15,7 @@ models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``. The knobs are t
 | ``recompute`` | modules checkpointed: their forward runs again in backward; fewer saved activations |
 | ``amp`` | ``bf16`` / ``fp16`` autocast: each op at the time the recorder's probes measured (``dpro.sim.probes``) |
 | ``micro_batches`` | k forward/backward passes on B/k rows (probed times), collectives after the last |
+| ``compile`` | module paths under ``torch.compile``: their ops at the compiled/eager ratio the compile probe measured |
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dpro.io.probes import RankProbes, read_probes
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
 from dpro.sim.interference import NONE as NO_INTERFERENCE
 from dpro.sim.interference import Interference, fit_interference, op_overlap, scale_for_overlap
-from dpro.sim.probes import activation_scale, probes_of, with_amp, with_micro_batches
+from dpro.sim.probes import activation_scale, probes_of, with_amp, with_compile, with_micro_batches
 from dpro.sim.replay import plan_levels, predicted_step_us, replay
 
 __all__ = [
@@ -77,7 +78,7 @@ def whatif_knobs() -> list[str]:
 
 def parse_settings(items: list[str]) -> dict[str, Any]:
     """``["KEY=VALUE", ...]`` -> knobs. Values are JSON where they parse (numbers, lists), else text;
-    ``recompute`` also takes a comma-separated list of module paths."""
+    ``recompute`` and ``compile`` also take a comma-separated list of module paths (``compile=none``: nothing)."""
     knobs: dict[str, Any] = {}
     known = whatif_knobs()
     for item in items:
@@ -91,8 +92,8 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
                                             lambda where, problem: UsageError(f"{where}: {problem}"))
         except json.JSONDecodeError:
             value = raw
-        if key == "recompute" and isinstance(value, str):
-            value = [m for m in value.split(",") if m]
+        if key in ("recompute", "compile") and isinstance(value, str):
+            value = [] if value == "none" else [m for m in value.split(",") if m]
         if key in ("gradient_compression", "amp") and value == "none":
             value = None
         knobs[key] = value
@@ -380,6 +381,7 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
     """The mean step under ``knobs`` (names from ``whatif_knobs()``)."""
     _validate(knobs)
     model = ctx.base
+    regions = _compiled_regions(ctx, knobs)  # first: it refuses the knobs it was not probed with
     recorded_amp = ctx.knobs.get("amp")
     if knobs.get("amp", recorded_amp) != recorded_amp:
         if recorded_amp:
@@ -388,6 +390,8 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
         model = with_amp(model, ctx.probes, knobs["amp"])
     if int(knobs.get("micro_batches") or 1) > 1:
         model = with_micro_batches(model, ctx.probes, int(knobs["micro_batches"]))
+    if regions:
+        model = with_compile(model, ctx.probes, regions)
     engine = get_engine(ctx.engine)
     if any(k in knobs for k in (*REGROUPING_KNOBS, *engine.comm_knobs)):
         groups = knobs.get("tensor_groups") or engine.groups(ctx, knobs) or recorded_groups(ctx)
@@ -400,6 +404,22 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
     if float(knobs.get("compute_scale", 1.0)) != 1.0:
         model = scaled_compute(model, float(knobs["compute_scale"]))
     return model
+
+
+def _compiled_regions(ctx: Context, knobs: dict[str, Any]) -> list[str]:
+    """The regions ``knobs`` compile beyond the recorded run's (the compile probe ran at the recorded precision and
+    batch, on a model recorded uncompiled: other combinations are refused)."""
+    recorded = list(ctx.knobs.get("compile") or [])
+    wanted = list(knobs.get("compile", recorded) or [])
+    if wanted == recorded:
+        return []
+    if recorded:
+        raise UsageError(f"compile={','.join(wanted) or 'none'}: this run was recorded with {','.join(recorded)} "
+                         "compiled (its modules untimed); price compiling from a run recorded without it")
+    if knobs.get("amp", ctx.knobs.get("amp")) != ctx.knobs.get("amp") or int(knobs.get("micro_batches") or 1) > 1:
+        raise UsageError("compile: the compile probe timed the regions at the recorded precision and batch; it "
+                         "does not price them together with amp or micro_batches")
+    return wanted
 
 
 COMPUTE_CATEGORIES = ("FW", "BW", "RECOMPUTE", "UPDATE", "COMPUTE")

@@ -7,6 +7,8 @@
 - ``gradient_compression``: ``register_compression``: DDP's fp16/bf16 compress hook, after DDP
 - ``amp``: ``apply`` / ``apply_amp``: the model's forward under ``torch.autocast`` (its outputs back in fp32, so the
   loss computed from them is too); for fp16, dynamic loss scaling
+- ``compile``: ``apply`` / ``apply_compile``: the listed modules compiled in place (``nn.Module.compile``), eager again
+  if compiling fails
 - ``micro_batches``: a Trainer's own accumulation (``transformers_callback.accumulate``, set by dpro-launch's
   auto-attach); a plain loop changes its code (``micro_batches_change`` says how)
 - ``env``: the launcher (``dpro-launch``), before the process starts; ``load_config`` warns when unset
@@ -29,7 +31,7 @@ from __future__ import annotations
 import os
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,7 @@ from dpro.engines.torch_ddp.buckets import BUCKET_CAP, FIND_UNUSED, FIRST_BUCKET
 from dpro.engines.torch_ddp.buckets import NAME as ENGINE
 from dpro.errors import ConfigError, UsageError
 from dpro.logs import get_logger
-from dpro.record.trace import model_fingerprint
+from dpro.record.trace import ROOT_MODULE, model_fingerprint
 
 __all__ = [
     "ENGINE",
@@ -54,7 +56,9 @@ __all__ = [
     "amp_in_force",
     "apply",
     "apply_amp",
+    "apply_compile",
     "apply_recompute",
+    "compiled",
     "ddp_kwargs",
     "fingerprint",
     "load_config",
@@ -245,16 +249,7 @@ def apply_recompute(model: nn.Module, module_paths: Iterable[str], *, source: st
         raise UsageError("apply_recompute: the model is already wrapped in DistributedDataParallel; apply the "
                          "config to the module before wrapping it (DDP must see the checkpointed forward)")
     paths = list(module_paths)
-    modules = []
-    for i, path in enumerate(paths):
-        if not isinstance(path, str) or not path:
-            raise ConfigError(source, f"a module path must be a non-empty string, found {path!r}",
-                              f'{_key("recompute")}[{i}]')
-        try:
-            modules.append(model.get_submodule(path))
-        except AttributeError:
-            raise ConfigError(source, f"{type(model).__name__} has no submodule {path!r} (a path of "
-                              "model.named_modules(), e.g. 'encoder.0')", f'{_key("recompute")}[{i}]') from None
+    modules = _submodules(model, paths, "recompute", source)
     for module in modules:
         if getattr(module, "_dpro_inner_forward", None) is None:
             module._dpro_inner_forward = module.forward
@@ -262,10 +257,92 @@ def apply_recompute(model: nn.Module, module_paths: Iterable[str], *, source: st
     return paths
 
 
+def _submodules(model: nn.Module, paths: list[str], knob: str, source: str) -> list[nn.Module]:
+    """The submodules ``paths`` name (``<root>``: ``model`` itself, for the compile knob).
+
+    Raises:
+        ConfigError: a path is not a string or names no submodule (the message gives the knob's index).
+    """
+    modules = []
+    for i, path in enumerate(paths):
+        if not isinstance(path, str) or not path:
+            raise ConfigError(source, f"a module path must be a non-empty string, found {path!r}", f"{_key(knob)}[{i}]")
+        if path == ROOT_MODULE and knob == "compile":
+            modules.append(model)
+            continue
+        try:
+            modules.append(model.get_submodule(path))
+        except AttributeError:
+            raise ConfigError(source, f"{type(model).__name__} has no submodule {path!r} (a path of "
+                              "model.named_modules(), e.g. 'encoder.0')", f"{_key(knob)}[{i}]") from None
+    return modules
+
+
 def recomputed(model: nn.Module) -> list[str]:
     """Paths of the submodules whose activations ``apply_recompute`` made recomputed."""
     return [name for name, mod in _inner(model).named_modules()
             if getattr(mod, "_dpro_inner_forward", None) is not None]
+
+
+# ---- compilation -------------------------------------------------------------------------------------
+
+
+def _compiled_call(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s call (hooks and forward) under torch.compile, through a function of dpro's: Dynamo inlines a
+    module from there even where it skips the module's own frames (torch's containers, e.g. ``nn.Sequential``,
+    which ``nn.Module.compile`` leaves uncompiled)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return module._call_impl(*args, **kwargs)
+
+    return torch.compile(call)
+
+
+def _compiled_or_eager(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module's call under ``apply_compile``: the compiled call, or the eager one from the first time compiling
+    fails (Dynamo's and inductor's errors, raised before the compiled graph runs). A bound method of the module, so
+    ``copy.deepcopy`` rebinds it, and a copy compiles its own call."""
+    if self._dpro_compiled_id != id(self):  # a copy of a compiled module (copy.deepcopy of the model)
+        self._dpro_compiled, self._dpro_compiled_id = _compiled_call(self), id(self)
+    try:
+        return self._dpro_compiled(*args, **kwargs)
+    except torch._dynamo.exc.TorchDynamoException as err:
+        self._compiled_call_impl = None  # eager from now on: nn.Module.__call__ takes _call_impl
+        self._dpro_compile_failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if _rank() == 0:
+            get_logger("dpro.plugins.torch").warning("dpro: compiling %s failed; it runs eager (%s)",
+                                                     type(self).__name__, self._dpro_compile_failed)
+        return self._call_impl(*args, **kwargs)
+
+
+def apply_compile(model: nn.Module, module_paths: Iterable[str], *, source: str = "apply_compile") -> list[str]:
+    """Compile the named submodules (``<root>``: the whole model) with ``torch.compile``, in place
+    (``nn.Module.compile``: the same module objects, so DDP, the state_dict's keys and dpro's module paths stay as
+    they were). A module whose compiling fails in its forward runs eager from then on (a warning says so); a failure
+    compiling the backward, which torch does at the first backward, is not caught. Compiling a module twice is a
+    no-op. Call it before DDP wraps the model.
+
+    Returns:
+        The paths compiled.
+
+    Raises:
+        UsageError: ``model`` is already wrapped in DDP.
+        ConfigError: a path names no submodule (nothing is compiled then).
+    """
+    if isinstance(model, DistributedDataParallel):
+        raise UsageError("apply_compile: the model is already wrapped in DistributedDataParallel; apply the config "
+                         "to the module before wrapping it")
+    paths = list(module_paths)
+    for module in _submodules(model, paths, "compile", source):
+        if getattr(module, "_dpro_compiled", None) is None:
+            module._dpro_compiled, module._dpro_compiled_id = _compiled_call(module), id(module)
+            module._compiled_call_impl = types.MethodType(_compiled_or_eager, module)
+    return paths
+
+
+def compiled(model: nn.Module) -> list[str]:
+    """Paths of the modules ``apply_compile`` compiled (and whose compiling has not failed)."""
+    return [name or ROOT_MODULE for name, mod in _inner(model).named_modules()
+            if getattr(mod, "_dpro_compiled", None) is not None and mod._compiled_call_impl is not None]
 
 
 # ---- precision ---------------------------------------------------------------------------------------
@@ -381,18 +458,22 @@ def micro_batches_change(k: int) -> str:
 
 
 def apply(model: nn.Module, config: Config) -> nn.Module:
-    """Apply the config's knobs that change the model object (``recompute``, ``amp``), in place; return the model.
+    """Apply the config's knobs that change the model object (``recompute``, ``amp``, ``compile``), in place; return
+    the model.
 
     Call it before wrapping the model in DDP; the DDP arguments come from ``ddp_kwargs(config,
     model=model)`` and gradient compression from ``register_compression(ddp_model, config)``.
 
     Raises:
-        ConfigError: a recompute path names no submodule.
+        ConfigError: a recompute or compile path names no submodule.
     """
     paths = config.knobs.get("recompute") or []
     if paths:
         apply_recompute(model, paths, source=config.source)
     apply_amp(model, config.knobs.get("amp"), source=config.source)
+    regions = config.knobs.get("compile") or []
+    if regions:
+        apply_compile(model, regions, source=config.source)
     return model
 
 

@@ -1,10 +1,16 @@
 """Probe passes after the recorded window: the captured batch run again, forward and backward, under another
-precision (``torch.autocast``) and in slices of the batch (dim 0), each module timed by the recorder's own hooks.
+precision (``torch.autocast``) and in slices of the batch (dim 0), each module timed by the recorder's own hooks;
+then regions of the model timed alone under ``torch.compile`` and without it, in paired passes, the hooks removed.
 
-They price two knobs by measurement, not by FLOP counts: ``amp`` (bf16 autocast can be several times slower than
-fp32 on a CPU without bf16 units) and ``micro_batches`` (ops do not scale linearly at small batches). The results go
-to ``RUN/probes/rank-<r>.json`` (``dpro.io.probes`` reads them), never into the rank's trace, so no model of the
-recorded configuration sees them.
+They price three knobs by measurement, not by FLOP counts: ``amp`` (bf16 autocast can be several times slower than
+fp32 on a CPU without bf16 units), ``micro_batches`` (ops do not scale linearly at small batches) and ``compile``
+(the compiled region against its eager self). The results go to ``RUN/probes/rank-<r>.json`` (``dpro.io.probes``
+reads them), never into the rank's trace, so no model of the recorded configuration sees them.
+
+The compile probe compiles each region of ``$DPRO_PROBE_COMPILE`` (module paths, comma-separated; ``<root>``, the
+whole model, when unset; "0": none) with ``torch.compile``, which wraps the module without changing it: nothing
+compiled stays installed. Its regions' inputs are those the region received in an eager forward of the captured
+batch. Compiling counts against the probes' budget.
 
 A probe must not change training: every parameter's ``.grad`` (the object, so DDP's bucket views survive), every
 buffer (BatchNorm's running statistics) and the RNG states are put back; the inner module runs under DDP's
@@ -26,15 +32,15 @@ from torch import nn
 
 from dpro.logs import get_logger
 from dpro.record import job_env
-from dpro.record.trace import PROBES_SCHEMA, Probe, probes_file, write_json_atomic
+from dpro.record.trace import PROBES_SCHEMA, ROOT_MODULE, Probe, probes_file, write_json_atomic
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from dpro.plugins.torch.recorder import TorchRecorder
 
-__all__ = ["AMP_DTYPES", "PROBE_BUDGET_S", "PROBE_PASSES", "batch_size", "probes_summary",
-           "probes_wanted", "run_probes", "sliced", "training_state_kept", "write_probes"]
+__all__ = ["AMP_DTYPES", "COMPILE_PASSES", "PROBE_BUDGET_S", "PROBE_PASSES", "batch_size", "compile_regions_wanted",
+           "probes_summary", "probes_wanted", "run_probes", "sliced", "training_state_kept", "write_probes"]
 
 logger = get_logger("dpro.plugins.torch")
 
@@ -42,6 +48,8 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PROBE_PASSES = 3  # timed passes per probe, after one warm-up pass (autocast's first pass builds its casts)
 PROBE_BUDGET_S = 60.0  # no further probe starts once the probes took this long (bf16 on a CPU may be 10x slower)
 PROBED_FRACTIONS = (2, 4)  # micro-batch probes at B/2 and B/4 (a batch that divides)
+COMPILE_PASSES = 15  # eager and compiled passes, alternating, after the compile's warm-up (a pass is cheap
+# beside the compile; another rank compiling meanwhile makes single passes noisy)
 
 
 @dataclass
@@ -56,6 +64,15 @@ class _Probes:
 def probes_wanted() -> bool:
     """``$DPRO_PROBES`` is not "0" (the probes are on by default)."""
     return os.environ.get(job_env.PROBES, "1").strip() != "0"
+
+
+def compile_regions_wanted() -> list[str]:
+    """The regions the compile probe times: ``$DPRO_PROBE_COMPILE``'s module paths (``<root>`` when unset, none when
+    "0")."""
+    raw = os.environ.get(job_env.PROBE_COMPILE)
+    if raw is None:
+        return [ROOT_MODULE]
+    return [] if raw.strip() in ("0", "") else [r.strip() for r in raw.split(",") if r.strip()]
 
 
 def batch_size(batch: Any) -> int | None:
@@ -147,8 +164,8 @@ def _variants(full: int) -> list[tuple[str | None, int]]:
     return out
 
 
-def _label(amp: str | None, rows: int) -> str:
-    return f"{amp or 'recorded precision'} at batch {rows}"
+def _label(amp: str | None, rows: int, region: str | None = None) -> str:
+    return f"compile {region}" if region is not None else f"{amp or 'recorded precision'} at batch {rows}"
 
 
 def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> dict[str, Any]:
@@ -171,9 +188,20 @@ def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> di
 
 
 def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, found: _Probes) -> None:
-    args, kwargs, _ = batch
     began = time.perf_counter()
-    sync_off = rec.ddp.no_sync() if rec.ddp is not None else contextlib.nullcontext()
+    _hooked_probes(rec, batch, full, found, began)
+    _compile_probes(rec, batch, full, found, began)
+
+
+def _no_sync(rec: TorchRecorder) -> contextlib.AbstractContextManager:
+    return rec.ddp.no_sync() if rec.ddp is not None else contextlib.nullcontext()
+
+
+def _hooked_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, found: _Probes,
+                   began: float) -> None:
+    """The probes timed by the recorder's hooks: the batch as recorded, its slices, each precision."""
+    args, kwargs, _ = batch
+    sync_off = _no_sync(rec)
     try:
         rec._install_hooks()  # inside: hooks a failed install left in place are removed below
         rec._recording = True
@@ -191,11 +219,108 @@ def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, f
                     found.results.append(_probe(rec, sliced(args, full, rows), sliced(kwargs, full, rows), amp, rows))
                 except Exception as err:  # noqa: BLE001 - the user's model on a cut batch may raise anything;
                     # the probe is skipped and the job goes on (dpro never fails a job)
-                    found.skip(label, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                    found.skip(label, _why(err))
     finally:
         rec._recording = False
         rec._remove_hooks()
         rec._log = None
+
+
+def _why(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _compile_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, found: _Probes,
+                    began: float) -> None:
+    """Each wanted region timed under torch.compile against itself eager (``_compile_probe``), the recorder's hooks
+    removed (Dynamo must not trace them), training state kept, DDP's allreduce off; skipped with a note when the
+    model already runs compiled, once the probes' budget is spent, or when compiling fails."""
+    regions = compile_regions_wanted()
+    if regions and rec.runs_compiled:
+        for region in regions:
+            found.skip(_label(None, full, region), "the model already runs under torch.compile")
+        return
+    args, kwargs, _ = batch
+    with _no_sync(rec), training_state_kept(rec.module), torch.enable_grad():
+        for region in regions:
+            label = _label(None, full, region)
+            if time.perf_counter() - began > PROBE_BUDGET_S:
+                found.skip(label, f"the probes had taken {PROBE_BUDGET_S:.0f} s already")
+                continue
+            try:
+                found.results.append(_compile_probe(rec, region, args, kwargs, full))
+            except Exception as err:  # noqa: BLE001 - compiling the user's model may raise anything (Dynamo,
+                # inductor, the C++ compiler): the probe is skipped and the job goes on
+                found.skip(label, _why(err))
+
+
+def _compile_probe(rec: TorchRecorder, region: str, args: tuple, kwargs: dict, full: int) -> Probe:
+    """``region`` alone, forward and backward (of ``_probe_loss``), eager and compiled in alternating passes after
+    two compiled warm-up passes (the compile): each phase's median µs of both."""
+    if region == ROOT_MODULE:
+        module, inputs = rec.module, (args, kwargs)
+    else:
+        module = rec.module.get_submodule(region)
+        inputs = _region_inputs(rec.module, module, region, args, kwargs)
+    compiled = torch.compile(module)  # a wrapper: ``module`` itself is left as it was
+    try:
+        for _ in range(2):  # warm-up: Dynamo traces, inductor compiles forward and backward (again if a guard fails)
+            _timed_pass(compiled, *inputs, rec.cuda)
+        pairs = [(_timed_pass(module, *inputs, rec.cuda), _timed_pass(compiled, *inputs, rec.cuda))
+                 for _ in range(COMPILE_PASSES)]
+    finally:
+        del compiled
+    eager = {phase: statistics.median(e[i] for e, _ in pairs) for i, phase in enumerate(("FW", "BW"))}
+    ops = {phase: statistics.median(c[i] for _, c in pairs) for i, phase in enumerate(("FW", "BW"))}
+    return Probe(None, full, len(pairs), ops, sum(ops.values()), 0, compile=region, eager=eager)
+
+
+def _timed_pass(module: Any, args: tuple, kwargs: dict, cuda: bool) -> tuple[float, float]:
+    """One forward and backward of ``module`` -> (forward µs, backward µs), the device synchronised at each mark."""
+    def mark() -> int:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter_ns()
+
+    t0 = mark()
+    output = module(*args, **kwargs)
+    t1 = mark()
+    loss = _probe_loss(output)
+    if loss is None:
+        raise ValueError("the region's output holds no floating tensor that needs a gradient")
+    loss.backward()
+    t2 = mark()
+    return (t1 - t0) / 1000.0, (t2 - t1) / 1000.0
+
+
+def _region_inputs(model: nn.Module, module: nn.Module, region: str, args: tuple,
+                   kwargs: dict) -> tuple[tuple, dict]:
+    """What ``module`` received in an eager forward of ``model`` on the batch (its first call), detached from that
+    forward's graph, each floating tensor needing a gradient as it did."""
+    seen: list[tuple[tuple, dict]] = []
+
+    def keep(_: nn.Module, a: tuple, kw: dict) -> None:
+        if not seen:
+            seen.append((a, kw))
+
+    handle = module.register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        model(*args, **kwargs)
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError(f"{region} was not called in the model's forward")
+    return _detached(seen[0][0]), _detached(seen[0][1])
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value) if not hasattr(value, "_fields") else value
+    return value
 
 
 def write_probes(run_dir: Path, rank: int, doc: dict[str, Any]) -> None:
@@ -208,6 +333,6 @@ def write_probes(run_dir: Path, rank: int, doc: dict[str, Any]) -> None:
 def probes_summary(doc: dict[str, Any]) -> dict[str, Any]:
     """What run.json says of rank 0's probes (``dpro info`` shows it)."""
     return {"file": probes_file(int(doc.get("rank", 0))), "batch": doc.get("batch"),
-            "probes": [_label(p["amp"], p["batch"]) for p in doc.get("probes", [])],
+            "probes": [_label(p["amp"], p["batch"], p.get("compile")) for p in doc.get("probes", [])],
             "skipped": [f"{s['probe']}: {s['why']}" for s in doc.get("skipped", [])],
             "in_model": False}

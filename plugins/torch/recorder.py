@@ -187,13 +187,15 @@ def _uncompiled(model: nn.Module) -> nn.Module:
 
 
 def runs_compiled(module: nn.Module, ddp: nn.Module | None) -> bool:
-    """Whether torch.compile traces ``module`` or a part of it: a compiled submodule, or a compiled wrapper of the
+    """Whether torch.compile traces ``module`` or a part of it: a compiled submodule (a wrapper, or compiled in
+    place by ``nn.Module.compile``), or a compiled wrapper of the
     module or of its DDP model (``torch.compile(ddp)`` makes a new module the recorder is not handed: it is found
     among the live objects)."""
     optimized = _optimized_module_class()
     if optimized is None or not _compiled_anything():
         return False
-    if any(isinstance(m, optimized) for m in module.modules()):
+    if any(isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
+           for m in module.modules()):  # a wrapper, or ``nn.Module.compile`` in place (dpro's compile knob)
         return True
     wrapped = {id(module), id(ddp)}
     # type(), not isinstance(): some live objects answer attribute lookups with deprecation warnings
@@ -318,6 +320,7 @@ class TorchRecorder:
         # the inner module's last recorded forward arguments, and whether its forward was replaced for the call
         self._batch: tuple[tuple, dict, bool] | None = None
         self._probing = False
+        self.runs_compiled = False  # torch.compile traces the model or a part of it (found when the window opens)
         self.steps = parse_steps(steps)
         check_window_fits(self.steps, total_steps, who)
         self.window = frozenset(self.steps)
@@ -678,7 +681,8 @@ class TorchRecorder:
 
     def _begin_window(self) -> None:
         t0 = time.perf_counter()
-        if {"forward", "backward"} & self.mechanisms and runs_compiled(self.module, self.ddp):
+        self.runs_compiled = runs_compiled(self.module, self.ddp)
+        if {"forward", "backward"} & self.mechanisms and self.runs_compiled:
             # a wrapper of a module class's forward (or a hook) changes what torch.compile traced: the job would
             # compile again when the window opens, and pay for it in the recorded steps
             self.mechanisms -= {"forward", "backward"}
@@ -1012,10 +1016,12 @@ class TorchRecorder:
                 knobs["torch.ddp.bucket_cap_mb_list"] = [c / 2**20 for c in caps]
         if self.optimizer is not None:
             knobs["optimizer"] = type(self.optimizer).__name__
-        from dpro.plugins.torch.apply import amp_in_force, recomputed
+        from dpro.plugins.torch.apply import amp_in_force, compiled, recomputed
 
         if recomputed(self.module):
             knobs["recompute"] = recomputed(self.module)
+        if compiled(self.module):
+            knobs["compile"] = compiled(self.module)
         if amp_in_force(self.module):
             knobs["amp"] = amp_in_force(self.module)
         knobs.update(self.extra_knobs)

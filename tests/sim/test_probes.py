@@ -13,8 +13,17 @@ from dpro.cli import main
 from dpro.errors import TraceError, UsageError
 from dpro.io.load import load_run
 from dpro.io.probes import Probe, RankProbes, read_probes
-from dpro.sim.probes import activation_scale, amp_ratios, batch_ratios, fit_line, with_amp, with_micro_batches
-from dpro.sim.whatif import context, peak_memory, predict, transformed_model
+from dpro.sim.probes import (
+    activation_scale,
+    amp_ratios,
+    batch_ratios,
+    compile_ratios,
+    fit_line,
+    with_amp,
+    with_compile,
+    with_micro_batches,
+)
+from dpro.sim.whatif import context, parse_settings, peak_memory, predict, transformed_model
 
 OPS = ("FW.fc1", "FW.fc2", "BW.fc2", "BW.fc1")
 
@@ -264,3 +273,106 @@ def test_a_whatif_says_why_the_probes_were_skipped(tmp_path):
                         "skipped": [{"probe": "all", "why": "no forward of the model was seen"}]} for r in (0, 1)])
     with pytest.raises(UsageError, match="were skipped: no forward of the model was seen"):
         predict(context(load_run(run)), {"micro_batches": 2})
+
+
+# ---- compile -------------------------------------------------------------------------------------------------
+
+
+def compile_entry(region: str, compiled: tuple[float, float], eager: tuple[float, float]) -> dict:
+    """A compile probe as the torch recorder writes it: the region's forward and backward, compiled and eager."""
+    return {"amp": None, "batch": 16, "passes": 15, "compile": region, "pass_us": sum(compiled),
+            "activation_bytes": 0, "ops": {"FW": compiled[0], "BW": compiled[1]},
+            "eager": {"FW": eager[0], "BW": eager[1]}}
+
+
+def compiled_run(tmp_path: Path, *entries: dict) -> Path:
+    run = make_run(tmp_path / "run")
+    docs = [probe_doc(r, {(None, 16): linear(0, 50, 16)}) for r in (0, 1)]
+    for doc in docs:
+        doc["probes"] += list(entries)
+    write_probes(run, docs)
+    return run
+
+
+def test_compile_scales_the_regions_forward_and_backward_by_their_measured_ratios(tmp_path):
+    ctx = context(load_run(compiled_run(tmp_path, compile_entry("<root>", (50.0, 150.0), (100.0, 200.0)),
+                                        compile_entry("fc1", (10.0, 10.0), (100.0, 100.0)))))
+    base = {op.name: op for op in ctx.base.ops[0]}
+    whole = {op.name: op for op in with_compile(ctx.base, ctx.probes, ["<root>"]).ops[0]}
+    assert whole["FW.fc1"].duration == pytest.approx(base["FW.fc1"].duration * 0.5)
+    assert whole["BW.fc2"].duration == pytest.approx(base["BW.fc2"].duration * 0.75)
+    for name in ("COMM.bucket0.allreduce", "UPDATE.sgd"):  # communication and the optimizer: as recorded
+        assert whole[name].duration == base[name].duration
+    one = {op.name: op for op in with_compile(ctx.base, ctx.probes, ["fc1"]).ops[0]}
+    assert one["FW.fc1"].duration == pytest.approx(base["FW.fc1"].duration * 0.1)
+    assert one["FW.fc2"].duration == base["FW.fc2"].duration and one["BW.fc2"].duration == base["BW.fc2"].duration
+    recorded, faster = predict(ctx, {}), predict(ctx, {"compile": ["<root>"]})
+    assert faster.predicted_step_ms < recorded.predicted_step_ms - 1.0  # 3 ms of the 6 ms FW/BW saved, at least
+
+
+def test_compile_scales_the_gaps_inside_a_region_only(tmp_path):
+    ctx = context(load_run(compiled_run(tmp_path, compile_entry("<root>", (50.0, 100.0), (100.0, 100.0)))))
+    for op in ctx.base.ops[0]:
+        op.gap = 100.0 if op.category in ("FW", "BW") else op.gap
+    gaps = {op.name: op.gap for op in with_compile(ctx.base, ctx.probes, ["<root>"]).ops[0]}
+    assert gaps["FW.fc2"] == pytest.approx(50.0)  # between two modules of the region: the region's own code
+    assert gaps["FW.fc1"] == 100.0  # before the pass: the loop's own work
+
+
+def test_an_unprobed_region_names_what_was_probed(tmp_path):
+    ctx = context(load_run(compiled_run(tmp_path, compile_entry("<root>", (50.0, 150.0), (100.0, 200.0)))))
+    with pytest.raises(UsageError, match=r"compile=fc2: the probes timed compiled only <root>.*DPRO_PROBE_COMPILE"):
+        predict(ctx, {"compile": ["fc2"]})
+    with pytest.raises(UsageError, match="does not price them together with amp or micro_batches"):
+        predict(ctx, {"compile": ["<root>"], "micro_batches": 2})
+    bare = context(load_run(make_run(tmp_path / "bare")))
+    with pytest.raises(UsageError, match=r"compile=<root>: no compile probe prices it \(the run has none"):
+        predict(bare, {"compile": ["<root>"]})
+
+
+def test_a_skipped_compile_probe_says_why(tmp_path):
+    run = compiled_run(tmp_path)
+    for r in (0, 1):
+        path = run / "probes" / f"rank-{r}.json"
+        doc = json.loads(path.read_text())
+        doc["skipped"] = [{"probe": "compile <root>", "why": "BackendCompilerFailed: no C++ compiler"}]
+        path.write_text(json.dumps(doc))
+    with pytest.raises(UsageError, match="it was skipped: BackendCompilerFailed: no C\\+\\+ compiler"):
+        predict(context(load_run(run)), {"compile": ["<root>"]})
+
+
+def test_compile_knob_parses_paths_and_refuses_nested_ones():
+    assert parse_settings(["compile=fc1,fc2"]) == {"compile": ["fc1", "fc2"]}
+    assert parse_settings(["compile=<root>"]) == {"compile": ["<root>"]}
+    assert parse_settings(["compile=none"]) == {"compile": []}
+    with pytest.raises(UsageError, match="'encoder.0' lies inside 'encoder'"):
+        parse_settings(["compile=encoder,encoder.0"])
+    with pytest.raises(UsageError, match="lies inside '<root>'"):
+        parse_settings(["compile=<root>,fc1"])
+
+
+def test_compile_probes_read_back_and_stay_apart_from_the_others(tmp_path):
+    probe = Probe(None, 16, 5, {"FW": 1.0, "BW": 2.0}, 3.0, 0, compile="fc1", eager={"FW": 2.0, "BW": 2.0})
+    run = compiled_run(tmp_path, probe.to_json())
+    rank = read_probes(run)[0]
+    assert rank.compiled("fc1") == probe and rank.compiled_regions == ["fc1"]
+    assert rank.find(None, 16).compile is None  # the reference probe, not the compile probe of the same batch
+    assert compile_ratios(probe) == {"FW": 0.5, "BW": 1.0}
+    bad = {**probe.to_json(), "eager": [1, 2]}
+    (run / "probes" / "rank-0.json").write_text(json.dumps({**probe_doc(0, {}), "probes": [bad]}))
+    with pytest.raises(TraceError, match="eager must be an object"):
+        read_probes(run)
+
+
+@pytest.mark.parametrize(("compiled_us", "picked"), [
+    ((20.0, 40.0), True),     # the whole model measured 5x faster compiled
+    ((150.0, 300.0), False),  # measured slower compiled: never
+])
+def test_optimize_compiles_only_what_measured_faster(tmp_path, compiled_us, picked):
+    from dpro.optimize import optimize
+
+    ctx = context(load_run(compiled_run(tmp_path, compile_entry("<root>", compiled_us, (100.0, 200.0)))))
+    result = optimize(ctx)
+    assert (result.knobs.get("compile") == ["<root>"]) is picked
+    note = next(e for e in result.explain if e["knob"] == "compile")
+    assert ("priced by the compile probe" if picked else "measured slower compiled") in note["why"]

@@ -107,3 +107,39 @@ def test_micro_batches_in_a_trainer_and_the_change_a_plain_loop_needs():
     with pytest.raises(ConfigError, match="a per-device batch of 4 does not split into 3 equal micro-batches"):
         accumulate(args, 3)
     assert "ddp_model.no_sync()" in micro_batches_change(2) and "(loss / 2).backward()" in micro_batches_change(2)
+
+
+def test_compile_is_applied_in_place_and_falls_back_to_eager_when_compiling_fails():
+    from dpro.plugins.torch.apply import apply_compile, compiled
+    from dpro.plugins.torch.recorder import runs_compiled
+
+    model, reference = mlp(), mlp()
+    config = Config(fingerprint={"framework": "torch", "engine": "torch-ddp", "world_size": 1,
+                                 "model": fingerprint(model)}, knobs={"compile": ["2"]})
+    layer = model[2]
+    apply(model, config)
+    assert model[2] is layer and compiled(model) == ["2"] and apply_compile(model, ["2"]) == ["2"]  # twice: no-op
+    assert runs_compiled(model, None) or not torch._dynamo.utils.counters["frames"]  # found once Dynamo ran
+
+    def fails(*args, **kwargs):
+        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler")
+
+    layer._dpro_compiled = fails  # what a failed compile raises, without compiling here
+    x = torch.randn(4, 8)
+    assert torch.equal(model(x), reference(x)) and compiled(model) == []  # eager from then on
+    with pytest.raises(ConfigError, match="has no submodule 'nope'"):
+        apply_compile(mlp(), ["nope"])
+
+
+@pytest.mark.slow  # a real inductor build (seconds to tens of seconds on a CPU)
+def test_compile_runs_the_model_compiled_with_eager_results():
+    from dpro.plugins.torch.apply import apply_compile
+    from dpro.plugins.torch.recorder import runs_compiled
+
+    model, reference = mlp(), mlp()
+    apply_compile(model, ["<root>"])
+    x = torch.randn(4, 8)
+    out = model(x)
+    out.sum().backward()
+    assert torch.allclose(out, reference(x), atol=1e-6) and model[0].weight.grad is not None
+    assert runs_compiled(model, None)  # the recorder then leaves the modules untimed
