@@ -21,7 +21,8 @@ spread (``dpro-launch --auto`` keeps a config only when its re-run measured fast
 last lines give the median and worst |error| per engine.
 
     python bench/whatif_matrix.py [--cases trainer,trainer-unused,accelerate,hvd-fusion,hvd-cycle,gluon-servers,
-                                   trainer-micro,accelerate-micro,trainer-amp,trainer-compile]
+                                   trainer-micro,accelerate-micro,trainer-amp,trainer-compile,
+                                   accelerate-compile]
         [--networks loopback,300mbit] [--rounds 3]
         [--doc docs/benchmarks/whatif_matrix.md]
 
@@ -90,18 +91,20 @@ class Case:
             return f"{self.knob}={value}"
         return f"{self.knob.rsplit('.', 1)[-1]}={int(value) if float(value).is_integer() else f'{value:g}'}"
 
-    def knob_value(self, value: float | bool | str) -> float | int | bool | str:
+    def knob_value(self, value: float | bool | str) -> float | int | bool | str | list[str]:
         """``value`` as the knob takes it (what-if and config)."""
+        if self.knob == "compile":
+            return str(value).split(",")  # module paths
         if isinstance(value, (str, bool)):
             return value
         return int(value) if (self.env or self.whole) and float(value).is_integer() else value
 
-    def config_knobs(self, value: float | int | bool | str) -> dict:
+    def config_knobs(self, value: float | int | bool | str | list[str]) -> dict:
         """The config's knobs that run the script at ``value`` (none where the script's own option does)."""
         if self.script_option is not None:
             return {}
         if self.knob == "compile":
-            return {self.knob: str(value).split(",")}  # module paths
+            return {self.knob: value if isinstance(value, list) else str(value).split(",")}  # module paths
         if self.env is None or isinstance(value, str):
             return {self.knob: value}
         value = float(value)
@@ -138,6 +141,8 @@ CASES = {
     # the whole model under torch.compile, priced by the recorder's compile probe and applied by dpro in place
     "trainer-compile": Case("torch-ddp", SCRIPTS / "hf_trainer.py", ("--hidden", "128", "--layers", "2"),
                             "transformers", "compile", ("<root>",), None),
+    "accelerate-compile": Case("torch-ddp", SCRIPTS / "accelerate_train.py", ("--width", "512", "--depth", "4"),
+                               "accelerate", "compile", ("<root>",), None),
     "hvd-fusion": Case("horovod", SCRIPTS / "hvd_synthetic.py", (), "horovod.torch", "HOROVOD_FUSION_THRESHOLD",
                        (0.0, 2.0**20), 2.0**27, launcher="horovod", env="HOROVOD_FUSION_THRESHOLD"),
     "hvd-cycle": Case("horovod", SCRIPTS / "hvd_synthetic.py", (), "horovod.torch", "HOROVOD_CYCLE_TIME",
