@@ -92,7 +92,7 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
     knobs: dict[str, Any] = {}
     explain: list[dict[str, Any]] = []
     packs = len(mwms_packs(ctx.gradients, size))
-    worth, shown = clears(ctx, gain, now.predicted_step_ms)
+    worth, shown = clears(ctx, gain, now.predicted_step_ms, change=({BYTES_PER_PACK: in_force}, {BYTES_PER_PACK: size}))
     if worth and size != in_force:
         knobs[BYTES_PER_PACK] = size
         explain.append({"knob": BYTES_PER_PACK, "predicted_gain_ms": gain,

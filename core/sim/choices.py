@@ -2,7 +2,8 @@
 the searches every engine shares.
 
 - ``clears`` / ``uncertainty_ms``: a change is recommended only when its predicted gain clears the prediction's
-  uncertainty (the recorded steps' spread plus what a what-if misses by).
+  uncertainty (the recorded steps' spread plus what a what-if misses by), and holds across the interference the
+  recorder's probe cannot rule out (``worst_gain_ms``).
 - ``best_grouping``: the grouping of the ordered gradients into allreduce groups that finishes communication first,
   by dynamic programming over the gradient list against the fitted cost model (exact for that model), then
   confirmed by a full replay.
@@ -18,6 +19,7 @@ the searches every engine shares.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
@@ -43,6 +45,7 @@ __all__ = [
     "probed_choices",
     "recompute_candidates",
     "uncertainty_ms",
+    "worst_gain_ms",
 ]
 
 
@@ -62,11 +65,31 @@ def uncertainty_ms(ctx: Context, predicted_ms: float) -> float:
     return spread + WHATIF_ERROR * predicted_ms
 
 
-def clears(ctx: Context, gain_ms: float, predicted_ms: float, floor: float = MIN_GAIN) -> tuple[bool, str]:
+def clears(ctx: Context, gain_ms: float, predicted_ms: float, floor: float = MIN_GAIN,
+           change: tuple[dict[str, Any], dict[str, Any]] | None = None) -> tuple[bool, str]:
     """Whether a predicted gain is worth recommending (beyond ``floor`` of the step and the prediction's
-    uncertainty), and the gain as people read it: ``+4.6 ms +/- 6.0 ms``."""
+    uncertainty), and the gain as people read it: ``+4.6 ms +/- 6.0 ms``. With ``change`` (the knobs before and
+    after), the gain must also hold at each end of the interference the recorder measured (``worst_gain_ms``): a
+    change that adds overlap looks free where the fit is too uncertain to apply, and costs where it is real."""
     margin = uncertainty_ms(ctx, predicted_ms)
-    return gain_ms > max(floor * predicted_ms, margin), f"{gain_ms:+.2f} ms +/- {margin:.2f} ms"
+    worst, at = worst_gain_ms(ctx, *change) if change is not None else (gain_ms, None)
+    shown = f"{gain_ms:+.2f} ms +/- {margin:.2f} ms"
+    if at is not None and worst < gain_ms:
+        shown += (f", {worst:+.2f} ms if overlapped compute runs {100.0 * at:.0f}% slower (the interference "
+                  "the recorder's probe cannot rule out)")
+    return min(gain_ms, worst) > max(floor * predicted_ms, margin), shown
+
+
+def worst_gain_ms(ctx: Context, before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float | None]:
+    """The smallest gain of ``after`` over ``before`` at the ends of the interference the recorder measured
+    (``Interference.plausible``), and the slowdown that gives it; (inf, None) where nothing was measured."""
+    worst, at = math.inf, None
+    for slowdown in ctx.interference.plausible():
+        other = dataclasses.replace(ctx, interference=ctx.interference.at(slowdown), cache={}, on_predict=None)
+        gain = predict(other, before).predicted_step_ms - predict(other, after).predicted_step_ms
+        if gain < worst:
+            worst, at = gain, slowdown
+    return worst, at
 
 
 def gradient_ready_us(ctx: Context) -> dict[str, float]:

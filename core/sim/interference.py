@@ -18,11 +18,10 @@ the replay of each, a few times over (the scaled durations move the overlap).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -69,6 +68,19 @@ class Interference:
         The steps' fit is shown, never applied: a step slowed for another reason also overlaps more (its allreduce
         waits longer), so duration and overlap correlate without the one causing the other."""
         return self.probed and 0.0 < self.slowdown <= MAX_SLOWDOWN and self.slowdown > SIGNIFICANCE * self.stderr
+
+    def plausible(self) -> tuple[float, ...]:
+        """The slowdowns the measurement cannot rule out, as its ends (``SIGNIFICANCE`` standard errors either side
+        of the fit, within 0 and ``MAX_SLOWDOWN``): where a change moves overlap, its gain must hold at both. Empty
+        where nothing was measured by a controlled comparison."""
+        if not self.probed or self.ops == 0 or not math.isfinite(self.stderr) or not math.isfinite(self.slowdown):
+            return ()
+        centre = max(self.slowdown, 0.0)
+        return (max(0.0, centre - SIGNIFICANCE * self.stderr), min(MAX_SLOWDOWN, centre + SIGNIFICANCE * self.stderr))
+
+    def at(self, slowdown: float) -> Interference:
+        """This measurement taken as exactly ``slowdown`` (applied when above zero)."""
+        return replace(self, slowdown=slowdown, stderr=0.0)
 
     def describe(self) -> str:
         if self.ops == 0:
@@ -236,7 +248,7 @@ def fit_trace_interference(traces: list[KinetoTrace]) -> Interference:
             xs += [f - mean_f for f in fs]
             ys += [d / mean_d - 1.0 for _, d in values]
     if not groups or len(xs) < 3:
-        return dataclasses.replace(NONE, source="no operator ran on the same shapes both overlapped by "
+        return replace(NONE, source="no operator ran on the same shapes both overlapped by "
                                                 "communication and not in one step")
     x, y = np.asarray(xs), np.asarray(ys)
     sxx = float(x @ x)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -84,3 +86,45 @@ def test_a_real_ddp_job_measures_its_interference_and_the_what_if_uses_it(tmp_pa
     free = predict(ctx, one_bucket).predicted_step_ms
     assert predict(ctx, {}).predicted_step_ms == pytest.approx(same)  # the recorded setting replays alike
     assert with_it != pytest.approx(free, rel=1e-6)  # the what-if prices the overlap it changes
+
+
+def _two_buckets(rank: int, step: int) -> list[dict]:
+    """Buckets of fc2 (4096 B) and fc1 (8192 B), 1000 µs per 4096 B; fc2's overlaps half of BW.fc1 in every step
+    alike (the steps tell nothing of interference)."""
+    t0 = 1_000_000.0 + step * 20_000 + rank * 50
+    return [
+        x_event("STEP", "STEP", t0, 8700.0, rank=rank, queue="host", step=step),
+        x_event("FW.fc1", "FW", t0 + 100, 1000.0, rank=rank, queue="compute", step=step, bytes=2048),
+        x_event("FW.fc2", "FW", t0 + 1100, 1000.0, rank=rank, queue="compute", step=step, bytes=1024),
+        x_event("BW.fc2", "BW", t0 + 2100, 2000.0, rank=rank, queue="compute", step=step, grads=["fc2.weight",
+                                                                                              "fc2.bias"]),
+        x_event("BW.fc1", "BW", t0 + 4100, 2000.0, rank=rank, queue="compute", step=step, grads=["fc1.weight",
+                                                                                              "fc1.bias"]),
+        x_event("COMM.bucket0.allreduce", "COMM", t0 + 4100, 1000.0, rank=rank, queue="comm", step=step,
+                bytes=4096, tensors=["fc2.weight", "fc2.bias"], op="allreduce", phase="allreduce"),
+        x_event("COMM.bucket1.allreduce", "COMM", t0 + 6100, 2000.0, rank=rank, queue="comm", step=step,
+                bytes=8192, tensors=["fc1.weight", "fc1.bias"], op="allreduce", phase="allreduce"),
+        x_event("UPDATE.sgd", "UPDATE", t0 + 8150, 500.0, rank=rank, queue="compute", step=step),
+    ]
+
+
+def test_a_change_that_adds_overlap_must_gain_across_the_interference_the_probe_cannot_rule_out(tmp_path: Path) -> None:
+    """A probe of +30% +/- 20% is not applied (within two standard errors of zero), yet it cannot rule out 70%: two
+    buckets against one (fc2's allreduce overlapping BW.fc1) gain at 0 and less at 70%, and are judged by the
+    smaller."""
+    from dpro.sim.choices import clears, worst_gain_ms
+
+    root = make_run_of(tmp_path / "run", _two_buckets, steps=range(3, 13))
+    meta = json.loads((root / "run.json").read_text())
+    meta["interference_probe"] = {"slowdown": 0.3, "stderr": 0.2, "compute_overlapped_us": [1.0] * 5}
+    (root / "run.json").write_text(json.dumps(meta))
+    ctx = context(load_run(root))
+    assert ctx.interference.probed and not ctx.interference.applies
+    assert ctx.interference.plausible() == pytest.approx((0.0, 0.7))
+    one_bucket = {"torch.ddp.bucket_cap_mb": 100}
+    gain = predict(ctx, one_bucket).predicted_step_ms - predict(ctx, {}).predicted_step_ms
+    worst, at = worst_gain_ms(ctx, one_bucket, {})
+    assert gain > 0 and worst < gain and at == pytest.approx(0.7)
+    _, shown = clears(ctx, gain, predict(ctx, one_bucket).predicted_step_ms, floor=0.0, change=(one_bucket, {}))
+    assert "70% slower" in shown
+    assert worst_gain_ms(dataclasses.replace(ctx, interference=NONE), one_bucket, {}) == (math.inf, None)

@@ -18,7 +18,7 @@ from typing import Any
 
 from dpro.dag.align import align
 from dpro.dag.wiring import graph_from_steps
-from dpro.engines.horovod.knobs import DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD
+from dpro.engines.horovod.knobs import CYCLE, DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, THRESHOLD
 from dpro.sim.choices import OptimizeResult, best_grouping, best_recompute, clears, gradient_ready_us
 from dpro.sim.cost import CommModel, fit_comm_model, robust_line
 from dpro.sim.replay import plan_levels, replay
@@ -608,7 +608,9 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None,
     level = baseline.predicted_step_ms - current["predicted_step_ms"]
     explain: list[dict[str, Any]] = []
     gain = current["predicted_step_ms"] - best["predicted_step_ms"]
-    worth, shown = clears(ctx, gain, current["predicted_step_ms"] + level, floor=HOROVOD_MIN_GAIN)
+    worth, shown = clears(ctx, gain, current["predicted_step_ms"] + level, floor=HOROVOD_MIN_GAIN,
+                          change=({THRESHOLD: current["threshold_bytes"], CYCLE: current["cycle_time_ms"]},
+                                  {THRESHOLD: best["threshold_bytes"], CYCLE: best["cycle_time_ms"]}))
     worth = worth and best["predicted_step_ms"] + level > 0  # a step of no time is a model gone wrong, not a gain
     chosen = best if worth else current
     env = {"HOROVOD_FUSION_THRESHOLD": str(chosen["threshold_bytes"]),

@@ -105,7 +105,7 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
     in_force = float(ctx.knobs.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
     same_cap = next((p for c, p in caps if abs(c - in_force) < 1e-9), None) or predict(ctx, {BUCKET_CAP: in_force})
     gain = same_cap.predicted_step_ms - cap_pred.predicted_step_ms
-    worth, shown = clears(ctx, gain, same_cap.predicted_step_ms)
+    worth, shown = clears(ctx, gain, same_cap.predicted_step_ms, change=({BUCKET_CAP: in_force}, {BUCKET_CAP: cap}))
     if [len(g) for g in ddp_buckets(ctx.gradients, cap)] == [len(g) for g in ddp_buckets(ctx.gradients, in_force)]:
         explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": 0.0,
                         "why": f"the bucket size in force ({in_force:g} MB) makes the buckets that predict the "
@@ -122,7 +122,8 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
                                f"{same_cap.predicted_step_ms:.2f} ms for the {in_force:g} MB in force, {shown}: "
                                f"within what the prediction can tell, so {in_force:g} MB is kept"})
     group_gain = current.predicted_step_ms - grouped.predicted_step_ms
-    group_worth, group_shown = clears(ctx, group_gain, current.predicted_step_ms)
+    group_worth, group_shown = clears(ctx, group_gain, current.predicted_step_ms,
+                                      change=(dict(knobs), {**knobs, "tensor_groups": grouping}))
     explain.append({"knob": "tensor_groups", "predicted_gain_ms": max(0.0, group_gain),
                     "why": f"optimal grouping by dynamic programming: {len(grouping)} groups of "
                            f"{', '.join(f'{c:.2f}' for c in group_caps)} MB, applied as DDP's bucket_cap_mb_list; "
