@@ -14,10 +14,8 @@ from dpro.dag.graph import NO_QUEUE, Graph, GraphBuilder
 if TYPE_CHECKING:
     from dpro.dag.step_model import OpStats, StepModel
 
-__all__ = ["COMPUTE_CATEGORIES", "TRANSFER_SUFFIX", "WiredStep", "graph_from_step_sequence", "graph_from_steps",
-           "graph_of_wired", "stitch", "wire_once"]
-
-TRANSFER_SUFFIX = ".transfer"  # a collective's transfer node, shared by its ranks: "<COMM op>.transfer"
+__all__ = ["COMPUTE_CATEGORIES", "WiredStep", "graph_from_step_sequence", "graph_from_steps", "graph_of_wired",
+           "stitch", "wire_once"]
 
 
 SPLIT_MIN_US = 20.0  # a gradient ready less than this before its op ends is ready at the end (timer noise)
@@ -273,7 +271,7 @@ def _wire_iteration(b: GraphBuilder, model: StepModel, it: int, ranks: list[int]
                 arrival = b.add(op.name, "COMM", rank, it, queue, 0.0, gap, deps)
                 head = arrival
                 if op.name not in transfers:
-                    transfers[op.name] = b.add(f"{op.name}{TRANSFER_SUFFIX}", "XFER", -1, it, None,
+                    transfers[op.name] = b.add(f"{op.name}.transfer", "XFER", -1, it, None,
                                                model.transfer[op.name])
                     servers = model.transfer_queues.get(op.name, ())
                     for server in servers:  # one request after another on each server holding it

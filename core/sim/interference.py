@@ -14,15 +14,6 @@ what the probe does.
 A what-if applies it relative to the recorded configuration (whose durations already hold the recorded
 slowdown): each compute node's duration is scaled by ``(1 + k * f_new) / (1 + k * f_recorded)``, ``f`` read from
 the replay of each, a few times over (the scaled durations move the overlap).
-
-The collective's side is the same law with its own ``k``: a transfer that overlaps compute runs slower (on a CPU
-whose cores the ranks' compute fills, gloo's threads get little of them: an allreduce measured alone in 2 ms took
-the whole 10 ms of the kernel beside it). ``fit_transfer_slowdown`` reads it off the recording itself: each recorded
-transfer against what the all_reduce probe (run alone, after the window) prices its bytes at, regressed on the
-fraction of it that overlapped compute. Each transfer of the replay is then scaled by
-``(1 + kc * g_new) / (1 + kc * g_recorded)``, ``g`` the fraction of it that overlaps compute on any rank,
-``g_recorded`` its own in the recorded configuration (0 for a transfer that configuration did not have: the
-communication model prices it, calibrated with this law applied).
 """
 
 from __future__ import annotations
@@ -45,8 +36,7 @@ if TYPE_CHECKING:  # types only: this module reads traces and replays, it builds
     from dpro.sim.replay import Schedule
 
 __all__ = ["COMPUTE_CATEGORIES", "KINETO_COMM", "KINETO_COMPUTE", "Interference", "fit_interference",
-           "fit_trace_interference", "fit_transfer_slowdown", "node_overlap", "op_overlap", "scale_for_overlap",
-           "scale_transfers_for_overlap", "transfer_overlap", "transfer_overlap_by_name"]
+           "fit_trace_interference", "node_overlap", "op_overlap", "scale_for_overlap"]
 
 COMPUTE_CATEGORIES = frozenset({"FW", "BW", "UPDATE", "RECOMPUTE"})
 TRACE_COMM = frozenset({"COMM"})
@@ -57,7 +47,6 @@ TRACE_COMM_PREFIXES = ("gloo:", "mpi:", "ucc:", "nccl:", "c10d::", "record_param
 MIN_STEPS = 4           # steps an op needs to take part in the fit
 SIGNIFICANCE = 2.0      # the fitted slowdown is applied when it is this many standard errors above zero
 MAX_SLOWDOWN = 3.0      # a fit beyond this (compute 4x slower when fully overlapped) is not believed
-MAX_COMM_SLOWDOWN = 20.0  # a collective that gets a twentieth of a core still progresses; beyond, not believed
 
 
 @dataclass(frozen=True)
@@ -72,15 +61,6 @@ class Interference:
     # measured by a controlled comparison (the recorder's probe, or runs of one op compared inside one step), not
     # read off whole steps
     probed: bool = False
-    comm_slowdown: float = 0.0  # the transfers' side (kc), read off the recorded transfers (fit_transfer_slowdown)
-    comm_stderr: float = math.inf
-
-    @property
-    def comm_applies(self) -> bool:
-        """Whether what-ifs slow transfers that overlap compute: significantly above zero and believable. Read off
-        the recorded transfers against the probe's pace alone, which a slow step does not move (unlike compute's
-        side read off the steps)."""
-        return 0.0 < self.comm_slowdown <= MAX_COMM_SLOWDOWN and self.comm_slowdown > SIGNIFICANCE * self.comm_stderr
 
     @property
     def applies(self) -> bool:
@@ -99,8 +79,7 @@ class Interference:
         return (max(0.0, centre - SIGNIFICANCE * self.stderr), min(MAX_SLOWDOWN, centre + SIGNIFICANCE * self.stderr))
 
     def at(self, slowdown: float) -> Interference:
-        """This measurement with compute's side taken as exactly ``slowdown`` (applied when above zero); the
-        transfers' side as it is."""
+        """This measurement taken as exactly ``slowdown`` (applied when above zero)."""
         return replace(self, slowdown=slowdown, stderr=0.0)
 
     def describe(self) -> str:
@@ -109,15 +88,9 @@ class Interference:
         verdict = "applied in what-ifs" if self.applies else (
             "not applied (within its uncertainty)" if self.probed else "shown, not applied (no probe: read off the "
             "steps, where overlap and slowness go together either way)")
-        text = (f"compute overlapped by communication runs {100.0 * self.slowdown:+.0f}% +/- "
+        return (f"compute overlapped by communication runs {100.0 * self.slowdown:+.0f}% +/- "
                 f"{100.0 * self.stderr:.0f}% slower when fully overlapped ({self.source}; {self.samples} samples); "
                 f"{verdict}")
-        if math.isfinite(self.comm_stderr):
-            text += (f"; a transfer overlapped by compute runs {100.0 * self.comm_slowdown:+.0f}% +/- "
-                     f"{100.0 * self.comm_stderr:.0f}% slower (the recorded transfers against the all_reduce "
-                     "probe's pace), "
-                     + ("applied" if self.comm_applies else "not applied (within its uncertainty)"))
-        return text
 
 
 NONE = Interference(0.0, math.inf, 0, 0, "no recorded op overlapped communication by different amounts in "
@@ -326,64 +299,6 @@ def node_overlap(g: Graph, sched: Schedule, compute: frozenset[str] = COMPUTE_CA
         if cat in compute and int(g.rank[i]) in merged:
             out[i] = _covered(float(sched.start[i]), float(sched.end[i]), merged[int(g.rank[i])])
     return out
-
-
-def transfer_overlap(g: Graph, sched: Schedule) -> np.ndarray:
-    """For each communication node of the replay that takes time, the fraction of it that overlaps compute: on its
-    rank, or, for a transfer every rank takes part in (rank -1), on the rank where it overlaps most (a collective
-    goes at the pace of its slowest member)."""
-    out = np.zeros(g.size)
-    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for i, cat in enumerate(g.category):
-        if cat in COMPUTE_CATEGORIES and sched.end[i] > sched.start[i]:
-            busy[int(g.rank[i])].append((float(sched.start[i]), float(sched.end[i])))
-    merged = {rank: _union(spans) for rank, spans in busy.items()}
-    for i, cat in enumerate(g.category):
-        if cat not in GRAPH_COMM or sched.end[i] <= sched.start[i]:
-            continue
-        rank = int(g.rank[i])
-        span = (float(sched.start[i]), float(sched.end[i]))
-        out[i] = max((_covered(*span, spans) for spans in merged.values()), default=0.0) if rank < 0 else \
-            _covered(*span, merged.get(rank, []))
-    return out
-
-
-def transfer_overlap_by_name(g: Graph, sched: Schedule) -> dict[tuple[int, str], float]:
-    """``transfer_overlap`` as a mean per (rank, node name) over the iterations after the first."""
-    overlap = transfer_overlap(g, sched)
-    sums: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for i, cat in enumerate(g.category):
-        if cat in GRAPH_COMM and int(g.iteration[i]) > 0 and sched.end[i] > sched.start[i]:
-            sums[(int(g.rank[i]), g.names[i])].append(float(overlap[i]))
-    return {key: statistics.fmean(v) for key, v in sums.items()}
-
-
-def fit_transfer_slowdown(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(kc, its standard error) from (overlap g, recorded / alone - 1) of recorded transfers: least squares through
-    the origin (a transfer no compute overlapped runs at the probe's pace); (0, inf) where the overlaps do not vary
-    enough to tell (all alike, or fewer than ``MIN_STEPS`` samples)."""
-    if len(samples) < MIN_STEPS:
-        return 0.0, math.inf
-    g = np.asarray([x for x, _ in samples])
-    y = np.asarray([v for _, v in samples])
-    if float(g.max() - g.min()) < 0.3:
-        return 0.0, math.inf
-    sgg = float(g @ g)
-    k = float(g @ y) / sgg
-    residual = y - k * g
-    return k, math.sqrt(float(residual @ residual) / max(len(samples) - 1, 1) / sgg)
-
-
-def scale_transfers_for_overlap(g: Graph, sched: Schedule, recorded: dict[tuple[int, str], float],
-                                slowdown: float, base_duration: np.ndarray) -> None:
-    """Set each communication node's duration to ``base_duration`` scaled by how much more (or less) it overlaps
-    compute in ``sched`` than the same transfer did in the recorded configuration (``recorded``; 0 for one it did
-    not have: its duration was priced by the communication model, calibrated with this law applied)."""
-    overlap = transfer_overlap(g, sched)
-    for i, cat in enumerate(g.category):
-        if cat in GRAPH_COMM and base_duration[i] > 0:
-            before = recorded.get((int(g.rank[i]), g.names[i]), 0.0)
-            g.duration[i] = base_duration[i] * (1.0 + slowdown * overlap[i]) / (1.0 + slowdown * before)
 
 
 def op_overlap(g: Graph, sched: Schedule) -> dict[tuple[int, str], float]:

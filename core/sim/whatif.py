@@ -34,7 +34,7 @@ from typing import Any
 from dpro.config import knob_table
 from dpro.dag.align import align
 from dpro.dag.step_model import OpStats, StepModel, occurrence_name, step_model
-from dpro.dag.wiring import TRANSFER_SUFFIX, graph_from_steps
+from dpro.dag.wiring import graph_from_steps
 from dpro.engines import get_engine
 from dpro.errors import ConfigError, UsageError
 from dpro.io.limits import parse_bounded_json
@@ -42,16 +42,7 @@ from dpro.io.load import RecordingCost, Run, recording_cost
 from dpro.io.probes import RankProbes, read_probes
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
 from dpro.sim.interference import NONE as NO_INTERFERENCE
-from dpro.sim.interference import (
-    Interference,
-    fit_interference,
-    fit_transfer_slowdown,
-    op_overlap,
-    scale_for_overlap,
-    scale_transfers_for_overlap,
-    transfer_overlap,
-    transfer_overlap_by_name,
-)
+from dpro.sim.interference import Interference, fit_interference, op_overlap, scale_for_overlap
 from dpro.sim.probes import activation_scale, probes_of, with_amp, with_compile, with_micro_batches
 from dpro.sim.replay import plan_levels, predicted_step_us, replay
 
@@ -165,36 +156,10 @@ def context(run: Run) -> Context:
     comm = fit_comm_model(transfers, probe, run.world_size)
     knobs = recorded_knobs(run)
     grads = [(g["name"], int(g["bytes"])) for g in run.model.get("gradients", [])]
-    interference = with_transfer_slowdown(fit_interference(run, base.steps), base, comm)
+    interference = fit_interference(run, base.steps)
     ctx = calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs,
                             interference=interference, recording=recording_cost(run), probes=read_probes(run.path)))
     return without_recording_cost(ctx)
-
-
-PROBED_COMM = "all_reduce probe"  # fit_comm_model's source when the recorder's probe (allreduces alone) priced it
-
-
-def with_transfer_slowdown(interference: Interference, base: StepModel, comm: CommModel) -> Interference:
-    """``interference`` with the transfers' side read off the recording (``sim.interference.fit_transfer_slowdown``):
-    each recorded transfer's time over the probe's price of its bytes alone, against the fraction of it that
-    overlapped compute in the replay of the recorded steps. Only where the probe priced the bytes (run alone,
-    after the window); otherwise as it is."""
-    if not comm.source.startswith(PROBED_COMM) or not base.transfer:
-        return interference
-    nbytes = {op.name: float(op.args.get("bytes", 0)) for ops in base.ops.values() for op in ops
-              if op.category == "COMM" and op.name in base.transfer}
-    g = graph_from_steps(base, iterations=4)
-    sched = replay(g, plan_levels(g))
-    overlap = transfer_overlap(g, sched)
-    samples = []
-    for i, name in enumerate(g.names):
-        op = name.removesuffix(TRANSFER_SUFFIX)
-        if g.category[i] == "XFER" and int(g.iteration[i]) > 0 and nbytes.get(op, 0) > 0:
-            alone = comm.allreduce_us(nbytes[op])
-            if alone > 0:
-                samples.append((float(overlap[i]), float(g.duration[i]) / alone - 1.0))
-    k, stderr = fit_transfer_slowdown(samples)
-    return dataclasses.replace(interference, comm_slowdown=k, comm_stderr=stderr)
 
 
 def recorded_knobs(run: Run) -> dict[str, Any]:
@@ -558,15 +523,11 @@ def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iteratio
     g = graph_from_steps(model, iterations=iterations)
     plan = plan_levels(g)
     sched = replay(g, plan)
-    computes, transfers = ctx.interference.applies, ctx.interference.comm_applies
-    if computes or transfers:
-        recorded, recorded_transfers = _recorded_overlap(ctx, iterations)
+    if ctx.interference.applies:
+        recorded = _recorded_overlap(ctx, iterations)
         base = g.duration.copy()
         for _ in range(INTERFERENCE_ROUNDS):
-            if computes:
-                scale_for_overlap(g, sched, recorded, ctx.interference.slowdown, base)
-            if transfers:
-                scale_transfers_for_overlap(g, sched, recorded_transfers, ctx.interference.comm_slowdown, base)
+            scale_for_overlap(g, sched, recorded, ctx.interference.slowdown, base)
             sched = replay(g, plan)
     per_rank = predicted_step_us(g, sched)
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
@@ -574,13 +535,10 @@ def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iteratio
                       per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
 
 
-def _recorded_overlap(ctx: Context, iterations: int) -> tuple[dict[tuple[int, str], float],
-                                                               dict[tuple[int, str], float]]:
-    """How much each compute op overlapped communication, and each transfer compute, in the replay of the recorded
-    configuration (once)."""
+def _recorded_overlap(ctx: Context, iterations: int) -> dict[tuple[int, str], float]:
+    """How much each compute op overlapped communication in the replay of the recorded configuration (once)."""
     key = f"recorded_overlap/{iterations}"
     if key not in ctx.cache:
         g = graph_from_steps(ctx.base, iterations=iterations)
-        sched = replay(g, plan_levels(g))
-        ctx.cache[key] = (op_overlap(g, sched), transfer_overlap_by_name(g, sched))
+        ctx.cache[key] = op_overlap(g, replay(g, plan_levels(g)))
     return ctx.cache[key]
