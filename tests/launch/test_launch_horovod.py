@@ -276,8 +276,9 @@ def test_horovodrun_knobs_reach_the_job(plain_run):
 def test_the_default_window_records_horovod_in_blocks_without_a_timeline(tmp_path):
     """No --profile: blocks 10..14, 20..24, 30..34, each allreduce timed from its launch to its completion (no
     Horovod timeline, which would slow the rest of the job), the recording overhead measured against the gaps."""
-    proc = run_job(launcher("--run-dir", "run", "python", str(PLAIN), "--steps", "38"), env=env_for_jobs(),
-                   cwd=tmp_path, timeout=180)
+    # --width 512: steps of several ms, which a 5% bound can hold to (2 ms steps move by more than that here)
+    proc = run_job(launcher("--run-dir", "run", "python", str(PLAIN), "--steps", "38", "--width", "512"),
+                   env=env_for_jobs(), cwd=tmp_path, timeout=180)
     assert "recording steps 10..14, 20..24, 30..34" in proc.stderr
     run_dir = tmp_path / "run"
     assert not (run_dir / TIMELINE_FILE).exists()
