@@ -67,6 +67,7 @@ __all__ = [
     "load_rank_file",
     "load_run",
     "load_run_json",
+    "median_difference_stderr_pct",
     "overhead_of",
     "read_json",
     "RecordingCost",

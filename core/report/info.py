@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dpro.errors import TraceError
-from dpro.io.load import RankTrace, Run, format_steps, overhead_of, step_times_ms
+from dpro.io.load import RankTrace, Run, format_steps, median_difference_stderr_pct, overhead_of, step_times_ms
 from dpro.io.probes import Probe, read_probes
 from dpro.record.trace import CATEGORIES
 from dpro.report.tables import format_bytes, format_table, indent
@@ -155,9 +155,10 @@ def format_run_summary(summary: dict[str, Any]) -> str:
         against = ("the unrecorded steps between its blocks" if gaps else
                    "the unrecorded steps just before the window, which may still be warming up (a window in blocks, "
                    "START:STOP:BLOCK, measures against steps of the same state)")
-        blocks.append(f"recording overhead (median step, recorded vs {against}; noise: half the interquartile range "
-                      "of the unrecorded steps' wall time)\n"
-                      + indent(format_table(["rank", "training thread CPU", "wall", "noise", "steps"], rows,
+        blocks.append(f"recording overhead (median step, recorded vs {against}; +/-: the wall figure's standard "
+                      "error, from the unrecorded steps' spread and the steps counted: a figure within twice it "
+                      "cannot be told from chance)\n"
+                      + indent(format_table(["rank", "training thread CPU", "wall", "+/-", "steps"], rows,
                                             align=">>>><")))
     if summary.get("probes"):
         blocks.append(_probes_block(summary["probes"]))
@@ -188,9 +189,11 @@ def _probes_block(probes: dict[str, Any]) -> str:
 
 
 def _overhead_row(rank: int, overhead: dict[str, Any]) -> list[str]:
-    noise = overhead.get("wall_spread_pct")
+    spread = overhead.get("wall_spread_pct")
+    error = None if spread is None else median_difference_stderr_pct(
+        spread, int(overhead["unrecorded_steps"]), int(overhead["recorded_steps"]))
     return [str(rank), f"{overhead['thread_cpu_pct']:+.1f}%", f"{overhead['wall_pct']:+.1f}%",
-            "?" if noise is None else f"+/-{noise:.1f}%",
+            "?" if error is None else f"{error:.1f}%",
             f"{overhead['recorded_steps']} vs {overhead['unrecorded_steps']}"]
 
 
