@@ -74,9 +74,10 @@ def clears(ctx: Context, gain_ms: float, predicted_ms: float, floor: float = MIN
     margin = uncertainty_ms(ctx, predicted_ms)
     worst, at = worst_gain_ms(ctx, *change) if change is not None else (gain_ms, None)
     shown = f"{gain_ms:+.2f} ms +/- {margin:.2f} ms"
-    if at is not None and worst < gain_ms:
+    if at is not None and worst < gain_ms - 0.005:
         shown += (f", {worst:+.2f} ms if overlapped compute runs {100.0 * at:.0f}% slower (the interference "
-                  "the recorder's probe cannot rule out)")
+                  "the recorder's probe cannot rule out)" if at > 0 else
+                  f", {worst:+.2f} ms if overlap slows nothing (the probe cannot rule that out)")
     return min(gain_ms, worst) > max(floor * predicted_ms, margin), shown
 
 
