@@ -1020,22 +1020,19 @@ def overhead_of(value: Any) -> dict[str, Any] | None:
 @dataclass(frozen=True)
 class RecordingCost:
     """What recording cost the recorded steps, as the window's gaps measured it (recorded blocks against the
-    unrecorded steps between them, median over ranks): ``pct`` longer, with ``noise_pct`` the unrecorded steps'
-    own half interquartile spread and ``stderr_pct`` the standard error of ``pct`` that spread and the steps counted
-    give (None where too few were seen)."""
+    unrecorded steps between them, median over ranks): ``pct`` longer, with ``stderr_pct`` its standard error, from
+    the unrecorded steps' spread and the steps counted (None where too few were seen)."""
 
     pct: float
-    noise_pct: float | None
+    stderr_pct: float | None
     ranks: int
-    stderr_pct: float | None = None
 
     @property
     def beyond_noise(self) -> bool:
         """A cost the gaps can tell from chance (over twice its standard error, and over 1%): one the model should
         not replay. A single step's spread is not the bar: a window of many steps measures a median far more
         closely than any one step varies."""
-        bar = 2.0 * self.stderr_pct if self.stderr_pct is not None else self.noise_pct
-        return self.pct > max(bar or 0.0, 1.0)
+        return self.pct > max(2.0 * (self.stderr_pct or 0.0), 1.0)
 
 
 def median_difference_stderr_pct(spread_pct: float, unrecorded: int, recorded: int) -> float:
@@ -1053,12 +1050,10 @@ def recording_cost(run: Run) -> RecordingCost | None:
                  if (o := overhead_of(t.header.get("recording_overhead"))) and o.get("baseline") == "gaps"]
     if not overheads:
         return None
-    spreads = [o["wall_spread_pct"] for o in overheads if "wall_spread_pct" in o]
     errors = [median_difference_stderr_pct(o["wall_spread_pct"], int(o["unrecorded_steps"]),
                                            int(o["recorded_steps"])) for o in overheads if "wall_spread_pct" in o]
     return RecordingCost(pct=statistics.median(o["wall_pct"] for o in overheads),
-                         noise_pct=statistics.median(spreads) if spreads else None, ranks=len(overheads),
-                         stderr_pct=statistics.median(errors) if errors else None)
+                         stderr_pct=statistics.median(errors) if errors else None, ranks=len(overheads))
 
 
 def run_step_times_ms(run: Run) -> list[float]:

@@ -248,8 +248,8 @@ def fit_trace_interference(traces: list[KinetoTrace]) -> Interference:
             xs += [f - mean_f for f in fs]
             ys += [d / mean_d - 1.0 for _, d in values]
     if not groups or len(xs) < 3:
-        return replace(NONE, source="no operator ran on the same shapes both overlapped by "
-                                                "communication and not in one step")
+        return replace(NONE, source="no operator ran on the same shapes both overlapped by communication and not "
+                                    "in one step")
     x, y = np.asarray(xs), np.asarray(ys)
     sxx = float(x @ x)
     slope = float(x @ y) / sxx
