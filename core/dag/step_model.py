@@ -100,6 +100,9 @@ class StepModel:
     link_weight: dict[str, float] = field(default_factory=dict)  # link -> how much of it one message takes
     # collective -> rank -> how long after the collective's end that rank saw it end (a model of one recorded step)
     done_after: dict[str, dict[int, float]] = field(default_factory=dict)
+    # collectives whose transfer a fitted CommModel priced alone (a what-if's regrouping) rather than the step
+    # measured it beside the compute: the ones the transfer side of interference slows (``dpro.sim.interference``)
+    priced_transfers: set[str] = field(default_factory=set)
     # step -> its duration (µs, median over ranks): steps far outside the others, in neither the model nor the
     # measured step (``far_out_steps``)
     left_out_steps: dict[int, float] = field(default_factory=dict)

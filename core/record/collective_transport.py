@@ -50,7 +50,9 @@ class Collectives(Protocol):
         """A blocking sum of ``nbytes`` of float32 zeros (the probes' allreduce)."""
 
     # optional: allreduce_during(nbytes, name, compute, clock) -> (compute µs, µs the allreduce ran on after it),
-    # ``compute`` run while an allreduce of ``nbytes`` is in flight (the interference probe needs it)
+    # ``compute`` run while an allreduce of ``nbytes`` is in flight (the interference probe needs it);
+    # allreduce_under(nbytes, name, compute | None, clock) -> µs from its launch to its end, ``compute`` run over and
+    # over meanwhile (the transfer probe needs it)
 
 
 class CollectiveTransport:
@@ -98,6 +100,20 @@ class CollectiveTransport:
         def run(nbytes: int, name: str, compute: Callable[[], None], clock: Clock) -> tuple[float, float]:
             self.collectives.barrier()
             return during(nbytes, name, compute, clock)
+
+        return run
+
+    @property
+    def allreduce_under(self) -> Callable[[int, str, Callable[[], None] | None, Clock], float] | None:
+        """The transfer probe's exchange (``dpro.record.protocol.transfer_probe``) when the collectives can leave an
+        allreduce in flight; None when they cannot."""
+        under = getattr(self.collectives, "allreduce_under", None)
+        if under is None:
+            return None
+
+        def run(nbytes: int, name: str, compute: Callable[[], None] | None, clock: Clock) -> float:
+            self.collectives.barrier()
+            return under(nbytes, name, compute, clock)
 
         return run
 

@@ -58,6 +58,7 @@ __all__ = [
     "clock_samples",
     "host_cpu_busy_us",
     "interference_probe",
+    "transfer_probe",
     "last_block_start",
     "parse_skew",
     "parse_steps",
@@ -405,7 +406,8 @@ INTERFERENCE_PAIRS = 21  # (alone, overlapped) pairs: enough that the few a neig
 
 
 def interference_probe(transport: Transport, clock: Clock, compute: Callable[[], None],
-                       samples: list[list[float]], pairs: int = INTERFERENCE_PAIRS) -> dict[str, Any] | None:
+                       samples: list[list[float]], pairs: int = INTERFERENCE_PAIRS,
+                       compute_is: str = "a fixed kernel") -> dict[str, Any] | None:
     """How much slower ``compute`` (a fixed kernel of the framework) runs while an allreduce is in flight: ``pairs``
     times, the kernel timed alone and right after while an allreduce (sized from the allreduce probe's ``samples``,
     [bytes, µs], to outlast it) is in flight; pairs, so that the machine's drift moves both halves alike. Only
@@ -434,8 +436,79 @@ def interference_probe(transport: Transport, clock: Clock, compute: Callable[[],
     slowdown, stderr = _slowdown(kept)
     return {"nbytes": nbytes, "compute_alone_us": alone, "compute_overlapped_us": [c for c, _ in runs],
             "allreduce_left_us": [left for _, left in runs], "slowdown": slowdown, "stderr": stderr,
-            "note": "a fixed kernel timed alone and, right after, while an allreduce of nbytes was in flight, in "
+            "compute": compute_is,
+            "note": f"{compute_is} timed alone and, right after, while an allreduce of nbytes was in flight, in "
                     "pairs (after the window)"}
+
+
+TRANSFER_TARGETS_US = (1000.0, 8000.0)  # the transfer probe's two allreduces, sized to last about this long alone
+TRANSFER_PAIRS = 13  # (alone, under compute) pairs at each size
+
+
+def transfer_probe(transport: Transport, clock: Clock, chunk: Callable[[], None], samples: list[list[float]],
+                   pairs: int = TRANSFER_PAIRS) -> dict[str, Any] | None:
+    """How much longer an allreduce takes while the rank computes throughout it (the transfer side of interference:
+    on a CPU the threads that drive a collective wait for cores the compute holds; on a GPU its kernels share the
+    SMs). At two sizes (from the allreduce probe's ``samples``, [bytes, µs], to last about ``TRANSFER_TARGETS_US``
+    alone), ``pairs`` times: the allreduce waited for alone, then with ``chunk`` (the job's own pass, or a short
+    kernel) run over and over until it is done (its end as the transport noted it). ``stall_us`` and ``slowdown``
+    fit ``under compute = stall + (1 + slowdown) * alone`` through the two sizes' medians; ``excess_us`` is what
+    compute adds to the smaller (``_transfer_fit``). Only transports with ``allreduce_under`` can; None otherwise.
+    Every rank calls it at the same point (collectives)."""
+    under = getattr(transport, "allreduce_under", None)
+    if under is None or not samples:
+        return None
+    largest = max(samples, key=lambda s: s[0])
+    us_per_byte = max(largest[1], 1.0) / max(largest[0], 1.0)
+    sizes = [min(max(int(t / us_per_byte), 16 * 1024), 64 * 2**20) // 4 * 4 for t in TRANSFER_TARGETS_US]
+    sizes = [int(s) for s in transport.broadcast_text(",".join(map(str, sizes))).split(",")]  # rank 0's
+    chunk_us: list[float] = []
+
+    def timed_chunk() -> None:
+        t0 = clock.now()
+        chunk()
+        chunk_us.append(clock.now() - t0)
+
+    times: dict[int, tuple[list[float], list[float]]] = {}
+    for nbytes in sizes:
+        alone, loaded = [], []
+        for i in range(pairs):
+            alone.append(under(nbytes, f"dpro.transfer.{nbytes}.a{i}", None, clock))
+            loaded.append(under(nbytes, f"dpro.transfer.{nbytes}.c{i}", timed_chunk, clock))
+        times[nbytes] = (alone, loaded)
+    fit = _transfer_fit(list(times.values()))
+    return {"bytes": sizes, "alone_us": [times[s][0] for s in sizes], "under_compute_us": [times[s][1] for s in sizes],
+            "chunk_us": statistics.fmean(chunk_us) if chunk_us else None, **fit,
+            "note": "allreduces at two sizes waited for alone and while a kernel ran throughout them, in pairs (after "
+                    "the window): under compute = stall + (1 + slowdown) * alone, through the sizes' medians"}
+
+
+def _transfer_fit(sizes: list[tuple[list[float], list[float]]], resamples: int = 200) -> dict[str, float]:
+    """``stall_us`` and ``slowdown`` of ``under = stall + (1 + slowdown) * alone`` through two sizes' medians (alone
+    and under compute: a neighbour that takes the core lengthens a few runs, whichever kind), ``excess_us`` (the
+    smaller size's median under compute less its median alone), each with its standard error (``*_stderr``, from the
+    pairs resampled with replacement, a fixed seed). A slowdown or stall below 0 is read as 0 (compute cannot speed
+    a transfer up). Empty where fewer than 3 pairs of each of two sizes were timed."""
+    if len(sizes) != 2 or any(len(a) < 3 or len(a) != len(c) for a, c in sizes):
+        return {}
+
+    def fit(chosen: list[tuple[list[float], list[float]]]) -> tuple[float, float, float]:
+        (a1, c1), (a2, c2) = [(statistics.median(a), statistics.median(c)) for a, c in chosen]
+        slope = max((c2 - c1) / (a2 - a1), 1.0) if abs(a2 - a1) > 1e-9 else 1.0
+        return max(c1 - slope * a1, 0.0), slope - 1.0, c1 - a1
+
+    stall, slowdown, excess = fit(sizes)
+    rng = random.Random(0)
+    spread = []
+    for _ in range(resamples):
+        drawn = []
+        for alone, loaded in sizes:
+            picks = [rng.randrange(len(alone)) for _ in alone]
+            drawn.append(([alone[i] for i in picks], [loaded[i] for i in picks]))
+        spread.append(fit(drawn))
+    errors = [statistics.stdev(column) for column in zip(*spread, strict=True)]
+    return {"stall_us": stall, "stall_stderr": errors[0], "slowdown": slowdown, "stderr": errors[1],
+            "excess_us": excess, "excess_stderr": errors[2]}
 
 
 TRIM = 0.2  # the share of each end of the probe's times left out: a neighbour that takes the core for one run

@@ -35,8 +35,9 @@ if TYPE_CHECKING:  # types only: this module reads traces and replays, it builds
     from dpro.io.load import RankTrace, Run
     from dpro.sim.replay import Schedule
 
-__all__ = ["COMPUTE_CATEGORIES", "KINETO_COMM", "KINETO_COMPUTE", "Interference", "fit_interference",
-           "fit_trace_interference", "node_overlap", "op_overlap", "scale_for_overlap"]
+__all__ = ["COMPUTE_CATEGORIES", "KINETO_COMM", "KINETO_COMPUTE", "Interference", "TransferSlowdown",
+           "fit_interference", "fit_trace_interference", "node_overlap", "op_overlap", "scale_for_overlap",
+           "stretch_transfers"]
 
 COMPUTE_CATEGORIES = frozenset({"FW", "BW", "UPDATE", "RECOMPUTE"})
 TRACE_COMM = frozenset({"COMM"})
@@ -47,6 +48,59 @@ TRACE_COMM_PREFIXES = ("gloo:", "mpi:", "ucc:", "nccl:", "c10d::", "record_param
 MIN_STEPS = 4           # steps an op needs to take part in the fit
 SIGNIFICANCE = 2.0      # the fitted slowdown is applied when it is this many standard errors above zero
 MAX_SLOWDOWN = 3.0      # a fit beyond this (compute 4x slower when fully overlapped) is not believed
+MAX_TRANSFER_SLOWDOWN = 20.0  # a transfer probe beyond this (21x as long under compute) is not believed
+
+
+@dataclass(frozen=True)
+class TransferSlowdown:
+    """How much longer a collective's transfer takes while its ranks compute (the recorder's transfer probe): one
+    that starts under compute first waits ``stall_us`` of it (the threads that drive it wait for a core), then moves
+    at ``1 / (1 + slowdown)`` of its pace alone while compute runs, and at full pace while none does."""
+
+    stall_us: float
+    slowdown: float
+    stall_stderr: float
+    stderr: float
+    excess_us: float  # what compute added to the probe's smaller allreduce (the evidence there is any of this)
+    excess_stderr: float
+
+    @property
+    def applies(self) -> bool:
+        """Whether what-ifs use it: compute lengthened the probe's allreduce beyond its noise, and the fit is
+        believable."""
+        clear = self.excess_us > SIGNIFICANCE * self.excess_stderr
+        return clear and 0.0 <= self.slowdown <= MAX_TRANSFER_SLOWDOWN and self.stall_us >= 0.0
+
+    def end(self, start: float, work: float, busy: list[tuple[float, float]]) -> float:
+        """When a transfer that takes ``work`` µs alone ends, started at ``start`` beside the compute ``busy``
+        (sorted, disjoint intervals)."""
+        t, left, pace = start, work, 1.0 + self.slowdown
+        stall = self.stall_us
+        for a, b in busy:
+            if b <= t:
+                continue
+            if a > t:  # no compute: full pace, and a stall no longer applies
+                stall = 0.0
+                if left <= a - t:
+                    return t + left
+                left -= a - t
+                t = a
+            waited = min(stall, b - t)
+            t, stall = t + waited, stall - waited
+            if t >= b:
+                continue
+            if left * pace <= b - t:
+                return t + left * pace
+            left -= (b - t) / pace
+            t = b
+        return t + left
+
+    def describe(self) -> str:
+        verdict = "applied in what-ifs" if self.applies else "not applied (within its uncertainty)"
+        return (f"a transfer under compute waits {self.stall_us / 1000.0:.1f} ms +/- {self.stall_stderr / 1000.0:.1f} "
+                f"ms, then takes {1.0 + self.slowdown:.1f}x +/- {self.stderr:.1f} as long as alone (the recorder's "
+                f"transfer probe: +{self.excess_us / 1000.0:.1f} ms +/- {self.excess_stderr / 1000.0:.1f} ms on its "
+                f"smaller allreduce); {verdict}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +115,7 @@ class Interference:
     # measured by a controlled comparison (the recorder's probe, or runs of one op compared inside one step), not
     # read off whole steps
     probed: bool = False
+    transfer: TransferSlowdown | None = None  # the other side: transfers slowed by the compute beside them
 
     @property
     def applies(self) -> bool:
@@ -84,13 +139,20 @@ class Interference:
 
     def describe(self) -> str:
         if self.ops == 0:
-            return f"interference not measurable: {self.source}"
+            text = f"interference not measurable: {self.source}"
+            return text if self.transfer is None else f"{text}; {self.transfer.describe()}"
         verdict = "applied in what-ifs" if self.applies else (
             "not applied (within its uncertainty)" if self.probed else "shown, not applied (no probe: read off the "
             "steps, where overlap and slowness go together either way)")
-        return (f"compute overlapped by communication runs {100.0 * self.slowdown:+.0f}% +/- "
+        text = (f"compute overlapped by communication runs {100.0 * self.slowdown:+.0f}% +/- "
                 f"{100.0 * self.stderr:.0f}% slower when fully overlapped ({self.source}; {self.samples} samples); "
                 f"{verdict}")
+        return text if self.transfer is None else f"{text}; {self.transfer.describe()}"
+
+    @property
+    def stretches_transfers(self) -> bool:
+        """Whether what-ifs slow the transfers they price beside compute (``TransferSlowdown``)."""
+        return self.transfer is not None and self.transfer.applies
 
 
 NONE = Interference(0.0, math.inf, 0, 0, "no recorded op overlapped communication by different amounts in "
@@ -159,9 +221,10 @@ def _steps_of(trace: RankTrace, wanted: set[int] | None) -> list[list[tuple[str,
 def fit_interference(run: Run, steps: list[int] | None = None) -> Interference:
     """Fit the slowdown of overlapped compute from ``run``'s recorded steps (all, or ``steps``); the recorder's
     probe, where it ran, instead."""
+    transfer = _transfer_from_probe(run)
     probed = _from_probe(run)
     if probed is not None:
-        return probed
+        return replace(probed, transfer=transfer)
     wanted = set(steps) if steps is not None else None
     xs: list[float] = []
     ys: list[float] = []
@@ -177,7 +240,7 @@ def fit_interference(run: Run, steps: list[int] | None = None) -> Interference:
                 seen[name] += 1
                 key = name if seen[name] == 1 else f"{name}#{seen[name]}"
                 samples[key].append((_covered(ts, ts + dur, busy), float(dur)))
-    for values in samples.values():
+        for values in samples.values():
             if len(values) < MIN_STEPS:
                 continue
             fs = [f for f, _ in values]
@@ -197,7 +260,7 @@ def fit_interference(run: Run, steps: list[int] | None = None) -> Interference:
         stderr = math.sqrt(float(residual @ residual) / max(len(xs) - 1, 1) / sxx)
         fitted = Interference(slope, stderr, ops, len(xs),
                               "each op's duration against how much of it overlapped communication, step to step")
-    return fitted
+    return replace(fitted, transfer=transfer)
 
 
 def _from_probe(run: Run) -> Interference | None:
@@ -209,8 +272,30 @@ def _from_probe(run: Run) -> Interference | None:
         return None
     runs = len(probe.get("compute_overlapped_us") or [])
     error = float(stderr) if isinstance(stderr, (int, float)) and math.isfinite(stderr) else math.inf
+    compute = str(probe.get("compute") or "a fixed kernel")[:80]
     return Interference(float(slowdown), error, 1, runs,
-                        "the recorder's probe: a fixed kernel alone and while an allreduce was in flight", probed=True)
+                        f"the recorder's probe: {compute} alone and while an allreduce was in flight", probed=True)
+
+
+def _transfer_from_probe(run: Run) -> TransferSlowdown | None:
+    """The recorder's transfer probe (run.json's ``transfer_probe``), where it ran and fitted."""
+    probe = (run.meta or {}).get("transfer_probe") or {}
+    values = [probe.get(k) for k in ("stall_us", "slowdown", "stall_stderr", "stderr", "excess_us", "excess_stderr")]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+        return None
+    return TransferSlowdown(*(float(v) for v in values))
+
+
+def stretch_transfers(g: Graph, sched: Schedule, nodes: np.ndarray, alone: np.ndarray,
+                      transfer: TransferSlowdown) -> None:
+    """Set the duration of each of ``nodes`` (transfers every rank takes part in) to its time beside the compute of
+    ``sched`` (any rank's: a collective moves at the pace of its slowest member), from ``alone``, its time alone."""
+    intervals = [(float(sched.start[i]), float(sched.end[i])) for i, cat in enumerate(g.category)
+                 if cat in COMPUTE_CATEGORIES and sched.end[i] > sched.start[i]]
+    busy = _union(intervals)
+    for node, work in zip(nodes.tolist(), alone.tolist(), strict=True):
+        start = float(sched.start[node])
+        g.duration[node] = transfer.end(start, work, busy) - start
 
 
 def fit_trace_interference(traces: list[KinetoTrace]) -> Interference:

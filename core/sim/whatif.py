@@ -31,8 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dpro.config import knob_table
 from dpro.dag.align import align
+from dpro.dag.graph import Graph
 from dpro.dag.step_model import OpStats, StepModel, occurrence_name, step_model
 from dpro.dag.wiring import graph_from_steps
 from dpro.engines import get_engine
@@ -42,7 +45,13 @@ from dpro.io.load import RecordingCost, Run, recording_cost
 from dpro.io.probes import RankProbes, read_probes
 from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
 from dpro.sim.interference import NONE as NO_INTERFERENCE
-from dpro.sim.interference import Interference, fit_interference, op_overlap, scale_for_overlap
+from dpro.sim.interference import (
+    Interference,
+    fit_interference,
+    op_overlap,
+    scale_for_overlap,
+    stretch_transfers,
+)
 from dpro.sim.probes import activation_scale, probes_of, with_amp, with_compile, with_micro_batches
 from dpro.sim.replay import plan_levels, predicted_step_us, replay
 
@@ -315,6 +324,7 @@ def regroup(ctx: Context, model: StepModel, groups: list[list[str]], bytes_scale
                                                   anchor.order + anchor.duration + 1e-3 * k, 0.0, launch_gap,
                                                   {"tensors": group, "bytes": nbytes})))
                 out.transfer[name] = ctx.comm.allreduce_us(nbytes * bytes_scale, world_size, bandwidth_scale)
+                out.priced_transfers.add(name)
         merged: list[OpStats] = []
         by_pos: dict[int, list[OpStats]] = {}
         for pos, op in inserts:
@@ -514,25 +524,45 @@ def scale_out(ctx: Context, model: StepModel, knobs: dict[str, Any], seeds: int 
 
 
 INTERFERENCE_ROUNDS = 3  # replays that let the scaled durations and the overlap they cause settle
+SETTLED_US = 1.0  # transfers stretched beside compute: replays go on until no duration moves more than this ...
+MAX_TRANSFER_ROUNDS = 8  # ... or this many rounds (each settles about one more iteration)
 
 
 def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iterations: int = 4) -> Prediction:
     """Replay ``iterations`` copies of a (transformed) mean step: the prediction under ``knobs``. With a fitted
     interference (``ctx.interference``), compute that overlaps communication more than it did in the recorded
-    configuration runs that much slower (less: faster)."""
+    configuration runs that much slower (less: faster), and the transfers the what-if priced alone
+    (``StepModel.priced_transfers``) take as long as the transfer probe says beside the compute they overlap."""
     g = graph_from_steps(model, iterations=iterations)
     plan = plan_levels(g)
     sched = replay(g, plan)
-    if ctx.interference.applies:
-        recorded = _recorded_overlap(ctx, iterations)
+    slowed = ctx.interference.applies
+    stretched = _priced_transfer_nodes(g, model) if ctx.interference.stretches_transfers else np.zeros(0, int)
+    if slowed or stretched.size:
+        recorded = _recorded_overlap(ctx, iterations) if slowed else {}
         base = g.duration.copy()
-        for _ in range(INTERFERENCE_ROUNDS):
-            scale_for_overlap(g, sched, recorded, ctx.interference.slowdown, base)
+        rounds = MAX_TRANSFER_ROUNDS if stretched.size else INTERFERENCE_ROUNDS
+        for _ in range(rounds):
+            before = g.duration.copy()
+            if slowed:
+                scale_for_overlap(g, sched, recorded, ctx.interference.slowdown, base)
+            if stretched.size:
+                stretch_transfers(g, sched, stretched, base[stretched], ctx.interference.transfer)
             sched = replay(g, plan)
+            if stretched.size and float(np.max(np.abs(g.duration - before))) < SETTLED_US:
+                break
     per_rank = predicted_step_us(g, sched)
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
                       predicted_peak_memory_bytes=peak_memory(ctx, knobs), graph_nodes=g.size,
                       per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
+
+
+def _priced_transfer_nodes(g: Graph, model: StepModel) -> np.ndarray:
+    """The graph's transfer nodes of the collectives ``model`` priced alone (``StepModel.priced_transfers``)."""
+    suffix = ".transfer"
+    return np.array([i for i, (name, cat) in enumerate(zip(g.names, g.category, strict=True))
+                     if cat == "XFER" and name.endswith(suffix) and name[:-len(suffix)] in model.priced_transfers],
+                    dtype=np.int64)
 
 
 def _recorded_overlap(ctx: Context, iterations: int) -> dict[tuple[int, str], float]:

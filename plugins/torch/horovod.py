@@ -106,6 +106,16 @@ class HorovodCollectives:
         return t1 - t0, clock.now() - t1
 
 
+    def allreduce_under(self, nbytes: int, name: str, compute: Callable[[], None] | None, clock: Clock) -> float:
+        handle = hvd.allreduce_async(torch.zeros(max(1, nbytes // 4), dtype=torch.float32), op=hvd.Sum, name=name)
+        t0 = clock.now()
+        if compute is not None:
+            while not hvd.poll(handle):
+                compute()
+        hvd.synchronize(handle)
+        return clock.now() - t0
+
+
 def _claim_beside_timeline(run_dir: str | Path | None) -> Path:
     """``claim_run_dir``, except that a directory holding only the timeline Horovod opened in ``hvd.init()``
     (``HOROVOD_TIMELINE=<run_dir>/horovod-timeline.json``) counts as empty."""

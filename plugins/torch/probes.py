@@ -23,7 +23,7 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from dpro.plugins.torch.recorder import TorchRecorder
 
 __all__ = ["AMP_DTYPES", "COMPILE_PASSES", "PROBE_BUDGET_S", "PROBE_PASSES", "batch_size", "compile_regions_wanted",
-           "probes_summary", "probes_wanted", "run_probes", "sliced", "training_state_kept", "write_probes"]
+           "model_passes", "probes_summary", "probes_wanted", "run_probes", "sliced", "training_state_kept",
+           "write_probes"]
 
 logger = get_logger("dpro.plugins.torch")
 
@@ -173,18 +174,51 @@ def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> di
     replaced for that call) and return the probe document (``dpro.probes/1``); a failed probe is skipped with a
     note."""
     found = _Probes()
-    full = batch_size(batch[:2]) if batch is not None else None
-    if batch is None or full is None:
-        found.skip("all", "no forward of the model with a batch tensor was seen in the window")
-    elif len(batch) > 2 and batch[2]:
-        found.skip("all", "the model was called through a forward put on the instance for that call (Lightning runs "
-                          "training_step that way): its arguments are not its forward's")
-    elif any(isinstance(m, nn.SyncBatchNorm) for m in rec.module.modules()):
-        found.skip("all", "the model has SyncBatchNorm, whose forward communicates")
+    why = _cannot_rerun(rec, batch)
+    if why is not None:
+        found.skip("all", why)
     else:
+        full = batch_size(batch[:2])
         _probe_all(rec, batch, full, found)
-    return {"schema": PROBES_SCHEMA, "rank": rec.rank, "batch": full, "probes": [r.to_json() for r in found.results],
+    return {"schema": PROBES_SCHEMA, "rank": rec.rank, "batch": batch_size(batch[:2]) if why is None else None,
+            "probes": [r.to_json() for r in found.results],
             "skipped": found.skipped, "note": "probe passes after the window: not part of the recorded steps"}
+
+
+def _cannot_rerun(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> str | None:
+    """Why the captured ``batch`` cannot be run through the model again after the window; None where it can."""
+    if batch is None or batch_size(batch[:2]) is None:
+        return "no forward of the model with a batch tensor was seen in the window"
+    if len(batch) > 2 and batch[2]:
+        return ("the model was called through a forward put on the instance for that call (Lightning runs "
+                "training_step that way): its arguments are not its forward's")
+    if any(isinstance(m, nn.SyncBatchNorm) for m in rec.module.modules()):
+        return "the model has SyncBatchNorm, whose forward communicates"
+    return None
+
+
+@contextlib.contextmanager
+def model_passes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> Iterator[Callable[[], None] | None]:
+    """A forward and backward of the inner module on the captured ``batch`` as a callable (DDP's allreduce off,
+    training state kept while the context is open): the interference probes' compute, the job's own ops rather than
+    a stand-in kernel (a memory-bound backward suffers more beside a collective's copies than a cached matrix
+    product). None where the batch cannot be run again or its pass fails."""
+    if rec.module is None or _cannot_rerun(rec, batch) is not None:
+        yield None
+        return
+    args, kwargs, _ = batch
+    with _no_sync(rec), training_state_kept(rec.module), torch.enable_grad():
+
+        def compute() -> None:
+            _timed_pass(rec.module, args, kwargs, rec.cuda)
+
+        try:
+            compute()  # the first pass allocates; one that fails leaves the probes their stand-in kernel
+        except Exception as err:  # noqa: BLE001 - the user's model may raise anything; dpro never fails a job
+            logger.info("%s: the model's pass cannot be rerun for the interference probes (%s)", rec.who, _why(err))
+            yield None
+            return
+        yield compute
 
 
 def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, found: _Probes) -> None:

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpro.errors import UsageError
 from dpro.logs import get_logger
-from dpro.plugins.torch.probes import probes_summary, probes_wanted, run_probes, write_probes
+from dpro.plugins.torch.probes import model_passes, probes_summary, probes_wanted, run_probes, write_probes
 from dpro.plugins.torch.transport import TorchDistTransport
 from dpro.record.backward import split_backward
 from dpro.record.protocol import (
@@ -53,6 +53,7 @@ from dpro.record.protocol import (
     interference_probe,
     parse_steps,
     step_ended,
+    transfer_probe,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.window import close_window, open_trace
@@ -914,12 +915,14 @@ class TorchRecorder:
         if self.rank == 0 and done:
             self._write_model_json()
         if error is None and self._iteration > self.steps[-1]:  # every rank is here, at the same step
+            batch = self._batch
             probes = self._run_probes()
-            self._probe_after_window(probes)
+            self._probe_after_window(probes, batch)
         self._release_model()
         return self.run_dir
 
-    def _probe_after_window(self, probes: dict[str, Any] | None = None) -> None:
+    def _probe_after_window(self, probes: dict[str, Any] | None = None,
+                            batch: tuple[tuple, dict, bool] | None = None) -> None:
         """Time allreduces of a few sizes on the job's process group (run.json's ``comm_probe``), after the window:
         megabyte allreduces before it made the recorded steps of a Horovod job on an emulated link faster than the
         same job unrecorded (the connections stay warmed up), and the model is of the job as it runs.
@@ -930,7 +933,12 @@ class TorchRecorder:
             write_run_json(self.run_dir, doc)
         try:
             probe = allreduce_probe(self.transport, self.clock)
-            interference = interference_probe(self.transport, self.clock, self._probe_kernel(), probe)
+            with self._probe_compute(batch) as model_pass:
+                interference = interference_probe(
+                    self.transport, self.clock, model_pass or self._probe_kernel(), probe,
+                    compute_is="the model's forward and backward" if model_pass else "a fixed kernel")
+                transfer = transfer_probe(self.transport, self.clock, model_pass or self._probe_kernel(chunk=True),
+                                          probe)
         except (RuntimeError, ValueError, OSError) as err:
             logger.warning("%s: the probe after the window failed (%s); the run has no probe", self.who, err)
             return
@@ -938,16 +946,29 @@ class TorchRecorder:
             doc["comm_probe"]["samples"] = probe
             if interference is not None:
                 doc["interference_probe"] = interference
+            if transfer is not None:
+                doc["transfer_probe"] = transfer
             write_run_json(self.run_dir, doc)
 
-    def _probe_kernel(self) -> Callable[[], None]:
-        """The interference probe's compute: matrix products of a fixed size, about a few ms on one CPU core."""
+    def _probe_compute(self, batch: tuple[tuple, dict, bool] | None
+                       ) -> contextlib.AbstractContextManager[Callable[[], None] | None]:
+        """The interference probes' compute: the model's own forward and backward on the captured batch
+        (``probes.model_passes``) where the probe passes may run it (a DDP or single-process model: other engines'
+        gradient hooks would communicate), else None (``_probe_kernel`` stands in)."""
+        if not self.probes or (self.distributed and self.ddp is None):
+            return contextlib.nullcontext(None)
+        return model_passes(self, batch)
+
+    def _probe_kernel(self, chunk: bool = False) -> Callable[[], None]:
+        """The interference probe's compute: matrix products of a fixed size, about a few ms on one CPU core (a
+        ``chunk``: a twelfth of that, which the transfer probe runs over and over until its allreduce is done)."""
         device = "cuda" if self.cuda else "cpu"
         size = 1024 if self.cuda else 256
         a = torch.randn(size, size, device=device)
+        repeat = (64 if self.cuda else 12) // (12 if chunk else 1)
 
         def compute() -> None:
-            for _ in range(64 if self.cuda else 12):
+            for _ in range(repeat):
                 torch.mm(a, a)
             if self.cuda:
                 torch.cuda.synchronize()

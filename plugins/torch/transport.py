@@ -78,6 +78,26 @@ class TorchDistTransport:
             torch.cuda.synchronize()
         return t1 - t0, clock.now() - t1
 
+    def allreduce_under(self, nbytes: int, name: str, compute: Callable[[], None] | None, clock: Clock) -> float:
+        """µs from the launch of an allreduce of ``nbytes`` to its end, with ``compute`` run over and over meanwhile
+        (None: waited for alone); every rank meets at a barrier first."""
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
+        dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
+        work = dist.all_reduce(tensor, async_op=True)
+        t0 = clock.now()
+        ended: list[float] = []
+        if compute is not None:
+            # noted by the thread that completes it: ``compute`` may be a long pass, and the end falls inside it
+            work.get_future().then(lambda _: ended.append(clock.now()))
+            while not work.is_completed():
+                compute()
+        work.wait()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return (ended[0] if ended and not self.cuda else clock.now()) - t0
+
     def timed_allreduce(self, nbytes: int, name: str, clock: Clock) -> float:
         tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
         dist.barrier()

@@ -14,8 +14,8 @@ from jobrunner import JOBS, job_env, run_job
 from run_builder import make_run_of, x_event
 
 from dpro.io.load import load_run
-from dpro.record.protocol import INTERFERENCE_PAIRS
-from dpro.sim.interference import NONE, fit_interference
+from dpro.record.protocol import INTERFERENCE_PAIRS, TRANSFER_PAIRS
+from dpro.sim.interference import NONE, TransferSlowdown, fit_interference
 from dpro.sim.whatif import context, predict
 
 SLOWDOWN = 0.6
@@ -75,6 +75,11 @@ def test_a_real_ddp_job_measures_its_interference_and_the_what_if_uses_it(tmp_pa
     probe = run.meta["interference_probe"]
     assert len(probe["compute_alone_us"]) == len(probe["compute_overlapped_us"]) == INTERFERENCE_PAIRS
     assert probe["slowdown"] > 0, probe
+    # the transfer side: allreduces at two sizes alone and beside the job's own passes
+    transfer = run.meta["transfer_probe"]
+    assert len(transfer["bytes"]) == 2 and transfer["bytes"][0] < transfer["bytes"][1]
+    assert all(len(times) == TRANSFER_PAIRS for times in transfer["alone_us"] + transfer["under_compute_us"])
+    assert transfer["excess_us"] > 0, transfer
     ctx = context(run)
     assert ctx.interference.slowdown > 0
     if not ctx.interference.applies:
@@ -128,3 +133,40 @@ def test_a_change_that_adds_overlap_must_gain_across_the_interference_the_probe_
     _, shown = clears(ctx, gain, predict(ctx, one_bucket).predicted_step_ms, floor=0.0, change=(one_bucket, {}))
     assert "70% slower" in shown
     assert worst_gain_ms(dataclasses.replace(ctx, interference=NONE), one_bucket, {}) == (math.inf, None)
+
+
+def test_a_transfer_beside_compute_stalls_then_moves_slower() -> None:
+    slow = TransferSlowdown(stall_us=300.0, slowdown=1.0, stall_stderr=10.0, stderr=0.1, excess_us=800.0,
+                            excess_stderr=50.0)
+    assert slow.applies
+    assert slow.end(0.0, 500.0, []) == pytest.approx(500.0)  # no compute: its time alone
+    # under compute from 0 to 2000: waits 300, then 500 µs of work at half pace
+    assert slow.end(0.0, 500.0, [(0.0, 2000.0)]) == pytest.approx(1300.0)
+    # compute ends at 800: 300 stalled, 250 of work in 500 µs, the other 250 at full pace
+    assert slow.end(0.0, 500.0, [(0.0, 800.0)]) == pytest.approx(1050.0)
+    # starts with no compute: no stall; meets compute at 100, moves at half pace until 400, then alone
+    assert slow.end(0.0, 500.0, [(100.0, 400.0)]) == pytest.approx(100.0 + 300.0 + 250.0)
+    assert not TransferSlowdown(300.0, 1.0, 10.0, 0.1, 80.0, 50.0).applies  # within the probe's noise
+    assert not TransferSlowdown(100.0, 50.0, 1.0, 0.1, 8000.0, 50.0).applies  # beyond belief
+
+
+def test_the_transfer_probe_slows_the_transfers_a_what_if_overlaps(tmp_path: Path) -> None:
+    """Two buckets (fc2's overlapping BW.fc1) against one after the backward: with the transfer probe, the recorded
+    buckets, priced alone and stretched beside the compute, still replay to the recorded step (the calibration
+    finds a lower price alone), and one bucket, which overlaps nothing, gains against the two."""
+    root = make_run_of(tmp_path / "run", _two_buckets, steps=range(3, 13))
+    meta = json.loads((root / "run.json").read_text())
+    plain = context(load_run(root))
+    meta["transfer_probe"] = {"stall_us": 300.0, "stall_stderr": 20.0, "slowdown": 1.0, "stderr": 0.1,
+                              "excess_us": 800.0, "excess_stderr": 50.0}
+    (root / "run.json").write_text(json.dumps(meta))
+    ctx = context(load_run(root))
+    assert ctx.interference.stretches_transfers and "transfer probe" in ctx.interference.describe()
+    assert not plain.interference.stretches_transfers
+    groups = {"tensor_groups": [["fc2.weight", "fc2.bias"], ["fc1.weight", "fc1.bias"]]}
+    assert predict(ctx, groups).predicted_step_ms == pytest.approx(predict(ctx, {}).predicted_step_ms, rel=0.01)
+    assert ctx.comm.us_per_byte < plain.comm.us_per_byte  # the recorded transfers held the stretch
+    one_bucket = {"torch.ddp.bucket_cap_mb": 100}
+    gain = predict(ctx, {}).predicted_step_ms - predict(ctx, one_bucket).predicted_step_ms
+    plain_gain = predict(plain, {}).predicted_step_ms - predict(plain, one_bucket).predicted_step_ms
+    assert gain > plain_gain
