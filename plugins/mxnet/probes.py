@@ -52,23 +52,6 @@ MIN_PASSES = 3  # pairs timed at least, even past the budget
 PROBE_BUDGET_S = 20.0  # no further pair (nor region) starts once the probes took this long
 
 
-def _paired_passes(block: Any, args: tuple[Any, ...], as_job: list[tuple[Any, dict[str, Any]]],
-                   began: float) -> list[tuple[tuple[float, float], tuple[float, float]]]:
-    """Two hybridized warm-up passes (the graph built, its memory allocated), then (imperative, hybridized) pairs:
-    ``COMPILE_PASSES``, or ``MIN_PASSES`` once the budget is spent. Switching is setting saved attributes back: the
-    cached op is built once."""
-    for _ in range(2):
-        _timed_pass(block, args)
-    compiled = hybrid_state(block)
-    pairs = []
-    while len(pairs) < COMPILE_PASSES and (len(pairs) < MIN_PASSES or time.perf_counter() - began < PROBE_BUDGET_S):
-        set_hybrid_state(as_job)
-        eager = _timed_pass(block, args)
-        set_hybrid_state(compiled)
-        pairs.append((eager, _timed_pass(block, args)))
-    return pairs
-
-
 class _Skip(Exception):
     """A region the probe leaves out, and why (not a failure)."""
 
@@ -145,6 +128,23 @@ def _timed_pass(block: Any, args: tuple[Any, ...]) -> tuple[float, float]:
     return (t1 - t0) / 1000.0, (t2 - t1) / 1000.0
 
 
+def _paired_passes(block: Any, args: tuple[Any, ...], as_job: list[tuple[Any, dict[str, Any]]],
+                   began: float) -> list[tuple[tuple[float, float], tuple[float, float]]]:
+    """Two hybridized warm-up passes (the graph built, its memory allocated), then (imperative, hybridized) pairs:
+    ``COMPILE_PASSES``, or ``MIN_PASSES`` once the budget is spent. Switching is setting saved attributes back: the
+    cached op is built once."""
+    for _ in range(2):
+        _timed_pass(block, args)
+    compiled = hybrid_state(block)
+    pairs = []
+    while len(pairs) < COMPILE_PASSES and (len(pairs) < MIN_PASSES or time.perf_counter() - began < PROBE_BUDGET_S):
+        set_hybrid_state(as_job)
+        eager = _timed_pass(block, args)
+        set_hybrid_state(compiled)
+        pairs.append((eager, _timed_pass(block, args)))
+    return pairs
+
+
 def _region_inputs(net: Any, block: Any, region: str, batch: tuple[Any, ...]) -> tuple[Any, ...]:
     """What ``block`` received in a training forward of ``net`` on the batch (its first call), detached; an input
     computed inside the net gets a gradient, as it did in the job (the batch's own arrays do not)."""
@@ -207,10 +207,10 @@ def _batch_rows(batch: tuple[Any, ...] | None) -> int | None:
     return int(arrays[0].shape[0]) if arrays and arrays[0].ndim > 0 and arrays[0].shape[0] > 0 else None
 
 
-def run_compile_probes(net: Any, trainer: Any, batch: tuple[Any, ...] | None, rank: int) -> dict[str, Any]:
+def run_compile_probes(net: Any, batch: tuple[Any, ...] | None, rank: int) -> dict[str, Any]:
     """The compile probe of each wanted region on ``batch`` (the net's arguments in its last recorded forward), as
-    a probe document (``dpro.probes/1``); a region that fails or cannot be probed is skipped with a note.
-    ``trainer`` is only checked: it is never stepped."""
+    a probe document (``dpro.probes/1``); a region that fails or cannot be probed is skipped with a note. No
+    trainer is involved: nothing is stepped."""
     regions = compile_regions_wanted()
     rows = _batch_rows(batch)
     skipped: list[dict[str, str]] = []

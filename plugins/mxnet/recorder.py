@@ -610,7 +610,7 @@ class GluonRecorder(WindowRecorder):
 
     def _run_probes(self, batch: tuple[Any, ...] | None) -> None:
         try:
-            doc = run_compile_probes(self.net, self.trainer, batch, self.rank)
+            doc = run_compile_probes(self.net, batch, self.rank)
             write_probes(self.run_dir, self.rank, doc)
         except Exception as err:  # noqa: BLE001 - a probe must never fail the job it measures
             logger.warning("%s: the probe passes after the window failed (%s: %s); the run has none", self.who,

@@ -66,7 +66,7 @@ def test_the_compile_probe_times_regions_and_puts_the_net_back_as_it_was(monkeyp
     features(x)  # its cached graph is built
     cached, flags = features._cached_op, features._flags
     before = _values(net)
-    doc = run_compile_probes(net, trainer, (x,), rank=1)
+    doc = run_compile_probes(net, (x,), rank=1)
     assert doc["schema"] == "dpro.probes/1" and doc["rank"] == 1 and doc["batch"] == 4
     assert [p["compile"] for p in doc["probes"]] == ["<root>", "2"]
     for probe in doc["probes"]:
@@ -89,12 +89,12 @@ def test_the_compile_probe_skips_a_hybridized_net_and_a_missing_batch(monkeypatc
 
     monkeypatch.delenv("DPRO_PROBE_COMPILE", raising=False)  # <root> by default
     net, trainer, x = _net(mx)
-    assert run_compile_probes(net, trainer, None, rank=0)["skipped"][0]["probe"] == "compile <root>"
+    assert run_compile_probes(net, None, rank=0)["skipped"][0]["probe"] == "compile <root>"
     net.hybridize()
-    doc = run_compile_probes(net, trainer, (x,), rank=0)
+    doc = run_compile_probes(net, (x,), rank=0)
     assert doc["probes"] == [] and "already runs hybridized" in doc["skipped"][0]["why"]
     monkeypatch.setenv("DPRO_PROBE_COMPILE", "0")
-    assert run_compile_probes(net, trainer, (x,), rank=0)["skipped"] == []
+    assert run_compile_probes(net, (x,), rank=0)["skipped"] == []
 
 
 def test_a_config_hybridizes_the_blocks_it_names_with_static_alloc():
