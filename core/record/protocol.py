@@ -12,6 +12,8 @@ here, so every framework writes the same run directory:
   runs NTP-style ping-pongs between rank 0 and every rank, for alignment.
 - ``allreduce_probe`` times allreduces at a few sizes on the job's own process group (the cost model's
   shape when a job has a single bucket).
+- ``probes_wanted`` / ``compile_regions_wanted``: which probe passes a recorder runs after its window
+  (``$DPRO_PROBES``, ``$DPRO_PROBE_COMPILE``).
 - ``dpro.record.writer`` writes the files (journal per step, ``rank-<r>.json``, run.json, model.json).
 
 Multi-host runs need no shared filesystem: each host writes the files of its own ranks into its own
@@ -35,6 +37,7 @@ from typing import Any, Protocol
 
 from dpro.errors import RecordingRefused, UsageError
 from dpro.record import job_env
+from dpro.record.trace import ROOT_MODULE
 
 __all__ = [
     "BASELINE_STEPS",
@@ -56,6 +59,7 @@ __all__ = [
     "check_window_fits",
     "claim_run_dir",
     "clock_samples",
+    "compile_regions_wanted",
     "host_cpu_busy_us",
     "interference_probe",
     "transfer_probe",
@@ -63,6 +67,7 @@ __all__ = [
     "parse_skew",
     "parse_steps",
     "parse_window",
+    "probes_wanted",
     "recording_overhead",
     "step_ended",
     "usable_cpus",
@@ -187,6 +192,20 @@ def window_steps(text: str | None, say: Callable[[str], None]) -> list[int]:
     if problem:
         say(problem)
     return window.steps
+
+
+def probes_wanted() -> bool:
+    """``$DPRO_PROBES`` is not "0" (the probe passes after the window are on by default)."""
+    return os.environ.get(job_env.PROBES, "1").strip() != "0"
+
+
+def compile_regions_wanted() -> list[str]:
+    """The regions the compile probe times: ``$DPRO_PROBE_COMPILE``'s module paths, comma-separated (``<root>``
+    when unset, none when "0")."""
+    raw = os.environ.get(job_env.PROBE_COMPILE)
+    if raw is None:
+        return [ROOT_MODULE]
+    return [] if raw.strip() in ("0", "") else [r.strip() for r in raw.split(",") if r.strip()]
 
 
 def last_block_start(steps: Iterable[int]) -> int:

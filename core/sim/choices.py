@@ -369,8 +369,8 @@ def _precision(ctx: Context, knobs: dict[str, Any], current: Prediction, allowed
 
 def _compiled(ctx: Context, knobs: dict[str, Any], current: Prediction) -> tuple[dict[str, Any], Prediction,
                                                                                 dict[str, Any]]:
-    """The compile probe's region (one, the fastest) run under torch.compile, when its predicted gain clears the
-    uncertainty; a region measured slower compiled is never recommended."""
+    """The compile probe's region (one, the fastest) compiled (torch.compile; Gluon's hybridize), when its predicted
+    gain clears the uncertainty; a region measured slower compiled is never recommended."""
     regions = sorted({c for r in ctx.probes.values() for c in r.compiled_regions})
     if not regions:
         why = next((s["why"] for r in ctx.probes.values() for s in r.skipped if s["probe"].startswith("compile")),
@@ -397,5 +397,5 @@ def _compiled(ctx: Context, knobs: dict[str, Any], current: Prediction) -> tuple
                                 "why": f"not applied: compiling {region}: {shown} is within what the prediction "
                                        "can tell"}
     return {**knobs, "compile": [region]}, pred, {"knob": "compile", "predicted_gain_ms": gain,
-                                                  "why": f"torch.compile of {region}, priced by the compile probe: "
+                                                  "why": f"compiling {region}, priced by the compile probe: "
                                                          f"{shown}"}

@@ -90,6 +90,9 @@ def probes_of(probes: dict[int, RankProbes], rank: int, knob: str) -> RankProbes
         if skipped:
             raise UsageError(f"{knob}: the recorder's probe passes, which price it by measurement, were skipped: "
                              f"{skipped[0]}")
+        if any(r.compiled_regions for r in probes.values()):
+            raise UsageError(f"{knob}: this run's probe passes time compiled regions only (the MXNet recorder runs "
+                             "the compile probe alone); the torch recorder's probes price it")
         raise UsageError(f"{knob}: this run has no probe passes (RUN/probes/), which price it by measurement; "
                          "record it again with the torch recorder and $DPRO_PROBES unset")
     return found

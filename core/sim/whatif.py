@@ -15,7 +15,7 @@ models of ``dpro.sim.cost`` and replayed by ``dpro.sim.replay``. The knobs are t
 | ``recompute`` | modules checkpointed: their forward runs again in backward; fewer saved activations |
 | ``amp`` | ``bf16`` / ``fp16`` autocast: each op at the time the recorder's probes measured (``dpro.sim.probes``) |
 | ``micro_batches`` | k forward/backward passes on B/k rows (probed times), collectives after the last |
-| ``compile`` | module paths under ``torch.compile``: their ops at the compiled/eager ratio the compile probe measured |
+| ``compile`` | module paths compiled (``torch.compile``; Gluon: ``hybridize(static_alloc=True)``) at the probed ratio |
 """
 
 from __future__ import annotations

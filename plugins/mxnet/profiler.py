@@ -9,7 +9,9 @@
             prof.step()
 
 ``prof.step()`` once per iteration, after ``trainer.step`` (as with the torch Profiler). Hooks are installed for
-the window only; the other steps run untouched.
+the window only; the other steps run untouched. Once the window's last step is marked, the compile probe times the
+net imperative against hybridized on its last batch (``dpro.plugins.mxnet.probes``; ``$DPRO_PROBE_COMPILE=0`` or
+``$DPRO_PROBES=0`` turn it off).
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ array's pending writes are done.
 - **STEP**: from one step's end to the next; a step ends when ``step()`` is called and its pulls are done.
 
 The workers agree on the run directory and exchange clock samples over dpro's TCP side channel
-(``dpro.plugins.mxnet.transport``).
+(``dpro.plugins.mxnet.transport``). After a window that ran to its end, each worker runs the compile probe on the
+net's last recorded batch (``dpro.plugins.mxnet.probes``: imperative against ``hybridize(static_alloc=True)``,
+written to ``RUN/probes/``); the recorded steps never include it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ from mxnet import autograd, gluon
 from dpro.engines.mxnet_ps import DEFAULT_BIGARRAY_BOUND, SERVER_HOSTS_ENV, bigarray_bound, key_servers
 from dpro.engines.mxnet_ps import NAME as ENGINE_PS
 from dpro.errors import UsageError
+from dpro.logs import get_logger
+from dpro.plugins.mxnet.blocks import block_paths, hybridized_by_dpro
+from dpro.plugins.mxnet.probes import run_compile_probes, write_probes
 from dpro.plugins.mxnet.transport import default_transport
 from dpro.record.backward import split_backward
 from dpro.record.protocol import (
@@ -58,14 +63,17 @@ from dpro.record.protocol import (
     claim_run_dir,
     clock_samples,
     host_cpu_busy_us,
+    probes_wanted,
     usable_cpus,
 )
 from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
 from dpro.record.window import WindowEnd, WindowRecorder, open_trace
 from dpro.record.writer import model_document, run_document, write_model_json, write_run_json
 
-__all__ = ["GluonRecorder", "Unit", "active_recorders", "block_paths", "gradient_names", "recorded_units",
-           "spread"]
+__all__ = ["GluonRecorder", "Unit", "active_recorders", "block_paths", "fingerprint_of", "gradient_names",
+           "recorded_units", "spread"]
+
+logger = get_logger("dpro.plugins.mxnet")
 
 COMPUTE, COMM, HOST = QUEUE_ID["compute"], QUEUE_ID["comm"], QUEUE_ID["host"]
 _ACTIVE: weakref.WeakSet[GluonRecorder] = weakref.WeakSet()  # the one piece of process state DESIGN allows
@@ -84,26 +92,6 @@ PROBE_ELEMENTS = 1 << 20  # 4 MB: long enough for /proc/stat's 10 ms ticks over 
 LINK_PROBE_SECONDS = 0.3  # one TCP stream per probed machine: long enough to leave its slow start behind
 LINK_PROBE_MACHINES = 4   # machines probed at most (their links are taken alike): the probe stays under 1.5 s
 PROBE_ATTRIBUTE = "_dpro_server_probe"  # on the kvstore: what its probe measured
-
-
-def block_paths(net: Any) -> list[tuple[Any, str, str | None]]:
-    """Every block under ``net`` with its dotted path (children's names as Gluon keys them: ``0``, ``features.3``;
-    the net itself is ``""``) and its parent's path, outer blocks first. A block reached twice keeps its first
-    path."""
-    out: list[tuple[Any, str, str | None]] = [(net, "", None)]
-    seen = {id(net)}
-
-    def visit(block: Any, path: str) -> None:
-        for name, child in getattr(block, "_children", {}).items():
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            child_path = f"{path}.{name}" if path else str(name)
-            out.append((child, child_path, path))
-            visit(child, child_path)
-
-    visit(net, "")
-    return out
 
 
 @dataclass
@@ -203,6 +191,18 @@ def gradient_names(net: Any, params: list[Any]) -> dict[int, str]:
     return {i: named.get(id(p), str(p.name)) for i, p in enumerate(params)}
 
 
+def fingerprint_of(net: Any, params: list[Any]) -> str:
+    """The model hash of run.json (``model_fingerprint``): each trained gradient's name, shape and dtype, in the
+    order the recorder lists them (backward). Hybridizing blocks leaves it as it is (the same parameters, in the same
+    order), so a config that hybridizes still fits the job it was made for."""
+    index = {id(p): i for i, p in enumerate(params)}
+    names = gradient_names(net, params)
+    units = recorded_units(net, [p for p in params if p.grad_req != "null"])
+    return model_fingerprint((names[index[id(p)]], [int(d) for d in p.list_data()[0].shape],
+                              np.dtype(p.list_data()[0].dtype).name)
+                             for unit in reversed(units) for p in reversed(unit.params))
+
+
 def param_short_name(param: Any, block: Any) -> str:
     """A parameter's name inside its block (``weight`` for ``dense0_weight`` of block ``dense0_``)."""
     prefix = getattr(block, "prefix", "") or ""
@@ -280,6 +280,8 @@ class GluonRecorder(WindowRecorder):
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
         self.server_probe: dict[str, Any] | None = None
         self.link_probe: dict[str, Any] | None = None
+        self.probes = probes_wanted()
+        self._batch: tuple[Any, ...] | None = None  # the net's arguments in its last recorded forward (the probes')
         self._current: _Step | None = None
         self._pending: _Step | None = None   # a finished step whose pulls may still be in flight
         self._hooks: list[Any] = []
@@ -364,6 +366,8 @@ class GluonRecorder(WindowRecorder):
         for unit in self._units:
             self._hooks.append(unit.block.register_forward_pre_hook(self._pre_hook(unit)))
             self._hooks.append(unit.block.register_forward_hook(self._post_hook(unit)))
+        if self.probes:
+            self._hooks.append(self.net.register_forward_pre_hook(self._batch_hook))
         recorder = self
 
         def patch(owner: Any, name: str, make: Any) -> None:
@@ -446,6 +450,11 @@ class GluonRecorder(WindowRecorder):
             start, _ = step.forward[unit.path]
             step.forward[unit.path] = (start, self.clock.now())
         return hook
+
+    def _batch_hook(self, block: Any, inputs: Any) -> None:
+        """Keep the net's arguments of a recorded step (by reference) for the probes after the window."""
+        if self._current is not None and autograd.is_training():
+            self._batch = tuple(inputs)
 
     def _backward_issued(self, issued: float) -> None:
         step = self._current
@@ -589,6 +598,24 @@ class GluonRecorder(WindowRecorder):
         self._pool.shutdown(wait=True)
         return WindowEnd()
 
+    def _after_window(self, error: BaseException | None) -> None:
+        """The compile probe, on every worker of a window that ran to its end (the probe communicates nothing:
+        the trainer is not stepped), then the transport closed."""
+        batch, self._batch = self._batch, None
+        try:
+            if self.probes and error is None and self.iteration > self.steps[-1]:
+                self._run_probes(batch)
+        finally:
+            self._close_transport()
+
+    def _run_probes(self, batch: tuple[Any, ...] | None) -> None:
+        try:
+            doc = run_compile_probes(self.net, batch, self.rank)
+            write_probes(self.run_dir, self.rank, doc)
+        except Exception as err:  # noqa: BLE001 - a probe must never fail the job it measures
+            logger.warning("%s: the probe passes after the window failed (%s: %s); the run has none", self.who,
+                           type(err).__name__, err)
+
     # ---- run.json / model.json ---------------------------------------------------------------------------
 
     def _gradients(self) -> list[dict[str, Any]]:
@@ -604,7 +631,7 @@ class GluonRecorder(WindowRecorder):
         return out
 
     def fingerprint(self) -> str:
-        return model_fingerprint((g["name"], g["shape"], g["dtype"]) for g in self._gradients())
+        return fingerprint_of(self.net, self._params)
 
     def knobs(self) -> dict[str, Any]:
         kv = self._kvstore()
@@ -617,6 +644,8 @@ class GluonRecorder(WindowRecorder):
         optimizer = getattr(self.trainer, "_optimizer", None)
         if optimizer is not None:
             knobs["optimizer"] = type(optimizer).__name__
+        if hybridized_by_dpro(self.net):  # the run is of a config's compile: what-if prices compiling no further
+            knobs["compile"] = hybridized_by_dpro(self.net)
         return knobs
 
     def _probe_server(self, kv: Any) -> dict[str, Any] | None:

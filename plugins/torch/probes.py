@@ -20,7 +20,6 @@ buffer (BatchNorm's running statistics) and the RNG states are put back; the inn
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 from dpro.logs import get_logger
-from dpro.record import job_env
+from dpro.record.protocol import compile_regions_wanted, probes_wanted
 from dpro.record.trace import PROBES_SCHEMA, ROOT_MODULE, Probe, probes_file, write_json_atomic
 
 if TYPE_CHECKING:
@@ -60,20 +59,6 @@ class _Probes:
 
     def skip(self, probe: str, why: str) -> None:
         self.skipped.append({"probe": probe, "why": why})
-
-
-def probes_wanted() -> bool:
-    """``$DPRO_PROBES`` is not "0" (the probes are on by default)."""
-    return os.environ.get(job_env.PROBES, "1").strip() != "0"
-
-
-def compile_regions_wanted() -> list[str]:
-    """The regions the compile probe times: ``$DPRO_PROBE_COMPILE``'s module paths (``<root>`` when unset, none when
-    "0")."""
-    raw = os.environ.get(job_env.PROBE_COMPILE)
-    if raw is None:
-        return [ROOT_MODULE]
-    return [] if raw.strip() in ("0", "") else [r.strip() for r in raw.split(",") if r.strip()]
 
 
 def batch_size(batch: Any) -> int | None:

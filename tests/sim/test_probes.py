@@ -319,6 +319,22 @@ def test_compile_scales_the_gaps_inside_a_region_only(tmp_path):
     assert gaps["FW.fc1"] == 100.0  # before the pass: the loop's own work
 
 
+def test_a_run_with_only_compile_probes_prices_compile_and_refuses_the_others(tmp_path):
+    """The MXNet recorder's probe file: compile probes alone (no pass of the whole model at the recorded batch)."""
+    run = make_run(tmp_path / "run")
+    write_probes(run, [{"schema": "dpro.probes/1", "rank": r, "batch": 16, "skipped": [],
+                        "probes": [compile_entry("<root>", (50.0, 150.0), (100.0, 200.0))]} for r in (0, 1)])
+    ctx = context(load_run(run))
+    base = {op.name: op for op in ctx.base.ops[0]}
+    compiled = {op.name: op for op in transformed_model(ctx, {"compile": ["<root>"]}).ops[0]}
+    for name in OPS:  # every forward and backward op of the model: there is no reference probe to narrow them
+        ratio = 0.5 if name.startswith("FW") else 0.75
+        assert compiled[name].duration == pytest.approx(base[name].duration * ratio)
+    assert predict(ctx, {"compile": ["<root>"]}).predicted_step_ms < predict(ctx, {}).predicted_step_ms
+    with pytest.raises(UsageError, match=r"amp=bf16: this run's probe passes time compiled regions only"):
+        predict(ctx, {"amp": "bf16"})
+
+
 def test_an_unprobed_region_names_what_was_probed(tmp_path):
     ctx = context(load_run(compiled_run(tmp_path, compile_entry("<root>", (50.0, 150.0), (100.0, 200.0)))))
     with pytest.raises(UsageError, match=r"compile=fc2: the probes timed compiled only <root>.*DPRO_PROBE_COMPILE"):
