@@ -102,8 +102,9 @@ class Probe:
     for the backward.
 
     A compile probe (``compile``: the module path compiled, ``<root>`` for the whole model) times the region alone,
-    forward (``ops["FW"]``) and backward (``ops["BW"]``) under ``torch.compile``, and ``eager`` the same ops
-    without it, in passes paired with the compiled ones; ``pass_us`` is the compiled pass."""
+    forward (``ops["FW"]``) and backward (``ops["BW"]``) under ``torch.compile`` (a Keras model's ``<root>``: under
+    ``jit_compile``), and ``eager`` the same ops without it, in passes paired with the compiled ones; ``pass_us`` is
+    the compiled pass."""
 
     amp: str | None
     batch: int
