@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -168,3 +169,23 @@ def test_a_config_compile_runs_the_fit_under_xla(probed_run, tmp_path):
     assert recorded["knobs"]["compile"] == ["<root>"]  # model.jit_compile, read as the window opened
     assert recorded["probes"]["skipped"] == ["compile <root>: the model already runs under jit_compile"]
     assert main(["whatif", str(applied), "--set", "compile=none"]) != 0  # recorded compiled: not priced
+
+
+@pytest.mark.slow
+def test_dpro_launch_probes_an_unmodified_fit_and_applies_compile(tmp_path):
+    env = job_env(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+                  DPRO_PROBE_COMPILE="<root>", TF_CPP_MIN_LOG_LEVEL="0")
+    job = ["python", str(JOBS / "keras3_plain_fit.py"), "--steps", "8", "--report-jit"]
+    launch = [sys.executable, "-m", "dpro.launch", "--engine", "tf", "-np", "1", "--profile", "3:6"]
+    proc = run_job([*launch, "--run-dir", "rec", *job], env=env, cwd=tmp_path, timeout=240)
+    assert proc.stdout.count("JIT_COMPILE False") == 8  # (XLA ran in the probe after the window)
+    probe = read_probes(tmp_path / "rec")[0].compiled("<root>")
+    assert probe is not None and probe.batch == 16  # the fit's first batch, taken after the window
+    meta = json.loads((tmp_path / "rec" / "run.json").read_text())
+    config = tmp_path / "config.json"
+    write_config(config, Config(fingerprint={"framework": "tf", "engine": meta["engine"], "world_size": 1,
+                                             "model": meta["model_fingerprint"]}, knobs={"compile": ["<root>"]}))
+    applied = run_job([*launch, "--run-dir", "applied", "--apply", str(config), *job], env=env, cwd=tmp_path,
+                      timeout=240)
+    assert "compile=['<root>']" in applied.stderr and XLA_RAN in applied.stderr
+    assert applied.stdout.count("JIT_COMPILE True") == 8
