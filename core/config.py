@@ -267,7 +267,8 @@ COMMON_KNOBS: tuple[Knob, ...] = (
     Knob("micro_batches", "k >= 1: the same batch as k micro-batches, gradients communicated after the last "
          "(priced by the recorder's probe passes)", _micro_batches, default=1),
     Knob("compile", f"module paths run under torch.compile, or Gluon blocks hybridized with static_alloc "
-         f"({ROOT_MODULE}: the whole model; priced by the recorder's compile probe)", _compile, default=[]),
+         f"({ROOT_MODULE}: the whole model; Keras: {ROOT_MODULE} only, jit_compile; priced by the recorder's compile "
+         "probe)", _compile, default=[]),
     Knob("env", "environment variables set by the launcher (name -> text)", _env, default={}, whatif=False),
     Knob("world_size", "number of ranks (communication priced for N ranks)", _world_size, config=False),
     Knob("bandwidth_scale", "network bandwidth times k (e.g. 10 for 1 -> 10 Gbit/s)", _positive_number,

@@ -1,7 +1,8 @@
 """Reading the probe passes a recorder ran after its window (``RUN/probes/rank-<r>.json``, schema
 ``dpro.probes/1``): each op's time with the captured batch under another precision or cut to fewer rows, and
-regions of the model timed with and without ``torch.compile`` (the torch recorder), or imperative and hybridized
-with ``static_alloc`` (the MXNet recorder, whose probe file holds compile probes only).
+regions of the model timed with and without ``torch.compile`` (the torch recorder), imperative and hybridized
+with ``static_alloc`` (the MXNet recorder, whose probe file holds compile probes only), or a Keras model's ``<root>``
+with and without ``jit_compile`` (the TensorFlow recorder's only probe).
 
 They are never part of the recorded steps (``load_run`` does not read them); ``dpro.sim.probes`` prices the ``amp``,
 ``micro_batches`` and ``compile`` knobs from them, and ``dpro info`` lists them.

@@ -17,9 +17,9 @@ APPLY_SEARCH = "DPRO_APPLY_SEARCH"      # --apply auto: the ranks pick the newes
 FORCE = "DPRO_FORCE"                    # "1": apply a config made for another job anyway
 BACKWARD_MARKS = "DPRO_BACKWARD_MARKS"  # "tensors": the torch recorder times BW per module with tensor hooks
 MECHANISMS = "DPRO_MECHANISMS"          # the torch recorder's mechanisms, comma-separated (the overhead benches)
-PROBES = "DPRO_PROBES"                  # "0": the torch and MXNet recorders run no probe passes after their window
+PROBES = "DPRO_PROBES"                  # "0": the torch, MXNet and TF recorders run no probe passes after their window
 PROBE_COMPILE = "DPRO_PROBE_COMPILE"    # module paths the recorders' compile probe times (<root> when unset;
-#                                       "0": none)
+#                                       "0": none; the TF recorder's: <root> only)
 STEP_TIMES = "DPRO_STEP_TIMES"          # a file where rank 0 of an unrecorded job writes when each step ended
 SEEN_FILE = "seen.json"                 # what the auto-attach saw of a job it recorded nothing of (in RUN_DIR)
 CLOCK_SKEW = "DPRO_CLOCK_SKEW_US"       # tests: a skew added to the ranks' clocks, to check the alignment

@@ -103,8 +103,8 @@ class Probe:
 
     A compile probe (``compile``: the module path compiled, ``<root>`` for the whole model) times the region alone,
     forward (``ops["FW"]``) and backward (``ops["BW"]``) compiled (``torch.compile``; a Gluon block's
-    ``hybridize(static_alloc=True)``), and ``eager`` the same ops without it, in passes paired with the compiled
-    ones; ``pass_us`` is the compiled pass."""
+    ``hybridize(static_alloc=True)``; a Keras model's ``<root>``: ``jit_compile``), and ``eager`` the same ops without
+    it, in passes paired with the compiled ones; ``pass_us`` is the compiled pass."""
 
     amp: str | None
     batch: int
@@ -122,6 +122,18 @@ class Probe:
             doc["compile"] = self.compile
             doc["eager"] = {k: round(v, 3) for k, v in (self.eager or {}).items()}
         return doc
+
+
+def probe_label(amp: str | None, rows: int | None, region: str | None = None) -> str:
+    """How a probe is named to people: ``compile <region>``, or its precision and rows."""
+    return f"compile {region}" if region is not None else f"{amp or 'recorded precision'} at batch {rows}"
+
+
+def probes_summary(doc: dict) -> dict:
+    """What run.json says of rank 0's probe document (``dpro info`` reads the probe files themselves)."""
+    return {"file": probes_file(int(doc.get("rank", 0))), "batch": doc.get("batch"),
+            "probes": [probe_label(p.get("amp"), p.get("batch"), p.get("compile")) for p in doc.get("probes", [])],
+            "skipped": [f"{s['probe']}: {s['why']}" for s in doc.get("skipped", [])], "in_model": False}
 
 
 def probes_file(rank: int) -> str:

@@ -86,13 +86,14 @@ def probes_of(probes: dict[int, RankProbes], rank: int, knob: str) -> RankProbes
     own = probes.get(rank)
     found = own if usable(own) else next((probes[r] for r in sorted(probes) if usable(probes[r])), None)
     if found is None:
-        skipped = [s["why"] for r in sorted(probes) for s in probes[r].skipped][:1]
+        skipped = [s["why"] for r in sorted(probes) for s in probes[r].skipped
+                   if not s["probe"].startswith("compile")][:1]
         if skipped:
             raise UsageError(f"{knob}: the recorder's probe passes, which price it by measurement, were skipped: "
                              f"{skipped[0]}")
-        if any(r.compiled_regions for r in probes.values()):
-            raise UsageError(f"{knob}: this run's probe passes time compiled regions only (the MXNet recorder runs "
-                             "the compile probe alone); the torch recorder's probes price it")
+        if probes:  # compile probes alone (the MXNet and TensorFlow recorders' only probe)
+            raise UsageError(f"{knob}: this run's probe passes hold no pass of the batch as recorded, which prices "
+                             "it by measurement (only the torch recorder runs those)")
         raise UsageError(f"{knob}: this run has no probe passes (RUN/probes/), which price it by measurement; "
                          "record it again with the torch recorder and $DPRO_PROBES unset")
     return found

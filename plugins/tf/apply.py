@@ -9,6 +9,10 @@
   the backward instead of keeping their inner activations: their ``call`` is wrapped in ``tf.recompute_grad``
   (tf_keras) or ``keras.remat`` (Keras 3) before the first step is traced (``apply_recompute``). A layer's
   output is kept either way, so checkpointing a layer without sublayers saves little: the search picks blocks.
+- ``compile``: ``<root>`` (Keras compiles its whole train function; other paths are not applied, with a warning):
+  ``model.jit_compile = True`` and the train function built again (``apply_compile``), so that ``fit`` runs its
+  train step under XLA. When the first step fails to compile, the train function is built again without XLA and
+  that call retried on the next batch (a warning says so); a model Keras says cannot be compiled is left as it is.
 
 A custom loop::
 
@@ -36,16 +40,22 @@ from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
 from dpro.engines.horovod.knobs import NAME as HOROVOD_ENGINE  # hvd.keras jobs
 from dpro.engines.tf_mwms import NAME as ENGINE
 from dpro.errors import ConfigError, UsageError
+from dpro.logs import get_logger
+from dpro.plugins.tf.probes import error_line
 from dpro.plugins.tf.recorder import gradient_fingerprint, is_mwms, layer_paths, model_layout
 from dpro.plugins.tf.transport import horovod_running, horovod_size, tf_config
+from dpro.record.trace import ROOT_MODULE
 
-__all__ = ["ENGINE", "FRAMEWORK", "apply_config", "apply_recompute", "apply_to_strategy", "communication_options",
-           "fingerprint", "job_engine", "load_config"]
+__all__ = ["ENGINE", "FRAMEWORK", "apply_compile", "apply_config", "apply_recompute", "apply_to_strategy",
+           "communication_options", "fingerprint", "job_engine", "load_config"]
+
+logger = get_logger("dpro.plugins.tf")
 
 FRAMEWORK = "tf"
 SINGLE_WORKER_ENGINE = "tf"  # what the recorder writes for one worker (no collective to tune)
 BYTES_PER_PACK, IMPLEMENTATION = "tf.mwms.bytes_per_pack", "tf.mwms.implementation"
 RECOMPUTE = "recompute"
+COMPILE = "compile"
 APPLIED_ELSEWHERE = ("env",)  # set by dpro-launch before the workers start
 
 
@@ -186,16 +196,73 @@ def _recomputed(layer: Any) -> Any:
     return call
 
 
+def apply_compile(model: Any, regions: list[str], source: str = "config") -> list[str]:
+    """Run ``model``'s train step under XLA when ``regions`` holds ``<root>``: ``model.jit_compile = True`` and its
+    train function built again (``fit`` builds it before the callbacks' ``on_train_begin``), guarded so that a
+    first step XLA cannot compile falls back to the train function without XLA (``_falling_back``). Other paths are
+    not applied (a warning): Keras compiles the whole train function or nothing.
+
+    Returns:
+        ``["<root>"]`` when the train function now runs under XLA, else ``[]`` (Keras refused: a layer that does not
+        support it, ``run_eagerly``).
+    """
+    parts = [r for r in regions if r != ROOT_MODULE]
+    if parts:
+        warnings.warn(f"dpro: {source}: compile={','.join(parts)} is not applied: Keras compiles its whole train "
+                      f"function (jit_compile), so only {ROOT_MODULE} is", stacklevel=2)
+    if ROOT_MODULE not in regions:
+        return []
+    if getattr(model, "run_eagerly", False):
+        warnings.warn(f"dpro: {source}: compile={ROOT_MODULE} is not applied: the model runs eagerly "
+                      "(run_eagerly=True), which Keras does not compile", stacklevel=2)
+        return []
+    try:
+        model.jit_compile = True  # Keras sets False, with its own warning, when a layer does not support XLA
+        if not model.jit_compile:
+            return []
+        model.make_train_function(force=True)
+        model.train_function = _falling_back(model, model.train_function, source)
+    except (AttributeError, TypeError, ValueError) as err:  # a model without Keras's trainer: it runs as it was
+        warnings.warn(f"dpro: {source}: compile={ROOT_MODULE} is not applied ({type(err).__name__}: {err})",
+                      stacklevel=2)
+        return []
+    return [ROOT_MODULE]
+
+
+def _falling_back(model: Any, train_function: Any, source: str) -> Any:
+    """``train_function`` whose first call, where XLA compiles the step, falls back on failure: jit_compile off, the
+    train function built again without it and called on the same iterator (the failed call may have taken a batch).
+    An error of the step itself fails again without XLA and reaches the user as it would have."""
+    state = {"function": train_function, "checked": False}
+
+    def train(iterator: Any) -> Any:
+        if state["checked"]:
+            return state["function"](iterator)
+        state["checked"] = True
+        try:
+            return train_function(iterator)
+        except (tf.errors.OpError, ValueError, TypeError, NotImplementedError) as err:
+            logger.warning("%s: the train step did not compile under XLA (%s); it runs without jit_compile",
+                           source, error_line(err))
+            model.jit_compile = False
+            model.make_train_function(force=True)
+            state["function"] = model.train_function
+            return state["function"](iterator)
+
+    return train
+
+
 def apply_config(model: Any, config: Config, strategy: Any = None) -> dict[str, Any]:
     """Everything of a config the TensorFlow plugin applies: the strategy's communication options
-    (``apply_to_strategy``, on ``strategy`` or the model's) and ``recompute`` (``apply_recompute``). Knobs it
-    does not apply are named in a warning. Call it before the first step is traced.
+    (``apply_to_strategy``, on ``strategy`` or the model's), ``recompute`` (``apply_recompute``) and ``compile``
+    (``apply_compile``). Knobs it does not apply are named in a warning. Call it before the first step is traced.
 
     Returns:
         The knobs applied, e.g. ``{"tf.mwms.bytes_per_pack": 4194304, "recompute": ["block1"]}``.
     """
     unapplied = sorted(k for k, v in config.knobs.items()
-                       if k not in (BYTES_PER_PACK, IMPLEMENTATION, RECOMPUTE) and k not in APPLIED_ELSEWHERE and v)
+                       if k not in (BYTES_PER_PACK, IMPLEMENTATION, RECOMPUTE, COMPILE) and k not in APPLIED_ELSEWHERE
+                       and v)
     if unapplied:
         warnings.warn(f"dpro: {config.source}: the TensorFlow plugin does not apply {', '.join(unapplied)} yet; "
                       "they are ignored", stacklevel=2)
@@ -203,4 +270,7 @@ def apply_config(model: Any, config: Config, strategy: Any = None) -> dict[str, 
     modules = config.knobs.get(RECOMPUTE) or []
     if modules:
         applied[RECOMPUTE] = apply_recompute(model, list(modules), config.source)
+    regions = config.knobs.get(COMPILE) or []
+    if regions and apply_compile(model, list(regions), config.source):
+        applied[COMPILE] = [ROOT_MODULE]
     return applied

@@ -7,8 +7,9 @@ when the script imports them. The first ``fit`` of the process gets a ``DproCall
 for the steps ``$DPRO_PROFILE`` ("10:20"), unless its callbacks already hold one (a script that records itself
 is recorded once). With ``$DPRO_CONFIG`` (``dpro-launch --apply FILE``) or ``$DPRO_APPLY_SEARCH`` (``--apply auto``:
 the newest config made for this model, engine and number of workers under it) the first fit gets the config's
-communication options and recomputed layers first (``dpro.plugins.tf.apply``). The fit's batch size
-(``fit_batch_size``) gives the recorder each layer's activation bytes. Nothing here raises into the user's
+communication options, recomputed layers and ``jit_compile`` first (``dpro.plugins.tf.apply``). The fit's batch size
+(``fit_batch_size``) gives the recorder each layer's activation bytes, and its first batch (``fit_probe_batch``, read
+after the window) the compile probe's inputs. Nothing here raises into the user's
 program: a failure to patch is printed and ignored; a config that does not fit the job stops it, as the torch
 plugin does. With ``$DPRO_STEP_TIMES`` (benches), worker 0's first fit also times the end of each batch there
 (``StepClockCallback``), recorded or not.
@@ -107,6 +108,27 @@ def fit_batch_size(arguments: dict[str, Any]) -> int | None:
     return None
 
 
+def fit_probe_batch(arguments: dict[str, Any], batch_size: int | None) -> Callable[[], Any] | None:
+    """A function returning the inputs of the fit's first batch (for the compile probe after the window; called only
+    then): a ``tf.data`` dataset's first element from a fresh iterator (its inputs: the first of an (x, y[, weight])
+    tuple), or the first ``batch_size`` rows of array inputs; None when there is neither."""
+    x = arguments.get("x")
+    if x is None:
+        return None
+    import tensorflow as tf
+
+    if isinstance(x, tf.data.Dataset):
+        def first_element() -> Any:
+            element = next(iter(x.take(1)))
+            return element[0] if isinstance(element, tuple) and 1 <= len(element) <= 3 else element
+
+        return first_element
+    arrays = tf.nest.flatten(x)
+    if batch_size and arrays and all(hasattr(a, "shape") and hasattr(a, "dtype") for a in arrays):
+        return lambda: tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:batch_size]), x)
+    return None
+
+
 def _with_step_clock(callbacks: Any) -> Any:
     """``callbacks`` plus, with ``$DPRO_STEP_TIMES`` on worker 0, a ``StepClockCallback`` for the first fit."""
     path = os.environ.get(STEP_TIMES)
@@ -128,7 +150,8 @@ def _rank() -> int:
         return 0
 
 
-def _with_recorder(callbacks: Any, batch_size: int | None = None) -> Any:
+def _with_recorder(callbacks: Any, batch_size: int | None = None,
+                   probe_batch: Callable[[], Any] | None = None) -> Any:
     """``callbacks`` plus a ``DproCallback`` for the first fit of the process (none if it already has one)."""
     from dpro.plugins.tf.callback import DproCallback
 
@@ -138,7 +161,7 @@ def _with_recorder(callbacks: Any, batch_size: int | None = None) -> Any:
         return callbacks
     _STATE["attached"] = True
     return [*listed, DproCallback(run_dir=os.environ.get(RUN_DIR) or None, steps=_window(os.environ.get(PROFILE)),
-                                  batch_size=batch_size, quiet=True)]
+                                  batch_size=batch_size, quiet=True, probe_batch=probe_batch)]
 
 
 def _wrap_fit(owner: type) -> None:
@@ -152,8 +175,11 @@ def _wrap_fit(owner: type) -> None:
         _apply_config(self)  # a config made for another job stops the job (ConfigError), as in torch
         try:
             bound = signature.bind_partial(self, *args, **kwargs)
-            batch = fit_batch_size(bound.arguments) if os.environ.get(AUTO_RECORD) == "1" else None
-            bound.arguments["callbacks"] = _with_step_clock(_with_recorder(bound.arguments.get("callbacks"), batch))
+            recording = os.environ.get(AUTO_RECORD) == "1"
+            batch = fit_batch_size(bound.arguments) if recording else None
+            probe_batch = fit_probe_batch(bound.arguments, batch) if recording else None
+            bound.arguments["callbacks"] = _with_step_clock(_with_recorder(bound.arguments.get("callbacks"), batch,
+                                                                           probe_batch))
             args, kwargs = bound.args[1:], bound.kwargs
         except Exception as err:  # noqa: BLE001 - recording must never stop the user's fit
             job_env.say(f"not recording this fit: {type(err).__name__}: {err}")

@@ -14,13 +14,16 @@ config made by ``dpro optimize`` for this model at the start of the fit, before 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dpro.errors import DproError
+from dpro.plugins.tf.probes import first_rows
 from dpro.plugins.tf.recorder import TFRecorder
 from dpro.record.protocol import StepClock
 
@@ -57,11 +60,16 @@ class DproCallback(_callback_base()):  # type: ignore[misc]
             choose layers to recompute. ``dpro-launch`` finds it from the fit's arguments.
         quiet: a window the recorder refuses (beyond the fit's steps, a used run directory) is said on stderr and
             the fit goes on unrecorded, instead of raising (dpro-launch's auto-attach: dpro never stops a job).
+        probe_batch: returns one batch of the model's inputs (the fit's ``x`` for one step, global batch) for the
+            compile probe after the window; None: ``batch_size`` samples made from the model's symbolic inputs.
+            ``dpro-launch`` passes the fit's first batch.
     """
 
     def __init__(self, run_dir: str | Path | None = None, steps: Any = range(10, 20), *, config: Any = None,
-                 force: bool = False, batch_size: int | None = None, quiet: bool = False) -> None:
+                 force: bool = False, batch_size: int | None = None, quiet: bool = False,
+                 probe_batch: Callable[[], Any] | None = None) -> None:
         super().__init__()
+        self.probe_batch = probe_batch
         self.quiet = quiet
         self.batch_size = batch_size
         self.run_dir = run_dir
@@ -96,8 +104,12 @@ class DproCallback(_callback_base()):  # type: ignore[misc]
         epochs = self.params.get("epochs") if isinstance(getattr(self, "params", None), dict) else None
         replicas = int(getattr(self.model.distribute_strategy, "num_replicas_in_sync", 1) or 1)
         per_worker = -(-self.batch_size // replicas) if self.batch_size else None
+        batch = self.probe_batch
+        if batch is not None and per_worker is not None and replicas > 1:  # the global batch, one worker's share
+            batch = functools.partial(first_rows, batch, per_worker)
         self.recorder = TFRecorder(self.model, self.run_dir, self.steps, who="dpro.plugins.tf.DproCallback",
-                                   total_steps=total * epochs if total and epochs else None, batch_size=per_worker)
+                                   total_steps=total * epochs if total and epochs else None, batch_size=per_worker,
+                                   probe_batch=batch)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if self.recorder is not None:

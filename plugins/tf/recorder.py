@@ -33,6 +33,7 @@ from dpro.engines.horovod.timeline import TIMELINE_FILE
 from dpro.engines.tf_mwms import NAME as ENGINE_MWMS
 from dpro.errors import DproError
 from dpro.plugins.tf.ops import HOROVOD_KERNEL, Layout, Pack, horovod_rows, pack_gradients, step_rows
+from dpro.plugins.tf.probes import probe_document, runs_jit_compiled, write_probes
 from dpro.plugins.tf.transport import HorovodCollectives, default_transport
 from dpro.plugins.tf.xplane import find_xplane, read_xplane
 from dpro.record.protocol import (
@@ -45,9 +46,10 @@ from dpro.record.protocol import (
     clock_samples,
     interference_probe,
     last_block_start,
+    probes_wanted,
     wall_minus_clock_ns,
 )
-from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
+from dpro.record.trace import QUEUE_ID, ROOT_MODULE, event_row, model_fingerprint, probes_summary
 from dpro.record.window import WindowEnd, WindowRecorder, open_trace
 from dpro.record.writer import model_document, run_document, write_model_json, write_run_json
 
@@ -201,13 +203,19 @@ class TFRecorder(WindowRecorder):
         transport: how workers talk (default: the TCP side channel of ``TF_CONFIG``).
         batch_size: samples per step on this worker; with it model.json holds each layer's activation bytes
             (its output for the batch), which the recompute search needs. None: not known, not searched.
+        probe_batch: returns one batch of the model's inputs for the compile probe after the window
+            (``dpro.plugins.tf.probes``); None: ``batch_size`` samples made from the model's symbolic inputs.
+        probes: run the compile probe after the window; None: unless ``$DPRO_PROBES`` is "0".
     """
 
     def __init__(self, model: Any, run_dir: str | Path | None, steps: Iterable[int], *,
                  strategy: Any = None, optimizer: Any = None, total_steps: int | None = None,
                  transport: Transport | None = None, who: str = "dpro.plugins.tf.Profiler",
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None, probe_batch: Callable[[], Any] | None = None,
+                 probes: bool | None = None) -> None:
         super().__init__(steps, total_steps=total_steps, who=who)
+        self.probe_batch = probe_batch
+        self.probes = probes_wanted() if probes is None else bool(probes)
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
         self.model = model
         self.strategy = strategy or getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
@@ -263,6 +271,9 @@ class TFRecorder(WindowRecorder):
         self._writer = open_trace(self.run_dir, self.rank, self.world_size, host=self.host,
                                   device="host (TensorFlow profiler)")
         self._layout, self._grads = self._model_layout()
+        if runs_jit_compiled(self.model):
+            logger.warning("%s: the model runs under jit_compile: XLA fuses its layers' ops, so the window records its "
+                           "steps without them", self.who)
         if self.rank == 0:
             self._write_run_json(pingpong)
         self.transport.barrier()
@@ -328,9 +339,30 @@ class TFRecorder(WindowRecorder):
     def _after_window(self, error: BaseException | None) -> None:
         if self.rank == 0:
             self._write_model_json(self._rows_by_step)
-        if error is None and self.horovod and self.iteration > self.steps[-1]:  # every rank is here, at one step
-            self._probe_after_window()
+        if error is None and self.iteration > self.steps[-1]:  # every rank is here, at one step
+            self._compile_probe_after_window()
+            if self.horovod:
+                self._probe_after_window()
         self._close_transport()
+
+    def _compile_probe_after_window(self) -> None:
+        """The compile probe (``dpro.plugins.tf.probes``) written to ``RUN/probes/``, summarised in rank 0's run.json:
+        on a single worker or a MultiWorkerMirroredStrategy worker, as the torch recorder probes a single process or
+        DDP (not Horovod: its optimizer is another engine's). Never raises."""
+        if not self.probes or self.horovod or (self.world_size > 1 and not is_mwms(self.strategy)):
+            return
+        try:
+            doc = probe_document(self.model, rank=self.rank, strategy=self.strategy, batch=self.probe_batch,
+                                 rows=self.batch_size)
+            if not doc["probes"] and not doc["skipped"]:
+                return  # $DPRO_PROBE_COMPILE=0: nothing probed, nothing to say
+            write_probes(self.run_dir, self.rank, doc)
+        except Exception as err:  # noqa: BLE001 - a probe must never fail the job it measures
+            logger.warning("%s: the probe after the window failed (%s); the run has none", self.who, err)
+            return
+        if self.rank == 0 and self._run_doc is not None:
+            self._run_doc["probes"] = probes_summary(doc)
+            write_run_json(self.run_dir, self._run_doc)
 
     def _probe_after_window(self) -> None:
         """The interference probe (a fixed kernel alone and while an allreduce is in flight) on Horovod's collectives
@@ -382,6 +414,8 @@ class TFRecorder(WindowRecorder):
             knobs.update(knobs_from_environment(dict(os.environ)))
         if self.optimizer is not None:
             knobs["optimizer"] = type(self.optimizer).__name__
+        if runs_jit_compiled(self.model):  # Keras builds the whole train function with XLA
+            knobs["compile"] = [ROOT_MODULE]
         return knobs
 
     def fingerprint(self) -> str:

@@ -30,17 +30,16 @@ import torch
 from torch import nn
 
 from dpro.logs import get_logger
-from dpro.record.protocol import compile_regions_wanted, probes_wanted
-from dpro.record.trace import PROBES_SCHEMA, ROOT_MODULE, Probe, probes_file, write_json_atomic
+from dpro.record.protocol import compile_regions_wanted
+from dpro.record.trace import PROBES_SCHEMA, ROOT_MODULE, Probe, probe_label, probes_file, write_json_atomic
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from dpro.plugins.torch.recorder import TorchRecorder
 
-__all__ = ["AMP_DTYPES", "COMPILE_PASSES", "PROBE_BUDGET_S", "PROBE_PASSES", "batch_size", "compile_regions_wanted",
-           "model_passes", "probes_summary", "probes_wanted", "run_probes", "sliced", "training_state_kept",
-           "write_probes"]
+__all__ = ["AMP_DTYPES", "COMPILE_PASSES", "PROBE_BUDGET_S", "PROBE_PASSES", "batch_size", "model_passes",
+           "run_probes", "sliced", "training_state_kept", "write_probes"]
 
 logger = get_logger("dpro.plugins.torch")
 
@@ -150,10 +149,6 @@ def _variants(full: int) -> list[tuple[str | None, int]]:
     return out
 
 
-def _label(amp: str | None, rows: int, region: str | None = None) -> str:
-    return f"compile {region}" if region is not None else f"{amp or 'recorded precision'} at batch {rows}"
-
-
 def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> dict[str, Any]:
     """Run the probes on ``batch`` (the inner module's last recorded forward arguments, and whether its forward was
     replaced for that call) and return the probe document (``dpro.probes/1``); a failed probe is skipped with a
@@ -227,7 +222,7 @@ def _hooked_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: in
         # enable_grad: the auto-attach closes its recorder from an optimizer's step hook
         with sync_off, training_state_kept(rec.module), torch.enable_grad():
             for amp, rows in _variants(full):
-                label = _label(amp, rows)
+                label = probe_label(amp, rows)
                 if time.perf_counter() - began > PROBE_BUDGET_S:
                     found.skip(label, f"the probes had taken {PROBE_BUDGET_S:.0f} s already")
                     continue
@@ -257,12 +252,12 @@ def _compile_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: i
     regions = compile_regions_wanted()
     if regions and rec.runs_compiled:
         for region in regions:
-            found.skip(_label(None, full, region), "the model already runs under torch.compile")
+            found.skip(probe_label(None, full, region), "the model already runs under torch.compile")
         return
     args, kwargs, _ = batch
     with _no_sync(rec), training_state_kept(rec.module), torch.enable_grad():
         for region in regions:
-            label = _label(None, full, region)
+            label = probe_label(None, full, region)
             if time.perf_counter() - began > PROBE_BUDGET_S:
                 found.skip(label, f"the probes had taken {PROBE_BUDGET_S:.0f} s already")
                 continue
@@ -347,11 +342,3 @@ def write_probes(run_dir: Path, rank: int, doc: dict[str, Any]) -> None:
     path = run_dir / probes_file(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, doc)
-
-
-def probes_summary(doc: dict[str, Any]) -> dict[str, Any]:
-    """What run.json says of rank 0's probes (``dpro info`` shows it)."""
-    return {"file": probes_file(int(doc.get("rank", 0))), "batch": doc.get("batch"),
-            "probes": [_label(p["amp"], p["batch"], p.get("compile")) for p in doc.get("probes", [])],
-            "skipped": [f"{s['probe']}: {s['why']}" for s in doc.get("skipped", [])],
-            "in_model": False}

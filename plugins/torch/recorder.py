@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpro.errors import UsageError
 from dpro.logs import get_logger
-from dpro.plugins.torch.probes import model_passes, probes_summary, probes_wanted, run_probes, write_probes
+from dpro.plugins.torch.probes import model_passes, run_probes, write_probes
 from dpro.plugins.torch.transport import TorchDistTransport
 from dpro.record.backward import split_backward
 from dpro.record.protocol import (
@@ -52,10 +52,11 @@ from dpro.record.protocol import (
     clock_samples,
     interference_probe,
     parse_steps,
+    probes_wanted,
     step_ended,
     transfer_probe,
 )
-from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint
+from dpro.record.trace import QUEUE_ID, event_row, model_fingerprint, probes_summary
 from dpro.record.window import close_window, open_trace
 from dpro.record.writer import (
     RankTraceWriter,

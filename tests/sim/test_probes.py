@@ -331,7 +331,7 @@ def test_a_run_with_only_compile_probes_prices_compile_and_refuses_the_others(tm
         ratio = 0.5 if name.startswith("FW") else 0.75
         assert compiled[name].duration == pytest.approx(base[name].duration * ratio)
     assert predict(ctx, {"compile": ["<root>"]}).predicted_step_ms < predict(ctx, {}).predicted_step_ms
-    with pytest.raises(UsageError, match=r"amp=bf16: this run's probe passes time compiled regions only"):
+    with pytest.raises(UsageError, match=r"amp=bf16: this run.s probe passes hold no pass of the batch as recorded"):
         predict(ctx, {"amp": "bf16"})
 
 
@@ -392,3 +392,20 @@ def test_optimize_compiles_only_what_measured_faster(tmp_path, compiled_us, pick
     assert (result.knobs.get("compile") == ["<root>"]) is picked
     note = next(e for e in result.explain if e["knob"] == "compile")
     assert ("priced by the compile probe" if picked else "measured slower compiled") in note["why"]
+
+
+def test_a_compile_probe_alone_prices_compile_and_says_why_amp_is_not(tmp_path):
+    """The TensorFlow recorder's probe file: one compile probe of <root>, no pass of the batch as recorded."""
+    run = make_run(tmp_path / "run")
+    write_probes(run, [{"schema": "dpro.probes/1", "rank": r, "batch": 16,
+                        "probes": [compile_entry("<root>", (50.0, 150.0), (100.0, 200.0))], "skipped": []}
+                       for r in (0, 1)])
+    ctx = context(load_run(run))
+    base = {op.name: op for op in ctx.base.ops[0]}
+    whole = {op.name: op for op in with_compile(ctx.base, ctx.probes, ["<root>"]).ops[0]}
+    assert whole["FW.fc1"].duration == pytest.approx(base["FW.fc1"].duration * 0.5)  # every FW/BW op: the model's
+    assert whole["BW.fc2"].duration == pytest.approx(base["BW.fc2"].duration * 0.75)
+    assert whole["UPDATE.sgd"].duration == base["UPDATE.sgd"].duration
+    assert predict(ctx, {"compile": ["<root>"]}).predicted_step_ms < predict(ctx, {}).predicted_step_ms
+    with pytest.raises(UsageError, match="amp=bf16: this run's probe passes hold no pass of the batch as recorded"):
+        predict(ctx, {"amp": "bf16"})
