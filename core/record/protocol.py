@@ -502,12 +502,20 @@ def transfer_probe(transport: Transport, clock: Clock, chunk: Callable[[], None]
                     "the window): under compute = stall + (1 + slowdown) * alone, through the sizes' medians"}
 
 
+def _robust_spread(values: Iterable[float]) -> float:
+    """The standard deviation as the interquartile range reads it: a resample that drew a neighbour's run several
+    times moves a median far, and would set a plain standard deviation."""
+    q = statistics.quantiles(values, n=4)
+    return (q[2] - q[0]) / 1.349
+
+
 def _transfer_fit(sizes: list[tuple[list[float], list[float]]], resamples: int = 200) -> dict[str, float]:
     """``stall_us`` and ``slowdown`` of ``under = stall + (1 + slowdown) * alone`` through two sizes' medians (alone
     and under compute: a neighbour that takes the core lengthens a few runs, whichever kind), ``excess_us`` (the
     smaller size's median under compute less its median alone), each with its standard error (``*_stderr``, from the
-    pairs resampled with replacement, a fixed seed). A slowdown or stall below 0 is read as 0 (compute cannot speed
-    a transfer up). Empty where fewer than 3 pairs of each of two sizes were timed."""
+    pairs resampled with replacement, a fixed seed, read off the resamples' quartiles). A slowdown or stall below 0
+    is read as 0 (compute cannot speed a transfer up). Empty where fewer than 3 pairs of each of two sizes were
+    timed."""
     if len(sizes) != 2 or any(len(a) < 3 or len(a) != len(c) for a, c in sizes):
         return {}
 
@@ -525,7 +533,7 @@ def _transfer_fit(sizes: list[tuple[list[float], list[float]]], resamples: int =
             picks = [rng.randrange(len(alone)) for _ in alone]
             drawn.append(([alone[i] for i in picks], [loaded[i] for i in picks]))
         spread.append(fit(drawn))
-    errors = [statistics.stdev(column) for column in zip(*spread, strict=True)]
+    errors = [_robust_spread(column) for column in zip(*spread, strict=True)]
     return {"stall_us": stall, "stall_stderr": errors[0], "slowdown": slowdown, "stderr": errors[1],
             "excess_us": excess, "excess_stderr": errors[2]}
 
