@@ -82,15 +82,17 @@ def test_a_real_ddp_job_measures_its_interference_and_the_what_if_uses_it(tmp_pa
     assert transfer["excess_us"] > 0, transfer
     ctx = context(run)
     assert ctx.interference.slowdown > 0
-    if not ctx.interference.applies:
-        pytest.skip(f"the probe could not tell a slowdown from noise here: {ctx.interference.describe()}")
+    if not ctx.interference.applies and not ctx.interference.stretches_transfers:
+        pytest.skip(f"the probes could not tell a slowdown from noise here: {ctx.interference.describe()}")
     one_bucket = {"torch.ddp.bucket_cap_mb": 100}
     with_it = predict(ctx, one_bucket).predicted_step_ms
     same = predict(ctx, {}).predicted_step_ms
-    ctx.interference = NONE
-    free = predict(ctx, one_bucket).predicted_step_ms
-    assert predict(ctx, {}).predicted_step_ms == pytest.approx(same)  # the recorded setting replays alike
-    assert with_it != pytest.approx(free, rel=1e-6)  # the what-if prices the overlap it changes
+    run.meta.pop("interference_probe")
+    run.meta.pop("transfer_probe")
+    free = context(run)  # the same recording modelled as if overlap were free
+    assert predict(free, {}).predicted_step_ms == pytest.approx(same)  # the recorded setting replays alike
+    # the what-if prices the overlap it changes
+    assert with_it != pytest.approx(predict(free, one_bucket).predicted_step_ms, rel=1e-6)
 
 
 def _two_buckets(rank: int, step: int) -> list[dict]:
