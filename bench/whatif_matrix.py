@@ -18,8 +18,9 @@ predicted change (the prediction's ratio to the script as written, against the m
 of the recording, which drifts job to job), and for the
 recommendation its measured gain over the script's own setting, and whether it was faster beyond the jobs'
 spread (``dpro-launch --auto`` keeps a config only when its re-run measured faster beyond the steps' spread). Every
-measured job is a recording as well: in the cross-check each of them predicts the change to every other setting,
-against the change the jobs measured, so the model is judged on many recordings, not only the one it was fitted on.
+measured job is a recording as well: in the cross-check (``bench/whatif_crosscheck.py``, which also compares variants
+of the model on kept jobs) each of them predicts the change to every other setting, against the change the jobs
+measured, so the model is judged on many recordings, not only the one it was fitted on.
 The last lines give the median and worst |error| per engine.
 
     python bench/whatif_matrix.py [--cases trainer,trainer-unused,accelerate,hvd-fusion,hvd-cycle,gluon-servers,
@@ -52,15 +53,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_doc import write_bench_doc
+from whatif_crosscheck import cross_errors
 
 from dpro import testbed
-from dpro.engines import get_engine, load_prepared
-from dpro.errors import DproError
+from dpro.engines import load_prepared
 from dpro.launch.env import job_env
 from dpro.launch.settings import LaunchConfig
 from dpro.optimize import config_document, optimize
 from dpro.record.protocol import parse_window
-from dpro.sim.whatif import Context, context, predict
+from dpro.sim.whatif import context, predict
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "bench" / "scripts"
@@ -216,45 +217,9 @@ def spread(values: list[float]) -> str:
     return f"{min(values):.1f}..{max(values):.1f}"
 
 
-def cross_check(case: Case, work: Path, settings: dict[str, tuple[dict, float]], measured: dict[str, list[float]],
-                recorded: Context, rounds: int) -> list[float]:
-    """Every measured job is a recording too (at its own setting): each predicts the change to every other setting,
-    against the change the jobs measured (medians). |error| %, one per (job, other setting) pair the model prices;
-    many recordings instead of one, so the model is judged on more than the recording it was fitted on."""
-    labels = list(settings)
-    own = case.label(None)
-    # the script's own setting as knobs (DDP's default buckets are a cap and a first bucket of their own)
-    engine_knobs = {case.knob, *get_engine(recorded.engine).comm_knobs}
-    own_knobs = {k: v for k, v in recorded.knobs.items() if k in engine_knobs and v is not None} or \
-        {case.knob: case.knob_value(case.own)}
-    errors = []
-    for r in range(rounds):
-        for i, label in enumerate(labels):
-            found = sorted(work.glob(f"r{r}-{i}*"))
-            if not found:
-                continue
-            try:
-                ctx = context(load_prepared(found[-1]))
-            except (DproError, OSError) as err:
-                print(f"  (cross-check: {found[-1].name} not modelled: {err})", file=sys.stderr)
-                continue
-            mine = predict(ctx, {}).predicted_step_ms
-            for other in labels:
-                if other == label:
-                    continue
-                knobs = own_knobs if other == own else settings[other][0]
-                try:
-                    theirs = predict(ctx, dict(knobs)).predicted_step_ms
-                except DproError:  # a knob this recording cannot price (a compiled run, another precision)
-                    continue
-                got = statistics.median(measured[other]) / statistics.median(measured[label])
-                errors.append(abs(100.0 * ((theirs / mine) / got - 1.0)))
-    return errors
-
-
 def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: Path, args: argparse.Namespace,
                port: int, say: Callable[[str], None], errors: dict[str, list[float]],
-               relative_errors: dict[str, list[float]], cross_errors: dict[str, list[float]]) -> None:
+               relative_errors: dict[str, list[float]], crossed: dict[str, list[float]]) -> None:
     """Record case ``name``, predict its knob's values and dpro's recommendation, run them all; say the rows."""
     case = CASES[name]
     if args.values and case.knob == "torch.ddp.bucket_cap_mb":
@@ -300,9 +265,9 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
             relative_errors.setdefault(case.engine, []).append(abs(relative))
         say(f"{network:<9} {name:<11} {label:<22} {predicted:>12.1f} {got:>12.1f} "
             f"{spread(measured[label]):<13} {err:>+8.1f} {relative:>+11.1f}")
-    cross = cross_check(case, work, settings, measured, ctx, args.rounds)
+    cross = cross_errors(work)
     if cross:
-        cross_errors.setdefault(case.engine, []).extend(cross)
+        crossed.setdefault(case.engine, []).extend(cross)
         say(f"  cross-check: each measured job, recorded at its setting, predicts the others: |change error| median "
             f"{statistics.median(cross):.1f} %, worst {max(cross):.1f} % over {len(cross)} what-ifs")
     own = measured[case.label(None)]
@@ -340,7 +305,7 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     errors: dict[str, list[float]] = {}
     relative_errors: dict[str, list[float]] = {}
-    cross_errors: dict[str, list[float]] = {}
+    crossed: dict[str, list[float]] = {}
 
     def say(line: str) -> None:
         lines.append(line)
@@ -369,7 +334,7 @@ def main() -> int:
                 try:
                     port += 10
                     check_case(name, network, cluster, Path(tmp) / f"{network}-{name}", args, port, say, errors,
-                               relative_errors, cross_errors)
+                               relative_errors, crossed)
                 finally:
                     if cluster_cm is not None:
                         cluster_cm.__exit__(None, None, None)
@@ -378,7 +343,7 @@ def main() -> int:
         say(f"{engine}: |error| median {statistics.median(errs):.1f} %, worst {max(errs):.1f} % over {len(errs)} "
             f"what-ifs; of the change (against the script as written, measured and predicted): median "
             f"{statistics.median(changes):.1f} %, worst {max(changes):.1f} %")
-    for engine, errs in cross_errors.items():
+    for engine, errs in crossed.items():
         say(f"{engine} cross-check (every measured job predicting the other settings): |change error| median "
             f"{statistics.median(errs):.1f} %, worst {max(errs):.1f} % over {len(errs)} what-ifs")
     if args.doc:

@@ -1,0 +1,150 @@
+"""Every job ``bench/whatif_matrix.py --keep DIR`` kept is a recording at its own setting: each predicts the change to
+every other setting of its case, against the change the jobs measured (medians of their recorded steps). The model
+is judged on many recordings, not the one it was fitted on, and variants of it on the same recordings side by side:
+
+- ``as built``: the model as it is;
+- ``transfers free of compute``: the recorder's transfer probe left out (what-ifs price a transfer beside compute
+  as if alone);
+- ``overlap free``: both interference probes left out (overlap costs neither compute nor transfers).
+
+    python bench/whatif_crosscheck.py KEPT_DIR [KEPT_DIR ...] [--doc docs/benchmarks/whatif_crosscheck.md]
+
+``KEPT_DIR``: a ``--keep`` directory (its case directories are found inside) or one case directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench_doc import write_bench_doc
+
+from dpro.config import knob_table
+from dpro.engines import get_engine, load_prepared
+from dpro.errors import DproError
+from dpro.io.load import Run
+from dpro.sim.whatif import context, predict
+
+Variant = Callable[[Run], None]
+
+
+def _without(*keys: str) -> Variant:
+    def drop(run: Run) -> None:
+        for key in keys:
+            (run.meta or {}).pop(key, None)
+
+    return drop
+
+
+VARIANTS: dict[str, Variant | None] = {
+    "as built": None,
+    "transfers free of compute": _without("transfer_probe"),
+    "overlap free": _without("transfer_probe", "interference_probe"),
+}
+
+
+def case_settings(case_dir: Path) -> dict[int, dict[str, Any]]:
+    """Setting index -> the knobs that set it: ``config-<i>.json``'s, and for index 0 (the script as written) the
+    recording's own values of those knobs and of the engine's communication knobs (DDP's default buckets are a cap
+    and a first bucket of their own)."""
+    settings = {int(p.stem.split("-")[1]): json.loads(p.read_text())["knobs"]
+                for p in sorted(case_dir.glob("config-*.json"))}
+    recorded = context(load_prepared(case_dir / "recorded"))
+    keys = {k for knobs in settings.values() for k in knobs} | set(get_engine(recorded.engine).comm_knobs)
+    table = knob_table()
+    own = {k: recorded.knobs[k] for k in keys if recorded.knobs.get(k) is not None}
+    own.update({k: table[k].default for k in keys if k not in own and k in table and table[k].default is not None})
+    settings[0] = own
+    return settings
+
+
+def case_jobs(case_dir: Path) -> dict[int, list[Path]]:
+    """Setting index -> the kept jobs run at it (``r<round>-<index>``, or the re-run that replaced a failed one)."""
+    jobs: dict[int, list[Path]] = {}
+    for run_dir in sorted(case_dir.glob("r*-*")):
+        index = int(run_dir.name.split("-")[1])
+        if (run_dir / "run.json").exists():
+            jobs.setdefault(index, []).append(run_dir)
+    return jobs
+
+
+def measured_ms(run_dir: Path) -> float:
+    return context(load_prepared(run_dir)).base.measured_step_us / 1000.0
+
+
+def cross_errors(case_dir: Path, variant: Variant | None = None,
+                 measured: dict[int, float] | None = None) -> list[float]:
+    """|error| % of every (kept job, other setting) pair the model prices: the predicted ratio of the other setting
+    to the job's own, against the measured ratio of the settings' median jobs."""
+    settings, jobs = case_settings(case_dir), case_jobs(case_dir)
+    measured = measured or {i: statistics.median(measured_ms(d) for d in ds) for i, ds in jobs.items()}
+    errors = []
+    for index, dirs in jobs.items():
+        for run_dir in dirs:
+            run = load_prepared(run_dir)
+            if variant is not None:
+                variant(run)
+            try:
+                ctx = context(run)
+            except (DproError, OSError) as err:
+                print(f"  ({run_dir} not modelled: {err})", file=sys.stderr)
+                continue
+            mine = predict(ctx, {}).predicted_step_ms
+            for other, knobs in settings.items():
+                if other == index or other not in measured:
+                    continue
+                try:
+                    theirs = predict(ctx, dict(knobs)).predicted_step_ms
+                except DproError:  # a knob this recording cannot price (a compiled run, another precision)
+                    continue
+                errors.append(abs(100.0 * ((theirs / mine) / (measured[other] / measured[index]) - 1.0)))
+    return errors
+
+
+def case_dirs(paths: list[str]) -> list[Path]:
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        inside = sorted(p for p in path.iterdir() if (p / "recorded").is_dir())
+        found += [path] if (path / "recorded").is_dir() else inside
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("kept", nargs="+", help="whatif_matrix --keep directories, or case directories in them")
+    parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
+    args = parser.parse_args()
+    header = f"{'case':<28} {'variant':<26} {'what-ifs':>8} {'median |err| %':>14} {'worst %':>8}"
+    lines = ["each kept job predicts the change to every other setting of its case (measured: medians of the jobs)",
+             header, "-" * len(header)]
+    print("\n".join(lines), flush=True)
+    pooled: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for case_dir in case_dirs(args.kept):
+        measured = {i: statistics.median(measured_ms(d) for d in ds) for i, ds in case_jobs(case_dir).items()}
+        for name, variant in VARIANTS.items():
+            errs = cross_errors(case_dir, variant, measured)
+            if not errs:
+                continue
+            pooled[name] += errs
+            line = (f"{case_dir.name:<28} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} "
+                    f"{max(errs):>8.1f}")
+            lines.append(line)
+            print(line, flush=True)
+    for name, errs in pooled.items():
+        if errs:
+            line = f"{'all':<28} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} {max(errs):>8.1f}"
+            lines.append(line)
+            print(line, flush=True)
+    if args.doc:
+        write_bench_doc(args.doc, "What-ifs from every kept job, side by side", lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
