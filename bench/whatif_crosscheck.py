@@ -120,7 +120,7 @@ def main() -> int:
     parser.add_argument("kept", nargs="+", help="whatif_matrix --keep directories, or case directories in them")
     parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
-    header = f"{'case':<28} {'variant':<26} {'what-ifs':>8} {'median |err| %':>14} {'worst %':>8}"
+    header = f"{'kept case':<34} {'variant':<26} {'what-ifs':>8} {'median |err| %':>14} {'worst %':>8}"
     lines = ["each kept job predicts the change to every other setting of its case (measured: medians of the jobs)",
              header, "-" * len(header)]
     print("\n".join(lines), flush=True)
@@ -132,13 +132,13 @@ def main() -> int:
             if not errs:
                 continue
             pooled[name] += errs
-            line = (f"{case_dir.name:<28} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} "
-                    f"{max(errs):>8.1f}")
+            label = f"{case_dir.parent.name}/{case_dir.name}"
+            line = f"{label:<34} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} {max(errs):>8.1f}"
             lines.append(line)
             print(line, flush=True)
     for name, errs in pooled.items():
         if errs:
-            line = f"{'all':<28} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} {max(errs):>8.1f}"
+            line = f"{'all':<34} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} {max(errs):>8.1f}"
             lines.append(line)
             print(line, flush=True)
     if args.doc:
