@@ -82,18 +82,13 @@ def robust_line(samples: list[tuple[float, float]], intercept_quantile: float = 
     return max(0.0, intercept), slope
 
 
-def _lower_quartile(values: list[float]) -> float:
-    """The probe's time alone at one size: its lower quartile, since whatever else the host runs only lengthens an
-    allreduce (on a shared 2-core host a few of every size's runs take milliseconds longer)."""
-    return sorted(values)[len(values) // 4]
-
-
 def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]], world_size: int) -> CommModel:
     """Fit a ``CommModel`` from the recording-time ``probe`` [[bytes, µs]] or in-step ``transfers``.
 
-    The probe (all_reduce alone, at four sizes, on the job's own process group and network; each size's lower
-    quartile) gives the cleanest shape of latency vs bandwidth; in-step transfers overlap each other and backward,
-    so they are used only when there is no probe. ``dpro.sim.whatif.calibrate`` then scales the model so the recorded
+    The probe (all_reduce alone, at four sizes, on the job's own process group and network; each size's median: on
+    a busy host some runs wait for a core, and a job's allreduces do too, so the best runs would price them too
+    cheap) gives the cleanest shape of latency vs bandwidth; in-step transfers overlap each other and backward, so
+    they are used only when there is no probe. ``dpro.sim.whatif.calibrate`` then scales the model so the recorded
     configuration replays to its measured step.
     """
     n = max(world_size, 2)
@@ -106,7 +101,7 @@ def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]
     for nbytes, us in probe:
         by_size[nbytes].append(us)
     if len(by_size) >= 2:
-        return to_model(*_line([(b, _lower_quartile(v)) for b, v in by_size.items()]), "all_reduce probe")
+        return to_model(*_line([(b, statistics.median(v)) for b, v in by_size.items()]), "all_reduce probe")
     sizes = sorted({b for b, _ in transfers})
     if len(sizes) >= 2:
         return to_model(*_line(transfers), "in-step transfers")
