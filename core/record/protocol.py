@@ -422,6 +422,8 @@ def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = P
 
 INTERFERENCE_TARGET = 3.0  # the probe's allreduce is sized to last this many times the compute it overlaps
 INTERFERENCE_PAIRS = 21  # (alone, overlapped) pairs: enough that the few a neighbour slows are trimmed off
+PROBE_BUDGET_US = 8e6  # each interference probe's pairs are cut to fit this (the job waits for them) ...
+MIN_PAIRS = 5  # ... down to this many
 
 
 def interference_probe(transport: Transport, clock: Clock, compute: Callable[[], None],
@@ -444,7 +446,11 @@ def interference_probe(transport: Transport, clock: Clock, compute: Callable[[],
     nbytes_us = max(samples, key=lambda s: s[0])
     us_per_byte = max(nbytes_us[1], 1.0) / max(nbytes_us[0], 1.0)
     wanted = int(INTERFERENCE_TARGET * min(warm) / us_per_byte)
-    nbytes = int(transport.broadcast_text(str(min(max(wanted, 64 * 1024), 64 * 2**20) // 4 * 4)))  # rank 0's
+    # a pair lasts the compute alone, then at least the allreduce: a long pass (a big model's) gets fewer pairs
+    affordable = int(PROBE_BUDGET_US / ((2.0 + INTERFERENCE_TARGET) * max(min(warm), 1.0)))
+    agreed = transport.broadcast_text(f"{min(max(wanted, 64 * 1024), 64 * 2**20) // 4 * 4},"
+                                      f"{min(pairs, max(MIN_PAIRS, affordable))}")  # rank 0's
+    nbytes, pairs = (int(v) for v in agreed.split(","))
     alone, runs = [], []
     for i in range(pairs):
         t0 = clock.now()
@@ -480,7 +486,12 @@ def transfer_probe(transport: Transport, clock: Clock, chunk: Callable[[], None]
     largest = max(samples, key=lambda s: s[0])
     us_per_byte = max(largest[1], 1.0) / max(largest[0], 1.0)
     sizes = [min(max(int(t / us_per_byte), 16 * 1024), 64 * 2**20) // 4 * 4 for t in TRANSFER_TARGETS_US]
-    sizes = [int(s) for s in transport.broadcast_text(",".join(map(str, sizes))).split(",")]  # rank 0's
+    t0 = clock.now()
+    chunk()
+    pair_us = 2.0 * (clock.now() - t0) + 2.0 * sum(TRANSFER_TARGETS_US)  # a pass per allreduce under it, at least
+    affordable = int(PROBE_BUDGET_US / (len(sizes) * pair_us))
+    agreed = transport.broadcast_text(",".join(map(str, [*sizes, min(pairs, max(MIN_PAIRS, affordable))])))
+    *sizes, pairs = (int(v) for v in agreed.split(","))  # rank 0's
     chunk_us: list[float] = []
 
     def timed_chunk() -> None:

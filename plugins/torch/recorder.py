@@ -965,7 +965,8 @@ class TorchRecorder:
         ``chunk``: a twelfth of that, which the transfer probe runs over and over until its allreduce is done)."""
         device = "cuda" if self.cuda else "cpu"
         size = 1024 if self.cuda else 256
-        a = torch.randn(size, size, device=device)
+        # a generator of its own: the job's random stream goes on as if no probe had run
+        a = torch.randn(size, size, device=device, generator=torch.Generator(device).manual_seed(0))
         repeat = (64 if self.cuda else 12) // (12 if chunk else 1)
 
         def compute() -> None:
