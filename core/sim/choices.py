@@ -30,7 +30,8 @@ from typing import Any
 from dpro.config import MAX_MICRO_BATCHES
 from dpro.errors import UsageError
 from dpro.io.load import run_step_times_ms
-from dpro.sim.whatif import MB, Context, Prediction, peak_memory, predict
+from dpro.sim.interference import Interference
+from dpro.sim.whatif import MB, Context, Prediction, calibrate, peak_memory, predict
 
 __all__ = [
     "MIN_GAIN",
@@ -75,21 +76,34 @@ def clears(ctx: Context, gain_ms: float, predicted_ms: float, floor: float = MIN
     worst, at = worst_gain_ms(ctx, *change) if change is not None else (gain_ms, None)
     shown = f"{gain_ms:+.2f} ms +/- {margin:.2f} ms"
     if at is not None and worst < gain_ms - 0.005:
-        shown += (f", {worst:+.2f} ms if overlapped compute runs {100.0 * at:.0f}% slower (the interference "
-                  "the recorder's probe cannot rule out)" if at > 0 else
-                  f", {worst:+.2f} ms if overlap slows nothing (the probe cannot rule that out)")
+        shown += f", {worst:+.2f} ms if {_end_words(ctx.interference, at)} (what the recorder's probes cannot rule out)"
     return min(gain_ms, worst) > max(floor * predicted_ms, margin), shown
 
 
-def worst_gain_ms(ctx: Context, before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float | None]:
-    """The smallest gain of ``after`` over ``before`` at the ends of the interference the recorder measured
-    (``Interference.plausible``), and the slowdown that gives it; (inf, None) where nothing was measured."""
+def _end_words(central: Interference, end: Interference) -> str:
+    """An end of the interference (``Interference.ends``) as people read it."""
+    words = []
+    if central.plausible():
+        words.append(f"overlapped compute runs {100.0 * end.slowdown:.0f}% slower" if end.slowdown > 0 else
+                     "overlap slows no compute")
+    if end.transfer is not None and central.transfer is not None:
+        words.append(f"a transfer beside compute waits {end.transfer.stall_us / 1000.0:.1f} ms, then takes "
+                     f"{1.0 + end.transfer.slowdown:.1f}x as long")
+    return " and ".join(words)
+
+
+def worst_gain_ms(ctx: Context, before: dict[str, Any], after: dict[str, Any]) -> tuple[float, Interference | None]:
+    """The smallest gain of ``after`` over ``before`` at the ends of the interference the recorder's probes measured
+    (``Interference.ends``; the comm model calibrated again where the transfers' stretch moved), and the end that
+    gives it; (inf, None) where nothing was measured."""
     worst, at = math.inf, None
-    for slowdown in ctx.interference.plausible():
-        other = dataclasses.replace(ctx, interference=ctx.interference.at(slowdown), cache={}, on_predict=None)
+    for end in ctx.interference.ends():
+        other = dataclasses.replace(ctx, interference=end, cache={}, on_predict=None)
+        if end.transfer != ctx.interference.transfer and ctx.comm_fitted is not None:
+            other = calibrate(dataclasses.replace(other, comm=ctx.comm_fitted))
         gain = predict(other, before).predicted_step_ms - predict(other, after).predicted_step_ms
         if gain < worst:
-            worst, at = gain, slowdown
+            worst, at = gain, end
     return worst, at
 
 

@@ -95,6 +95,17 @@ class TransferSlowdown:
             t = b
         return t + left
 
+    def plausible(self) -> tuple[TransferSlowdown, TransferSlowdown]:
+        """The stretch the probe cannot rule out, as its ends (stall and slowdown ``SIGNIFICANCE`` standard errors
+        below and above the fit, at least 0), each taken as exact."""
+        def end(sign: float) -> TransferSlowdown:
+            return replace(self, stall_us=max(0.0, self.stall_us + sign * SIGNIFICANCE * self.stall_stderr),
+                           slowdown=min(MAX_TRANSFER_SLOWDOWN, max(0.0, self.slowdown + sign * SIGNIFICANCE
+                                                                   * self.stderr)),
+                           stall_stderr=0.0, stderr=0.0, excess_stderr=0.0)
+
+        return end(-1.0), end(1.0)
+
     def describe(self) -> str:
         verdict = "applied in what-ifs" if self.applies else "not applied (within its uncertainty)"
         return (f"a transfer under compute waits {self.stall_us / 1000.0:.1f} ms +/- {self.stall_stderr / 1000.0:.1f} "
@@ -136,6 +147,20 @@ class Interference:
     def at(self, slowdown: float) -> Interference:
         """This measurement taken as exactly ``slowdown`` (applied when above zero)."""
         return replace(self, slowdown=slowdown, stderr=0.0)
+
+    def ends(self) -> tuple[Interference, ...]:
+        """The interference the probes cannot rule out, as two ends taken as exact: both sides at their low end,
+        then both at their high end (one contention slows compute and transfers alike). Empty where neither side
+        was measured by a probe."""
+        compute = self.plausible()
+        transfer = self.transfer.plausible() if self.transfer is not None else ()
+        if not compute and not transfer:
+            return ()
+        out = []
+        for k in range(2):
+            end = self.at(compute[k]) if compute else self
+            out.append(replace(end, transfer=transfer[k]) if transfer else end)
+        return tuple(out)
 
     def describe(self) -> str:
         if self.ops == 0:

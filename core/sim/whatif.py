@@ -139,6 +139,8 @@ class Context:
     recording: RecordingCost | None = None  # what recording cost the recorded steps, where the window's gaps told
     as_recorded_ms: float | None = None  # the recorded configuration's replay before that cost was taken out
     probes: dict[int, RankProbes] = field(default_factory=dict)  # the recorder's probe passes (io.probes), by rank
+    comm_fitted: CommModel | None = None  # ``comm`` before ``calibrate`` scaled it (calibrated again under another
+    # interference: the transfers' stretch moves the level the recorded run gives)
 
     @property
     def world_size(self) -> int:
@@ -167,7 +169,8 @@ def context(run: Run) -> Context:
     grads = [(g["name"], int(g["bytes"])) for g in run.model.get("gradients", [])]
     interference = fit_interference(run, base.steps)
     ctx = calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs,
-                            interference=interference, recording=recording_cost(run), probes=read_probes(run.path)))
+                            interference=interference, recording=recording_cost(run), probes=read_probes(run.path),
+                            comm_fitted=comm))
     return without_recording_cost(ctx)
 
 
