@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import mxnet as mx
 from mxnet import gluon
 
 from dpro.record.trace import ROOT_MODULE
 
 __all__ = ["HYBRIDIZED_BY_DPRO", "HYBRID_STATE", "block_paths", "find_block", "hybrid_blocks", "hybrid_state",
-           "hybridize_region", "hybridized_by_dpro", "runs_hybridized", "set_hybrid_state"]
+           "hybridize_region", "hybridized_by_dpro", "ndarrays", "runs_hybridized", "set_hybrid_state"]
 
 HYBRIDIZED_BY_DPRO = "_dpro_hybridized"  # on a block a config's ``compile`` hybridized (dpro.plugins.mxnet.apply)
 HYBRID_STATE = ("_active", "_flags", "_backend", "_backend_opts", "_cached_graph", "_cached_op", "_cached_op_args",
@@ -81,3 +82,12 @@ def hybridize_region(block: Any) -> None:
     Block's hybrid children). ``static_shape`` is left off: a last batch of another size would rebuild the graph.
     Gluon's warning about forward hooks on a hybridized block is the caller's to handle."""
     block.hybridize(True, static_alloc=True)
+
+
+def ndarrays(value: Any) -> list[Any]:
+    """The NDArrays in ``value`` (an array, or lists and tuples of them, nested), in order."""
+    if isinstance(value, mx.nd.NDArray):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [a for v in value for a in ndarrays(v)]
+    return []

@@ -38,11 +38,12 @@ from dpro.plugins.mxnet.blocks import (
     hybrid_blocks,
     hybrid_state,
     hybridize_region,
+    ndarrays,
     runs_hybridized,
     set_hybrid_state,
 )
 from dpro.record.protocol import compile_regions_wanted
-from dpro.record.trace import PROBES_SCHEMA, Probe, probes_file, write_json_atomic
+from dpro.record.trace import PROBES_SCHEMA, Probe, probe_label, probes_file, write_json_atomic
 
 __all__ = ["COMPILE_PASSES", "MIN_PASSES", "PROBE_BUDGET_S", "run_compile_probes", "training_state_kept",
            "write_probes"]
@@ -56,20 +57,8 @@ class _Skip(Exception):
     """A region the probe leaves out, and why (not a failure)."""
 
 
-def _label(region: str) -> str:
-    return f"compile {region}"
-
-
 def _why(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
-def _arrays(value: Any) -> list[Any]:
-    if isinstance(value, mx.nd.NDArray):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [a for v in value for a in _arrays(v)]
-    return []
 
 
 def _gradient_arrays(net: Any) -> list[Any]:
@@ -106,7 +95,7 @@ def _floating(array: Any) -> bool:
 
 def _probe_loss(output: Any) -> Any:
     """The sum of the region's floating outputs: a scalar whose backward reaches all it computed."""
-    parts = [a.sum() for a in _arrays(output) if _floating(a)]
+    parts = [a.sum() for a in ndarrays(output) if _floating(a)]
     if not parts:
         raise ValueError("the region's output holds no floating array")
     return parts[0] if len(parts) == 1 else mx.nd.add_n(*parts)
@@ -118,7 +107,7 @@ def _timed_pass(block: Any, args: tuple[Any, ...]) -> tuple[float, float]:
     t0 = time.perf_counter_ns()
     with autograd.record():
         output = block(*args)
-        for array in _arrays(output):
+        for array in ndarrays(output):
             array.wait_to_read()
         t1 = time.perf_counter_ns()
         loss = _probe_loss(output)
@@ -164,7 +153,7 @@ def _region_inputs(net: Any, block: Any, region: str, batch: tuple[Any, ...]) ->
         handle.detach()
     if not seen:
         raise ValueError(f"{region} was not called in the net's forward")
-    given = {id(a) for a in _arrays(batch)}
+    given = {id(a) for a in ndarrays(batch)}
     return tuple(_detached(a, given) for a in seen[0])
 
 
@@ -203,7 +192,7 @@ def _compile_probe(net: Any, region: str, batch: tuple[Any, ...], rows: int, beg
 
 def _batch_rows(batch: tuple[Any, ...] | None) -> int | None:
     """Dim 0 of the first array among the net's arguments."""
-    arrays = _arrays(list(batch or ()))
+    arrays = ndarrays(list(batch or ()))
     return int(arrays[0].shape[0]) if arrays and arrays[0].ndim > 0 and arrays[0].shape[0] > 0 else None
 
 
@@ -216,15 +205,15 @@ def run_compile_probes(net: Any, batch: tuple[Any, ...] | None, rank: int) -> di
     skipped: list[dict[str, str]] = []
     results: list[Probe] = []
     if regions and (batch is None or rows is None):
-        skipped = [{"probe": _label(r), "why": "no forward of the net with a batch array was seen in the window"}
-                   for r in regions]
+        why = "no forward of the net with a batch array was seen in the window"
+        skipped = [{"probe": probe_label(None, None, r), "why": why} for r in regions]
     elif regions:
         began = time.perf_counter()
         with training_state_kept(net):
             for region in regions:
                 why = _probe_region(net, region, batch, rows, began, results)
                 if why:
-                    skipped.append({"probe": _label(region), "why": why})
+                    skipped.append({"probe": probe_label(None, None, region), "why": why})
     return {"schema": PROBES_SCHEMA, "rank": rank, "batch": rows, "probes": [p.to_json() for p in results],
             "skipped": skipped, "note": "probe passes after the window: not part of the recorded steps; the compile "
                                         "probe times hybridize(static_alloc=True) against the net as it ran"}

@@ -52,7 +52,7 @@ from dpro.engines.mxnet_ps import DEFAULT_BIGARRAY_BOUND, SERVER_HOSTS_ENV, biga
 from dpro.engines.mxnet_ps import NAME as ENGINE_PS
 from dpro.errors import UsageError
 from dpro.logs import get_logger
-from dpro.plugins.mxnet.blocks import block_paths, hybridized_by_dpro
+from dpro.plugins.mxnet.blocks import block_paths, hybridized_by_dpro, ndarrays
 from dpro.plugins.mxnet.probes import run_compile_probes, write_probes
 from dpro.plugins.mxnet.transport import default_transport
 from dpro.record.backward import split_backward
@@ -208,14 +208,6 @@ def param_short_name(param: Any, block: Any) -> str:
     prefix = getattr(block, "prefix", "") or ""
     name = str(param.name)
     return name[len(prefix):] if prefix and name.startswith(prefix) else name
-
-
-def _arrays(obj: Any) -> list[Any]:
-    if isinstance(obj, mx.nd.NDArray):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [a for o in obj for a in _arrays(o)]
-    return []
 
 
 def _first_element(array: Any) -> Any:
@@ -445,7 +437,7 @@ class GluonRecorder(WindowRecorder):
             step = self._current
             if step is None or unit.path not in step.forward:
                 return
-            for out in _arrays(outputs):
+            for out in ndarrays(outputs):
                 out.wait_to_read()
             start, _ = step.forward[unit.path]
             step.forward[unit.path] = (start, self.clock.now())
