@@ -26,11 +26,14 @@ from bench_doc import write_bench_doc
 
 from dpro.config import knob_table
 from dpro.engines import get_engine, load_prepared
+from dpro.engines.mxnet_ps import BIGARRAY_BOUND, BIGARRAY_BOUND_ENV, NUM_SERVERS, NUM_SERVERS_ENV
 from dpro.errors import DproError
 from dpro.io.load import Run
 from dpro.sim.whatif import context, predict
 
 Variant = Callable[[Run], None]
+ENV_KNOBS = {NUM_SERVERS_ENV: NUM_SERVERS, BIGARRAY_BOUND_ENV: BIGARRAY_BOUND}  # run.json's name for a variable
+# the recorder stores under another name (Horovod's knobs are named as their variables)
 
 
 def _without(*keys: str) -> Variant:
@@ -50,8 +53,8 @@ VARIANTS: dict[str, Variant | None] = {
 
 def case_settings(case_dir: Path) -> dict[int, dict[str, Any]]:
     """Setting index -> the knobs that set it: ``config-<i>.json``'s, and for index 0 (the script as written) the
-    recording's own values of those knobs and of the engine's communication knobs (DDP's default buckets are a cap
-    and a first bucket of their own)."""
+    recording's own values of those knobs, of the environment variables the configs set (run.json's knobs) and of
+    the engine's communication knobs (DDP's default buckets are a cap and a first bucket of their own)."""
     settings = {int(p.stem.split("-")[1]): json.loads(p.read_text())["knobs"]
                 for p in sorted(case_dir.glob("config-*.json"))}
     recorded = context(load_prepared(case_dir / "recorded"))
@@ -59,6 +62,9 @@ def case_settings(case_dir: Path) -> dict[int, dict[str, Any]]:
     table = knob_table()
     own = {k: recorded.knobs[k] for k in keys if recorded.knobs.get(k) is not None}
     own.update({k: table[k].default for k in keys if k not in own and k in table and table[k].default is not None})
+    variables = {v for knobs in settings.values() for v in knobs.get("env") or {}}
+    own["env"] = {v: str(recorded.knobs[ENV_KNOBS.get(v, v)]) for v in variables
+                  if recorded.knobs.get(ENV_KNOBS.get(v, v)) is not None}
     settings[0] = own
     return settings
 

@@ -47,7 +47,9 @@ __all__ = [
     "PINGPONG_ROUNDS",
     "INTERFERENCE_PAIRS",
     "PROBE_BYTES",
+    "PROBE_MOST",
     "PROBE_REPEAT",
+    "PROBE_SIZE_BUDGET_US",
     "RUN_DIR_ENV",
     "SKEW_ENV",
     "STEP_TIMES_ENV",
@@ -81,7 +83,9 @@ PINGPONG_ROUNDS = 16
 STEP_TIMES_ENV = job_env.STEP_TIMES
 BASELINE_STEPS = 5  # unrecorded steps just before the window that a recorder's overhead is measured against
 PROBE_BYTES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
-PROBE_REPEAT = 5
+PROBE_REPEAT = 5  # allreduces of each probe size at least ...
+PROBE_MOST = 25  # ... and at most, as many as fit PROBE_SIZE_BUDGET_US
+PROBE_SIZE_BUDGET_US = 2.5e5
 SKEW_ENV = job_env.CLOCK_SKEW
 RUN_DIR_ENV = job_env.RUN_DIR
 DEFAULT_RUN_ROOT = "dpro-runs"
@@ -408,14 +412,24 @@ def clock_samples(transport: Transport, clock: Clock, rounds: int = PINGPONG_ROU
 
 
 def allreduce_probe(transport: Transport, clock: Clock, sizes: Iterable[int] = PROBE_BYTES,
-                    repeat: int = PROBE_REPEAT) -> list[list[float]]:
+                    repeat: int = PROBE_REPEAT, size_budget_us: float = PROBE_SIZE_BUDGET_US,
+                    most: int = PROBE_MOST) -> list[list[float]]:
     """``[bytes, µs]`` of blocking allreduces at a few sizes, each after a barrier: the shape of the
-    communication cost model even when a job has a single bucket."""
+    communication cost model even when a job has a single bucket.
+
+    Each size runs ``repeat`` times, and more (up to ``most``) where that fits ``size_budget_us``: on a busy host an
+    allreduce either runs at once or waits a scheduler slice for a core, and the cost model needs how often it
+    waits (the mean), which a few samples cannot tell. Every rank reads rank 0's count, so all run the same
+    collectives."""
     if transport.world_size == 1:
         return []
     samples = []
     for nbytes in sizes:
-        for i in range(repeat):
+        first = transport.timed_allreduce(nbytes, f"dpro.probe.{nbytes}.0", clock)
+        fits = int(size_budget_us / max(first, 1.0))
+        runs = int(transport.broadcast_text(str(min(most, max(repeat, fits)))))
+        samples.append([float(nbytes), first])
+        for i in range(1, runs):
             samples.append([float(nbytes), transport.timed_allreduce(nbytes, f"dpro.probe.{nbytes}.{i}", clock)])
     return samples
 

@@ -64,6 +64,23 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return float(intercept), float(slope)
 
 
+def _relative_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Intercept and slope that minimise the squared relative errors of ``points`` (each point's residual over its
+    time), both kept non-negative; ``_line``'s where a time is not positive."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    if len(set(x.tolist())) < 2 or not (y > 0).all():
+        return _line(points)
+    weights = 1.0 / y
+    intercept, slope = np.linalg.lstsq(np.column_stack([weights, x * weights]), np.ones_like(y), rcond=None)[0]
+    if slope <= 0:
+        return _line(points)
+    if intercept < 0:
+        slope = float(np.sum(x / y) / np.sum((x / y) ** 2))  # through the origin
+        intercept = 0.0
+    return float(intercept), float(slope)
+
+
 def robust_line(samples: list[tuple[float, float]], intercept_quantile: float = 0.5) -> tuple[float, float] | None:
     """Intercept and slope (µs, µs per byte) of transfer time vs bytes, robust to outliers (Theil-Sen): the
     median slope over pairs of transfers whose sizes differ at least twofold, then the intercept at
@@ -85,10 +102,13 @@ def robust_line(samples: list[tuple[float, float]], intercept_quantile: float = 
 def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]], world_size: int) -> CommModel:
     """Fit a ``CommModel`` from the recording-time ``probe`` [[bytes, µs]] or in-step ``transfers``.
 
-    The probe (all_reduce alone, at four sizes, on the job's own process group and network; each size's median: on
-    a busy host some runs wait for a core, and a job's allreduces do too, so the best runs would price them too
-    cheap) gives the cleanest shape of latency vs bandwidth; in-step transfers overlap each other and backward, so
-    they are used only when there is no probe. ``dpro.sim.whatif.calibrate`` then scales the model so the recorded
+    The probe (all_reduce alone, at four sizes, on the job's own process group and network) gives the cleanest
+    shape of latency vs bandwidth; in-step transfers overlap each other and backward, so they are used only when
+    there is no probe. Each size counts by its mean: on a busy host an allreduce either runs at once or waits a
+    scheduler slice for a core, whatever its size, so a step of many collectives pays the mean, and the median
+    prices that wait as if it never came. The line fits the sizes' relative errors: a what-if moves bytes between
+    collectives of every size, and a plain least-squares line, led by the largest size, can price the smallest at
+    half or twice what they took. ``dpro.sim.whatif.calibrate`` then scales the model so the recorded
     configuration replays to its measured step.
     """
     n = max(world_size, 2)
@@ -101,7 +121,7 @@ def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]
     for nbytes, us in probe:
         by_size[nbytes].append(us)
     if len(by_size) >= 2:
-        return to_model(*_line([(b, statistics.median(v)) for b, v in by_size.items()]), "all_reduce probe")
+        return to_model(*_relative_line([(b, statistics.fmean(v)) for b, v in by_size.items()]), "all_reduce probe")
     sizes = sorted({b for b, _ in transfers})
     if len(sizes) >= 2:
         return to_model(*_line(transfers), "in-step transfers")

@@ -17,6 +17,7 @@ from dpro.engines.horovod.knobs import (
     NAME,
     THRESHOLD,
     knobs_from_environment,
+    knobs_set_by,
 )
 from dpro.engines.horovod.search import HVD_THRESHOLDS_MB, horovod_predict, knobs_in_force, search
 from dpro.engines.horovod.timeline import find_timeline, merge_horovod_timeline
@@ -89,7 +90,9 @@ def _cycle_ms(value: Any, source: str, key: str) -> float:
 
 def _predict(ctx: Context, knobs: dict[str, Any]) -> Prediction | None:
     """What-if of Horovod's own knobs: the loop model's difference from the setting in force, added to the replay
-    (as the search prices them); other knobs are left to what-if's replay."""
+    (as the search prices them), also where a config's ``env`` section sets them; other knobs are left to what-if's
+    replay."""
+    knobs = {**{k: v for k, v in knobs.items() if k != "env"}, **knobs_set_by(knobs.get("env") or {})}
     if not any(k in knobs for k in (THRESHOLD, CYCLE, CACHE)):
         return None
 

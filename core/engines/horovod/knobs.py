@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["CACHE", "CYCLE", "DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "NAME", "THRESHOLD",
-           "knobs_from_environment"]
+           "knobs_from_environment", "knobs_set_by"]
 
 NAME = "horovod"
 THRESHOLD, CYCLE, CACHE = "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"
@@ -32,3 +32,11 @@ def knobs_from_environment(environ: dict[str, str]) -> dict[str, Any]:
     except ValueError:
         knobs["horovod.cache_capacity"] = environ[CACHE]
     return knobs
+
+
+def knobs_set_by(env: dict[str, str]) -> dict[str, Any]:
+    """The fusion threshold, cycle time and cache capacity that a config's ``env`` section sets (none of the
+    defaults it leaves alone), parsed as ``knobs_from_environment`` parses them."""
+    parsed = knobs_from_environment(env)
+    return {knob: parsed[key] for knob, key in ((THRESHOLD, THRESHOLD), (CYCLE, CYCLE), (CACHE, "horovod.cache_capacity"))
+            if knob in env}
