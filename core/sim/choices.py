@@ -45,6 +45,7 @@ __all__ = [
     "optimize_common",
     "probed_choices",
     "recompute_candidates",
+    "step_stderr_ms",
     "uncertainty_ms",
     "worst_gain_ms",
 ]
@@ -55,15 +56,19 @@ WHATIF_ERROR = 0.05  # what a what-if on a job not tuned on misses by (median, i
 # prediction carries it beside the spread of the recorded steps
 
 
-def uncertainty_ms(ctx: Context, predicted_ms: float) -> float:
-    """How far a predicted step of ``predicted_ms`` may be off: the standard error of the recorded steps' median
-    (from their interquartile range; the slowest rank's step, step by step) plus ``WHATIF_ERROR`` of it."""
+def step_stderr_ms(ctx: Context) -> float:
+    """The standard error of the recorded steps' median (from their interquartile range; the slowest rank's step,
+    step by step); 0 with fewer than 4 steps."""
     steps = sorted(run_step_times_ms(ctx.run))
-    spread = 0.0
-    if len(steps) >= 4:
-        iqr = steps[(3 * len(steps)) // 4] - steps[len(steps) // 4]
-        spread = 1.253 * (iqr / 1.349) / math.sqrt(len(steps))  # the median's standard error, normal steps
-    return spread + WHATIF_ERROR * predicted_ms
+    if len(steps) < 4:
+        return 0.0
+    iqr = steps[(3 * len(steps)) // 4] - steps[len(steps) // 4]
+    return 1.253 * (iqr / 1.349) / math.sqrt(len(steps))  # the median's standard error, normal steps
+
+
+def uncertainty_ms(ctx: Context, predicted_ms: float) -> float:
+    """How far a predicted step of ``predicted_ms`` may be off: ``step_stderr_ms`` plus ``WHATIF_ERROR`` of it."""
+    return step_stderr_ms(ctx) + WHATIF_ERROR * predicted_ms
 
 
 def clears(ctx: Context, gain_ms: float, predicted_ms: float, floor: float = MIN_GAIN,

@@ -27,9 +27,14 @@ from dpro.engines import load_prepared, prepared
 from dpro.engines.horovod.search import (
     HVD_CYCLES_MS,
     HVD_THRESHOLDS_MB,
+    _units,
     horovod_comm_model,
     horovod_cycles,
     horovod_fusion,
+    horovod_loop,
+    knobs_in_force,
+    recorded_launches,
+    simulate_loop,
 )
 from dpro.engines.horovod.timeline import (
     TIMELINE_FILE,
@@ -511,6 +516,9 @@ def test_whatif_prices_horovod_knobs_and_refuses_them_on_another_engine(tmp_path
                                          "torch-ddp"):
         predict(ddp, {"HOROVOD_CYCLE_TIME": 25.0})
     assert main(["whatif", str(tmp_path / "run"), "--set", "HOROVOD_CYCLE_TIME=25", "--json"]) == 0
+    # a config's env section (what dpro optimize writes) prices the same as the knobs themselves
+    in_env = {"env": {"HOROVOD_CYCLE_TIME": "25", "HOROVOD_FUSION_THRESHOLD": "0"}}
+    assert predict(ctx, in_env).predicted_step_ms == pytest.approx(expected)
 
 
 def test_the_buffers_own_line_prices_an_extra_buffer_despite_a_late_rank_and_an_off_slope() -> None:
@@ -584,3 +592,24 @@ def test_a_probe_fixed_cost_above_every_recorded_allreduce_is_bounded_by_the_sho
         assert fixed == pytest.approx(shortest) and "shortest allreduce" in comm.source
     else:
         assert fixed < shortest and "shortest allreduce" not in comm.source
+
+
+def test_without_a_timeline_the_loop_takes_the_recorded_step_within_its_standard_error(tmp_path: Path) -> None:
+    """Without a timeline a buffer's fixed cost is a guess (the probe's, bounded by the shortest recorded
+    allreduce); the loop is scaled so that the setting in force, simulated over the recorded launches, takes the
+    recorded step within twice its standard error."""
+    from dpro.sim.choices import step_stderr_ms
+    from dpro.sim.whatif import predict
+
+    run_dir = make_horovod_run(tmp_path / "run", None)
+    meta = json.loads((run_dir / "run.json").read_text())
+    meta["knobs"].update({"HOROVOD_FUSION_THRESHOLD": 0, "HOROVOD_CYCLE_TIME": 0.1})  # a buffer per tensor
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    ctx = context(load_prepared(run_dir))
+    threshold, cycle, _ = knobs_in_force(ctx)
+    launches = recorded_launches(ctx)
+    loop = horovod_loop(ctx, launches)
+    recorded_us = predict(ctx, {}).predicted_step_ms * 1000.0
+    simulated_us = simulate_loop(loop, [_units(ctx, None, ready) for ready in launches], threshold, cycle).step_us
+    assert "no Horovod timeline: a buffer's fixed cost" in loop.source and "x1.00" not in loop.source
+    assert abs(simulated_us - recorded_us) <= 2000.0 * step_stderr_ms(ctx) + cycle * 1000.0  # a cycle quantises it

@@ -81,6 +81,24 @@ def test_comm_fit_recovers_a_line():
     assert model.allreduce_us(1_000_000, world_size=8) > model.allreduce_us(1_000_000)
 
 
+def test_comm_fit_prices_the_waits_of_a_busy_host_and_the_small_sizes():
+    """On a busy host an allreduce either runs at once or waits a scheduler slice, whatever its size: a third of the
+    probe's runs wait 4 ms here, and the fitted fixed cost holds that mean wait (the median would drop it). The
+    largest size runs at half the bandwidth of the others (a cache effect), and the line still prices the
+    smallest size within a fifth of what it took."""
+    per_byte, fixed = 0.001, 300.0
+
+    def took(nbytes: int) -> float:
+        return fixed + nbytes * per_byte * (2.0 if nbytes > 4_000_000 else 1.0)
+
+    probe = [[b, took(b) + (4000.0 if i % 3 == 0 else 0.0)] for b in (65536, 524288, 2097152, 8388608)
+             for i in range(12)]
+    model = fit_comm_model([], probe, 2)
+    mean_small = took(65536) + 4000.0 / 3
+    assert model.allreduce_us(65536) == pytest.approx(mean_small, rel=0.2)
+    assert model.allreduce_us(0) > fixed + 1000.0  # the waits are a fixed cost of every collective
+
+
 def test_settings_are_validated():
     assert parse_settings(["torch.ddp.bucket_cap_mb=5", "recompute=a,b"]) == {
         "torch.ddp.bucket_cap_mb": 5, "recompute": ["a", "b"]}

@@ -38,5 +38,5 @@ def knobs_set_by(env: dict[str, str]) -> dict[str, Any]:
     """The fusion threshold, cycle time and cache capacity that a config's ``env`` section sets (none of the
     defaults it leaves alone), parsed as ``knobs_from_environment`` parses them."""
     parsed = knobs_from_environment(env)
-    return {knob: parsed[key] for knob, key in ((THRESHOLD, THRESHOLD), (CYCLE, CYCLE), (CACHE, "horovod.cache_capacity"))
-            if knob in env}
+    named = ((THRESHOLD, THRESHOLD), (CYCLE, CYCLE), (CACHE, "horovod.cache_capacity"))
+    return {knob: parsed[key] for knob, key in named if knob in env}

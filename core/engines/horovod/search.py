@@ -19,7 +19,14 @@ from typing import Any
 from dpro.dag.align import align
 from dpro.dag.wiring import graph_from_steps
 from dpro.engines.horovod.knobs import CYCLE, DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD, THRESHOLD
-from dpro.sim.choices import OptimizeResult, best_grouping, best_recompute, clears, gradient_ready_us
+from dpro.sim.choices import (
+    OptimizeResult,
+    best_grouping,
+    best_recompute,
+    clears,
+    gradient_ready_us,
+    step_stderr_ms,
+)
 from dpro.sim.cost import CommModel, fit_comm_model, robust_line
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.whatif import MB, Context, Prediction, predict
@@ -73,6 +80,7 @@ HVD_STARTS = 2                     # the loop's starting phase and the lag betwe
 HVD_WARM_STEPS = 6                 # simulated steps before the loop's steady state is read (at least)
 HVD_TRIM = 0.1                     # simulated step times: mean without the top and bottom 10%
 INTERFERENCE_ROUNDS = 3            # simulations that settle the launches moved by overlap's slowdown
+LOOP_SCALES = (0.1, 10.0)          # how far a timeline-less loop's fixed cost is scaled to take the recorded step
 
 Unit = tuple[list[str], int, float]                    # gradient names, bytes, ready µs
 Buffer = tuple[list[str], float, float, float]         # gradient names, ready µs (last member), start, end
@@ -420,12 +428,12 @@ def horovod_loop(ctx: Context, launches: list[dict[str, float]] | None = None) -
             if b.get("negotiated_us", float("inf")) <= previous["start_us"]:
                 gaps.append(b["start_us"] - previous["end_us"])
     gap = max(0.0, statistics.median(gaps)) if gaps else 0.0
-    if not added:
-        return HorovodLoop(comm, memcpy, coordinate, gap, 2 * coordinate, "no Horovod timeline: loop not measured")
-    target = statistics.median(added)
     steps = _unit_steps(ctx, launches if launches is not None else recorded_launches(ctx))
     names = [n for n, _ in ctx.gradients]
     uncached = frozenset(names[max(0, cache):])
+    if not added:
+        return _loop_to_recorded_step(ctx, comm, memcpy, steps, uncached)
+    target = statistics.median(added)
 
     def delay_with(wake: float) -> float:
         trial = HorovodLoop(comm, memcpy, wake, gap, 2 * max(coordinate, wake))
@@ -446,6 +454,48 @@ def horovod_loop(ctx: Context, launches: list[dict[str, float]] | None = None) -
     return HorovodLoop(comm, memcpy, wake, gap, 2 * max(coordinate, wake),
                        f"{sum(len(v) for v in by_step.values())} buffers of {len(by_step)} steps (timeline): "
                        f"{target / 1000:.2f} ms of loop delay per step; {comm.source}")
+
+
+def _loop_to_recorded_step(ctx: Context, comm: CommModel, memcpy: float, steps: list[list[Unit]],
+                           uncached: frozenset[str]) -> HorovodLoop:
+    """The loop of a run without a Horovod timeline: a buffer's fixed cost (and the cycle's agreement, priced like
+    it) scaled so that the setting in force, simulated over the recorded launches, takes the recorded step within
+    twice its standard error (to the nearer edge: a setting whose step hardly depends on that cost, a few fused
+    buffers after the backward, would otherwise turn a small mismatch into a large one).
+
+    Without the timeline that fixed cost is a guess (the probe's, or the shortest allreduce the steps recorded,
+    which holds the queueing of an unfused job); a loop that runs the recorded setting 40% longer or shorter
+    than the step it models prices every other setting's difference from a wrong base."""
+    threshold, cycle_ms, _ = knobs_in_force(ctx)
+    recorded = predict(ctx, {}).predicted_step_ms * 1000.0
+    band = 2000.0 * step_stderr_ms(ctx)
+
+    def loop_at(scale: float) -> HorovodLoop:
+        scaled = dataclasses.replace(comm, latency_us=comm.latency_us * scale)
+        coordinate = scaled.allreduce_us(0)
+        return HorovodLoop(scaled, memcpy, coordinate, 0.0, 2 * coordinate)
+
+    def step_at(scale: float) -> float:
+        return simulate_loop(loop_at(scale), steps, threshold, cycle_ms, uncached).step_us
+
+    as_fitted = step_at(1.0) if comm.latency_us > 0 and steps else recorded
+    if abs(as_fitted - recorded) <= band:
+        return dataclasses.replace(loop_at(1.0), source=f"no Horovod timeline: {comm.source} (the setting in force "
+                                   "takes the recorded step within twice its standard error)")
+    target = recorded + band if as_fitted > recorded else recorded - band
+    lo, hi = LOOP_SCALES
+    if step_at(lo) >= target:
+        scale = lo
+    elif step_at(hi) <= target:
+        scale = hi
+    else:
+        for _ in range(20):  # bisection on a log scale: the step grows with the fixed cost
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
+        scale = (lo * hi) ** 0.5
+    return dataclasses.replace(loop_at(scale), source=f"no Horovod timeline: a buffer's fixed cost "
+                               f"{comm.latency_us * scale * 2 * (comm.world_size - 1):.0f} us (x{scale:.2f} of "
+                               f"{comm.source}), so the setting in force takes the recorded step")
 
 
 def _ready_after_comm(ctx: Context) -> dict[str, float]:
