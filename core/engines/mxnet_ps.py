@@ -26,7 +26,7 @@ from dpro.engines.base import Engine
 from dpro.errors import UsageError
 from dpro.io.limits import is_finite_number
 from dpro.sim.choices import clears, optimize_common
-from dpro.sim.cost import robust_line
+from dpro.sim.cost import robust_line, scale_to_reach
 from dpro.sim.whatif import add_recompute, replay_model, scaled_compute
 from dpro.sim.whatif import predict as whatif_predict
 
@@ -414,18 +414,10 @@ def _fit_scale(fitted: ServerModel, step_of: Any, target_ms: float) -> ServerMod
             return dataclasses.replace(fitted, link_us_per_byte=fitted.link_us_per_byte * k)
         return dataclasses.replace(fitted, fixed_us=fitted.fixed_us * k, us_per_byte=fitted.us_per_byte * k)
 
-    lo, hi = 1e-4, 1e3
     if fitted.fixed_us <= 0 and fitted.us_per_byte <= 0 and not links:
         k = 1.0  # nothing to scale (no request took time)
-    elif step_of(scaled(lo)) >= target_ms:
-        k = lo
-    elif step_of(scaled(hi)) <= target_ms:
-        k = hi
     else:
-        for _ in range(24):  # bisection on a log scale: the step grows with the cost
-            mid = (lo * hi) ** 0.5
-            lo, hi = (mid, hi) if step_of(scaled(mid)) < target_ms else (lo, mid)
-        k = (lo * hi) ** 0.5
+        k = scale_to_reach(lambda k: step_of(scaled(k)), target_ms, 1e-4, 1e3)
     return dataclasses.replace(scaled(k), source=f"{fitted.source}, scaled x{k:.2f} to replay the recorded run")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "fit_comm_model",
     "memory_model",
     "robust_line",
+    "scale_to_reach",
 ]
 
 
@@ -47,6 +49,20 @@ class CommModel:
     @property
     def gbit_per_s(self) -> float:
         return 8e-3 / self.us_per_byte if self.us_per_byte > 0 else float("inf")
+
+
+def scale_to_reach(value_at: Callable[[float], float], target: float, lo: float, hi: float,
+                   rounds: int = 24) -> float:
+    """The scale in [``lo``, ``hi``] at which ``value_at`` (growing with the scale) reaches ``target``, by bisection on
+    a log scale; an end where ``target`` lies beyond it. How each model is calibrated to the step a run recorded."""
+    if value_at(lo) >= target:
+        return lo
+    if value_at(hi) <= target:
+        return hi
+    for _ in range(rounds):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if value_at(mid) < target else (lo, mid)
+    return (lo * hi) ** 0.5
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -43,7 +43,7 @@ from dpro.errors import ConfigError, UsageError
 from dpro.io.limits import parse_bounded_json
 from dpro.io.load import RecordingCost, Run, recording_cost
 from dpro.io.probes import RankProbes, read_probes
-from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model
+from dpro.sim.cost import CommModel, MemoryModel, fit_comm_model, memory_model, scale_to_reach
 from dpro.sim.interference import NONE as NO_INTERFERENCE
 from dpro.sim.interference import (
     Interference,
@@ -214,16 +214,7 @@ def calibrate(ctx: Context) -> Context:
                                        us_per_byte=fitted.us_per_byte * scale)
         return predict(ctx, {"tensor_groups": buckets}).predicted_step_ms
 
-    lo, hi = 0.05, 20.0
-    if step_at(lo) >= target:
-        scale = lo
-    elif step_at(hi) <= target:
-        scale = hi
-    else:
-        for _ in range(24):  # bisection on a log scale: the step time grows with the scale
-            mid = (lo * hi) ** 0.5
-            lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
-        scale = (lo * hi) ** 0.5
+    scale = scale_to_reach(step_at, target, 0.05, 20.0)
     ctx.comm = dataclasses.replace(fitted, latency_us=fitted.latency_us * scale, us_per_byte=fitted.us_per_byte * scale,
                                    source=f"{fitted.source}, scaled x{scale:.2f} to replay the recorded run")
     return ctx

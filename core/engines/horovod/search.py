@@ -27,7 +27,7 @@ from dpro.sim.choices import (
     gradient_ready_us,
     step_stderr_ms,
 )
-from dpro.sim.cost import CommModel, fit_comm_model, robust_line
+from dpro.sim.cost import CommModel, fit_comm_model, robust_line, scale_to_reach
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
@@ -483,16 +483,7 @@ def _loop_to_recorded_step(ctx: Context, comm: CommModel, memcpy: float, steps: 
         return dataclasses.replace(loop_at(1.0), source=f"no Horovod timeline: {comm.source} (the setting in force "
                                    "takes the recorded step within twice its standard error)")
     target = recorded + band if as_fitted > recorded else recorded - band
-    lo, hi = LOOP_SCALES
-    if step_at(lo) >= target:
-        scale = lo
-    elif step_at(hi) <= target:
-        scale = hi
-    else:
-        for _ in range(20):  # bisection on a log scale: the step grows with the fixed cost
-            mid = (lo * hi) ** 0.5
-            lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
-        scale = (lo * hi) ** 0.5
+    scale = scale_to_reach(step_at, target, *LOOP_SCALES, rounds=20)
     return dataclasses.replace(loop_at(scale), source=f"no Horovod timeline: a buffer's fixed cost "
                                f"{comm.latency_us * scale * 2 * (comm.world_size - 1):.0f} us (x{scale:.2f} of "
                                f"{comm.source}), so the setting in force takes the recorded step")
