@@ -372,7 +372,7 @@ class TFRecorder(WindowRecorder):
         loop's next cycle and its negotiation, which the recorded steps' own transfers leave out. A probe that fails
         is logged; the job goes on."""
         try:
-            sizing = allreduce_probe(self.transport, self.clock, sizes=PROBE_BYTES[-1:], repeat=3)
+            sizing = allreduce_probe(self.transport, self.clock, sizes=PROBE_BYTES[-1:], repeat=3, most=3)
             interference = interference_probe(self.transport, self.clock, _probe_kernel(), sizing)
         except (RuntimeError, ValueError, OSError, tf.errors.OpError) as err:
             logger.warning("%s: the probe after the window failed (%s); the run has no probe", self.who, err)

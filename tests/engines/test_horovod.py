@@ -45,6 +45,7 @@ from dpro.engines.horovod.timeline import (
     tensor_ops,
 )
 from dpro.errors import TraceError
+from dpro.record.protocol import PROBE_BYTES, PROBE_MOST, PROBE_REPEAT
 from dpro.io.load import load_run
 from dpro.optimize import optimize
 from dpro.sim.whatif import context
@@ -423,7 +424,8 @@ def test_horovod_timeline_is_merged(hvd_run: Path) -> None:
     run = load_prepared(hvd_run)
     merged = run.meta["horovod"]["merged"]
     assert merged["offset_us"] is not None and merged["clock"].startswith("wall clock")
-    assert merged["probe_samples"] == 20
+    sizes = len(PROBE_BYTES)  # each size 5 to 25 times (allreduce_probe)
+    assert sizes * PROBE_REPEAT <= merged["probe_samples"] <= sizes * PROBE_MOST
     grad_bytes = run.model["param_bytes"]
     names = {g["name"] for g in run.model["gradients"]}
     recorded = run.ranks[0].steps
