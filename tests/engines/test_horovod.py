@@ -45,9 +45,9 @@ from dpro.engines.horovod.timeline import (
     tensor_ops,
 )
 from dpro.errors import TraceError
-from dpro.record.protocol import PROBE_BYTES, PROBE_MOST, PROBE_REPEAT
 from dpro.io.load import load_run
 from dpro.optimize import optimize
+from dpro.record.protocol import PROBE_BYTES, PROBE_MOST, PROBE_REPEAT
 from dpro.sim.whatif import context
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
