@@ -48,6 +48,7 @@ DEFAULT_BIGARRAY_BOUND = 1_000_000          # MXNET_KVSTORE_BIGARRAY_BOUND's def
 BIGARRAY_BOUND_ENV = "MXNET_KVSTORE_BIGARRAY_BOUND"
 NUM_SERVERS_ENV = "DMLC_NUM_SERVER"
 KEY_SPREAD = 9973                           # MXNet's multiplier spreading small keys over the servers
+SCALE_TOLERANCE = 0.01                      # a server model calibrated further than this from the recorded step failed
 
 
 def bigarray_bound(environ: Mapping[str, str]) -> int:
@@ -212,7 +213,7 @@ def _crosses_hosts(ctx: Context) -> bool:
                for k, _ in _recorded_parts(args) for w in workers)
 
 
-def fit_server_model(ctx: Context) -> ServerModel:
+def fit_server_model(ctx: Context, *, mean_per_byte: bool = False) -> ServerModel:
     """The shape of ``ServerModel`` from the recorded requests, as each server queue answered them one after
     another.
 
@@ -220,8 +221,8 @@ def fit_server_model(ctx: Context) -> ServerModel:
     through single requests (bytes, transfer) would be fitted to zeros. The cost per byte is the slope of the
     cumulative time against the cumulative bytes along each queue (a robust line; queues weighted by their bytes); the
     fixed cost is the median of what each request took beyond its bytes. When the bytes say nothing (sizes too
-    alike), the mean cost per byte. A run whose pushes crossed hosts spends that per byte on the links: its
-    servers' work is left at the fixed cost. (``server_model`` scales it to the recorded step.)"""
+    alike, or ``mean_per_byte``), the mean cost per byte. A run whose pushes crossed hosts spends that per byte on
+    the links: its servers' work is left at the fixed cost. (``server_model`` scales it to the recorded step.)"""
     chains: dict[str, list[tuple[float, float]]] = {}
     for name, args in _key_ops(ctx).items():  # in program order
         queue = ctx.base.transfer_queues.get(name, ("",))[0]
@@ -243,7 +244,7 @@ def fit_server_model(ctx: Context) -> ServerModel:
     weight = sum(b for _, b in slopes)
     per_byte = sum(slope * b for slope, b in slopes) / weight if weight > 0 else 0.0
     how = f"cumulative time vs bytes along {len(chains)} server queue(s), {len(samples)} requests"
-    if per_byte <= 0 and total_bytes > 0:
+    if (per_byte <= 0 or mean_per_byte) and total_bytes > 0:
         per_byte, how = total_us / total_bytes, f"mean cost per byte of {len(samples)} requests"
     fixed = max(0.0, statistics.median(t - per_byte * b for b, t in samples))
     if _crosses_hosts(ctx):
@@ -365,7 +366,7 @@ def server_model(ctx: Context) -> ServerModel:
             return model
         fitted = probed  # the links at the probed rate replay slower than the run was: their rate is scaled
 
-    model = _fit_scale(fitted, step_of, target)
+    model = _scaled_to_recorded(ctx, fitted, step_of, target)
     ctx.cache[NAME] = model
     return model
 
@@ -377,8 +378,18 @@ def rate_scaled_model(ctx: Context) -> ServerModel:
     key = f"{NAME}/rate-scaled"
     if key not in ctx.cache:
         fitted, step_of, target = _fit_inputs(ctx)
-        ctx.cache[key] = _fit_scale(fitted, step_of, target)
+        ctx.cache[key] = _scaled_to_recorded(ctx, fitted, step_of, target)
     return ctx.cache[key]
+
+
+def _scaled_to_recorded(ctx: Context, fitted: ServerModel, step_of: Any, target_ms: float) -> ServerModel:
+    """``_fit_scale`` of ``fitted``; where no scale of that shape replays the recorded step (along the queues the
+    requests ended together, the first holding the whole wait: a slope near 0), of the mean cost per byte."""
+    model = _fit_scale(fitted, step_of, target_ms)
+    if abs(step_of(model) - target_ms) <= SCALE_TOLERANCE * target_ms:
+        return model
+    mean = dataclasses.replace(fit_server_model(ctx, mean_per_byte=True), server_cpus=fitted.server_cpus)
+    return _fit_scale(mean, step_of, target_ms)
 
 
 def _fit_inputs(ctx: Context) -> tuple[ServerModel, Any, float]:

@@ -270,3 +270,20 @@ def test_a_hosts_pushes_and_its_servers_answers_share_the_link_they_both_take(tm
     assert pushes and answers
     assert any(s1 < e2 and s2 < e1 for s1, e1 in pushes for s2, e2 in answers)  # at once on one link
 
+
+
+def test_a_fitted_shape_no_scale_can_fit_falls_back_to_the_mean_cost_per_byte():
+    """Along a server's queue the requests may all end together, the first holding the whole wait: the slope of
+    time against bytes comes out near 0, and no scale of it replays the recorded step. The model is then the mean
+    cost per byte, scaled, and replays the recorded step."""
+    import dataclasses
+    import importlib
+
+    engine = importlib.import_module("dpro.engines.mxnet_ps")
+    ctx = context(load_run(RECORDED))
+    fitted, step_of, target = engine._fit_inputs(ctx)
+    flat = dataclasses.replace(fitted, fixed_us=0.0, us_per_byte=fitted.us_per_byte * 1e-9)
+    assert abs(step_of(engine._fit_scale(flat, step_of, target)) - target) > engine.SCALE_TOLERANCE * target
+    model = engine._scaled_to_recorded(ctx, flat, step_of, target)
+    assert model.source.startswith("mean cost per byte")
+    assert step_of(model) == pytest.approx(target, rel=engine.SCALE_TOLERANCE)
