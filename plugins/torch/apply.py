@@ -448,13 +448,16 @@ def amp_in_force(model: nn.Module) -> str | None:
     return getattr(_inner(model), "_dpro_amp", None)
 
 
-def micro_batches_change(k: int) -> str:
-    """What a plain training loop changes to run its batch as ``k`` micro-batches (dpro cannot do it from outside:
-    the loop draws the batch, computes the loss and calls backward itself)."""
+def micro_batches_change(k: int, *, horovod: bool = False) -> str:
+    """What a plain training loop (DDP's, or Horovod's with ``horovod``) changes to run its batch as ``k``
+    micro-batches (dpro cannot do it from outside: the loop draws the batch, computes the loss and calls backward
+    itself)."""
+    skip = (f"build hvd.DistributedOptimizer(..., backward_passes_per_step={k}) so that it allreduces after the last"
+            if horovod else "inside ddp_model.no_sync() for all but the last chunk")
     return (f"micro_batches={k} needs a code change in a plain training loop: split each batch into {k} chunks "
-            f"(x.chunk({k})), and for each chunk run the forward and (loss / {k}).backward(), inside "
-            f"ddp_model.no_sync() for all but the last chunk; then optimizer.step() once. A transformers.Trainer "
-            f"started by dpro-launch gets it without a change (gradient_accumulation_steps x {k})")
+            f"(x.chunk({k})), and for each chunk run the forward and (loss / {k}).backward(); {skip}; then "
+            f"optimizer.step() once. A transformers.Trainer started by dpro-launch gets it without a change "
+            f"(gradient_accumulation_steps x {k})")
 
 
 def apply(model: nn.Module, config: Config) -> nn.Module:

@@ -800,6 +800,11 @@ def _hvd_apply_config(state: _State, hvd: ModuleType, model: Any, bound: inspect
         apply(model, config)
     except ConfigError as err:
         raise _ConfigRefused() from err
+    micro = int(config.knobs.get("micro_batches") or 1)
+    if micro > 1:
+        from dpro.plugins.torch.apply import micro_batches_change
+
+        _warn_once(state, micro_batches_change(micro, horovod=True))
     groups = config.knobs.get("tensor_groups")
     if not groups or bound.arguments.get("groups") is not None or bound.arguments.get("num_groups"):
         return

@@ -192,10 +192,12 @@ def test_a_horovod_config_applies_its_groups(tmp_path):
     groups = [["head.bias", "head.weight", "body.2.bias", "body.2.weight"], ["body.0.bias", "body.0.weight"]]
     cfg = write_config(tmp_path / "config.json", Config(
         fingerprint={"framework": "torch", "engine": "horovod", "world_size": 1, "model": fingerprint(Net())},
-        knobs={"tensor_groups": groups}))
+        knobs={"tensor_groups": groups, "micro_batches": 2}))
     run_dir = tmp_path / "run"
     proc = _one_process(tmp_path, DPRO_RUN_DIR=str(run_dir), DPRO_CONFIG=str(cfg))
     assert "GROUPS [2, 4]" in proc.stdout  # hvd.DistributedOptimizer(groups=) got the config's groups
+    # a plain loop's micro-batches are the script's to split: dpro says how, in Horovod's words, and goes on
+    assert "backward_passes_per_step=2" in proc.stderr + proc.stdout
     knobs = json.loads((run_dir / "run.json").read_text())["knobs"]
     assert knobs["horovod.groups"] == "explicit" and knobs["dpro.config"] == str(cfg)
 

@@ -107,6 +107,8 @@ def test_micro_batches_in_a_trainer_and_the_change_a_plain_loop_needs():
     with pytest.raises(ConfigError, match="a per-device batch of 4 does not split into 3 equal micro-batches"):
         accumulate(args, 3)
     assert "ddp_model.no_sync()" in micro_batches_change(2) and "(loss / 2).backward()" in micro_batches_change(2)
+    assert "backward_passes_per_step=2" in micro_batches_change(2, horovod=True)
+    assert "no_sync" not in micro_batches_change(2, horovod=True)
 
 
 def test_compile_is_applied_in_place_and_falls_back_to_eager_when_compiling_fails():
