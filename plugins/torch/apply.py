@@ -10,7 +10,8 @@
 - ``compile``: ``apply`` / ``apply_compile``: the listed modules compiled in place (``nn.Module.compile``), eager again
   if compiling fails
 - ``micro_batches``: a Trainer's own accumulation (``transformers_callback.accumulate``, set by dpro-launch's
-  auto-attach); a plain loop changes its code (``micro_batches_change`` says how)
+  auto-attach); Lightning's ``accumulate_grad_batches`` over a DataLoader of smaller batches (``micro_batch_loader``,
+  applied by ``DproCallback``); a plain loop, DDP's or Horovod's, changes its code (``micro_batches_change`` says how)
 - ``env``: the launcher (``dpro-launch``), before the process starts; ``load_config`` warns when unset
 
 A plain training loop::
@@ -42,6 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
 
 from dpro.config import DPRO_CONFIG, Config, check_fingerprint, read_config
 from dpro.engines.torch_ddp.buckets import BUCKET_CAP, FIND_UNUSED, FIRST_BUCKET_CAP
@@ -62,6 +64,7 @@ __all__ = [
     "ddp_kwargs",
     "fingerprint",
     "load_config",
+    "micro_batch_loader",
     "micro_batches_change",
     "recomputed",
     "register_compression",
@@ -446,6 +449,27 @@ def apply_amp(model: nn.Module, amp: str | None, *, source: str = "apply_amp") -
 def amp_in_force(model: nn.Module) -> str | None:
     """The precision ``apply_amp`` set on ``model`` (or the module inside its DDP wrapper), or None."""
     return getattr(_inner(model), "_dpro_amp", None)
+
+
+def micro_batch_loader(loader: DataLoader, k: int, source: str) -> DataLoader:
+    """``loader`` again with batches of ``batch_size / k`` and everything else as it was: the same samples in the
+    same order, so ``k`` batches in a row hold what one batch held (a framework that accumulates ``k`` batches per
+    optimizer step then runs the same step as ``k`` micro-batches).
+
+    Raises:
+        ConfigError: the loader has no batch size ``k`` divides, or draws its batches from a batch sampler of its
+            own (its batches cannot be split from outside).
+    """
+    batch = loader.batch_size
+    if batch is None or batch % k:
+        raise ConfigError(source, f"a DataLoader of batch_size={batch} does not split into {k} equal micro-batches "
+                          "(a batch sampler of its own, or a size not divisible)", 'knobs["micro_batches"]')
+    extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers} \
+        if loader.num_workers > 0 else {}
+    return DataLoader(loader.dataset, batch_size=batch // k, sampler=loader.sampler, num_workers=loader.num_workers,
+                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+                      **extra)
 
 
 def micro_batches_change(k: int, *, horovod: bool = False) -> str:

@@ -19,18 +19,28 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from dpro.analyze import analyze_run
 from dpro.config import DPRO_CONFIG, Config
 from dpro.engines import load_prepared
 from dpro.errors import ConfigError, DproError
 from dpro.logs import get_logger
-from dpro.plugins.torch.apply import apply, ddp_kwargs, load_config, recomputed, register_compression
+from dpro.plugins.torch.apply import (
+    apply,
+    ddp_kwargs,
+    load_config,
+    micro_batch_loader,
+    micro_batches_change,
+    recomputed,
+    register_compression,
+)
 from dpro.plugins.torch.recorder import TorchRecorder
 from dpro.record.protocol import check_window_fits, parse_steps
 from dpro.report.text import format_summary
@@ -66,6 +76,44 @@ def _lightning_versions() -> dict[str, str]:
     return versions
 
 
+def _apply_micro_batches(trainer: Any, pl_module: Any, k: int, source: str) -> None:
+    """A config's ``micro_batches`` in Lightning's own terms: ``accumulate_grad_batches`` times ``k``, and the training
+    DataLoader's batches ``k`` times smaller (``micro_batch_loader``), so each optimizer step takes the same samples
+    as ``k`` micro-batches; Lightning skips DDP's allreduce on all but the last. Said, not applied, where the
+    module steps its optimizer itself (manual optimization) or the loader cannot be split.
+
+    Raises:
+        ConfigError: the training DataLoader's batch does not split into ``k`` (``micro_batch_loader``).
+    """
+    def say(text: str) -> None:
+        if trainer.global_rank == 0:
+            print(f"dpro: {source}: {text}", file=sys.stderr, flush=True)
+
+    if not getattr(pl_module, "automatic_optimization", True):
+        say(f"micro_batches={k} not applied: the module steps its optimizer itself (manual optimization); "
+            f"{micro_batches_change(k)}")
+        return
+    data = getattr(trainer.fit_loop, "_data_source", None)  # where Trainer.fit takes its training batches
+    instance = getattr(data, "instance", None)
+    if isinstance(instance, DataLoader):
+        loader = data.instance = micro_batch_loader(instance, k, source)
+    elif instance is not None and callable(getattr(instance, "train_dataloader", None)):
+        made = instance.train_dataloader  # the module's or datamodule's hook, made into micro-batches when called
+
+        def train_dataloader() -> Any:
+            got = made()
+            return micro_batch_loader(got, k, source) if isinstance(got, DataLoader) else got
+
+        instance.train_dataloader = train_dataloader
+        loader = None
+    else:
+        say(f"micro_batches={k} not applied: the training batches do not come from a DataLoader dpro can split")
+        return
+    trainer.accumulate_grad_batches = trainer.accumulate_grad_batches * k
+    batch = f"batch_size {loader.batch_size * k} -> {loader.batch_size}, " if loader is not None else "batches / k, "
+    say(f"micro_batches={k}: {batch}accumulate_grad_batches x {k} ({trainer.accumulate_grad_batches})")
+
+
 class DproCallback(*_callback_bases()):
     """Record steps ``steps`` (optimizer steps counted from 0, Lightning's ``global_step``) of ``Trainer.fit``.
 
@@ -75,7 +123,8 @@ class DproCallback(*_callback_bases()):
             ``accumulate_grad_batches`` batches when gradients are accumulated.
         config: a dpro config.json to apply (default ``$DPRO_CONFIG``; None and unset: apply nothing).
             Its recompute modules are wrapped and its bucket sizes passed to DDP in ``setup``, before
-            the strategy wraps the model; a config made for another job raises ``ConfigError``.
+            the strategy wraps the model, and its micro-batches become ``accumulate_grad_batches`` over a
+            DataLoader of smaller batches; a config made for another job raises ``ConfigError``.
         force: apply a config made for another job anyway (a warning lists what differs).
         backward_marks: ``"gradients"`` (default) or ``"tensors"``: how BW is timed (see ``TorchRecorder``).
 
@@ -108,6 +157,9 @@ class DproCallback(*_callback_bases()):
         self.config = load_config(self.config_path, model=pl_module, world_size=trainer.world_size,
                                   force=self.force)
         apply(pl_module, self.config)
+        micro = int(self.config.knobs.get("micro_batches") or 1)
+        if micro > 1:
+            _apply_micro_batches(trainer, pl_module, micro, self.config.source)
         kwargs = ddp_kwargs(self.config, model=pl_module)
         if not kwargs:
             return

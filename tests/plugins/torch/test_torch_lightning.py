@@ -139,3 +139,37 @@ def test_the_profiler_is_each_lightning_packages_profiler():
         if importlib.util.find_spec(package.split(".")[0]) is not None:
             profilers = importlib.import_module(f"{package}.profilers")
             assert isinstance(DproProfiler(steps=range(2, 4)), profilers.Profiler), package
+
+
+def test_a_configs_micro_batches_run_each_batch_as_micro_batches(tmp_path):
+    """A config's micro_batches=2 reaches a Lightning job with no change to it: accumulate_grad_batches x 2 and the
+    DataLoader's batches halved, so a recorded step holds two forwards and backwards of half the batch each, one
+    allreduce of every gradient and one update, and the job still ends after its max_steps."""
+    from torch import nn
+
+    from dpro.config import Config, write_config
+    from dpro.plugins.torch.apply import fingerprint
+    from dpro.plugins.torch.models import get_example
+
+    class Module(nn.Module):  # the job's LightningModule: the same parameter names and shapes
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = get_example("mlp").build()
+
+    config = write_config(tmp_path / "config.json", Config(
+        fingerprint={"framework": "torch", "engine": "torch-ddp", "world_size": 2, "model": fingerprint(Module())},
+        knobs={"micro_batches": 2}))
+    run_dir = tmp_path / "run"
+    proc = run_job([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--steps", "6",
+                    "--profile", "2:5", "--config", str(config), "--run-dir", str(run_dir)], timeout=240, cwd=tmp_path)
+    batch = get_example("mlp").batch_size
+    assert f"micro_batches=2: batch_size {batch} -> {batch // 2}, accumulate_grad_batches x 2" in proc.stderr
+    run = load_run(run_dir)
+    grad_bytes = run.model["param_bytes"]
+    for rank, trace in run.ranks.items():
+        assert trace.steps == [2, 3, 4], rank
+        for step, events in _steps_of(trace):
+            names = [e["name"] for e in events]
+            assert names.count("FW.net.0") == 2 and names.count("BW.net.0") == 2, (rank, step, names)
+            assert names.count("UPDATE.optimizer") == 1, (rank, step)
+            assert sum(e["args"]["bytes"] for e in events if e["cat"] == "COMM") == grad_bytes
