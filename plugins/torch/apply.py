@@ -29,6 +29,7 @@ With Lightning, ``DproCallback(config=...)`` does the same (see ``dpro.plugins.t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 import warnings
@@ -300,14 +301,25 @@ def _compiled_call(module: nn.Module) -> Callable[..., Any]:
     return torch.compile(call)
 
 
+def _backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
+    """Inductor compiles a backward graph when the backward first runs, so its failure would surface in the user's
+    ``loss.backward()``, where dpro cannot step aside; this has it compiled with its forward instead (where
+    ``_compiled_or_eager`` catches a failure). A torch without the switch compiles as it always does."""
+    config = getattr(torch._functorch, "config", None)
+    if config is None or not hasattr(config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
+
+
 def _compiled_or_eager(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A module's call under ``apply_compile``: the compiled call, or the eager one from the first time compiling
-    fails (Dynamo's and inductor's errors, raised before the compiled graph runs). A bound method of the module, so
-    ``copy.deepcopy`` rebinds it, and a copy compiles its own call."""
+    fails (Dynamo's and inductor's errors, raised before the compiled graph runs, the backward's included). A bound
+    method of the module, so ``copy.deepcopy`` rebinds it, and a copy compiles its own call."""
     if self._dpro_compiled_id != id(self):  # a copy of a compiled module (copy.deepcopy of the model)
         self._dpro_compiled, self._dpro_compiled_id = _compiled_call(self), id(self)
     try:
-        return self._dpro_compiled(*args, **kwargs)
+        with _backward_compiled_with_forward():
+            return self._dpro_compiled(*args, **kwargs)
     except torch._dynamo.exc.TorchDynamoException as err:
         self._compiled_call_impl = None  # eager from now on: nn.Module.__call__ takes _call_impl
         self._dpro_compile_failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -145,3 +145,50 @@ def test_compile_runs_the_model_compiled_with_eager_results():
     out.sum().backward()
     assert torch.allclose(out, reference(x), atol=1e-6) and model[0].weight.grad is not None
     assert runs_compiled(model, None)  # the recorder then leaves the modules untimed
+
+
+@pytest.mark.slow  # a real inductor build
+def test_a_backward_that_inductor_cannot_compile_runs_the_module_eager_from_its_forward():
+    """Inductor compiles a backward when it first runs; a failure there would surface in the user's backward(). Here
+    an op seen only in the backward has a lowering that fails (registered through inductor's own extension point):
+    the compiled module's forward finds out, says so and runs eager, and the backward runs."""
+    import torch._inductor.lowering as lowering
+
+    from dpro.plugins.torch.apply import apply_compile, compiled
+
+    @torch.library.custom_op("dprotest::scale_grad", mutates_args=())
+    def scale_grad(g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+    @scale_grad.register_fake
+    def _(g: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(g)
+
+    @torch.library.custom_op("dprotest::double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @double.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    double.register_autograd(lambda ctx, g: torch.ops.dprotest.scale_grad(g))
+
+    @lowering.register_lowering(torch.ops.dprotest.scale_grad.default)
+    def _(g):
+        raise RuntimeError("no lowering for this backward op")
+
+    class Doubled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.dprotest.double(self.fc(x))
+
+    model = Doubled()
+    apply_compile(model, ["<root>"])
+    out = model(torch.randn(4, 8))
+    out.sum().backward()
+    assert compiled(model) == [] and model.fc.weight.grad is not None
+    assert torch.allclose(model.fc.bias.grad, torch.full((4,), 8.0))  # d/db sum(2 (Wx + b)) = 2 per row, 4 rows
