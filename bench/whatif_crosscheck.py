@@ -88,8 +88,8 @@ def cross_errors(case_dir: Path, variant: Variant | None = None,
     """|error| % of every (kept job, other setting) pair the model prices: the predicted ratio of the other setting
     to the job's own, against the measured ratio of the settings' median jobs."""
     settings, jobs = case_settings(case_dir), case_jobs(case_dir)
-    if any(not knobs for index, knobs in settings.items() if index != 0):
-        return []  # a setting the script makes itself (its own option): its jobs' recordings do not know it
+    if any(index not in settings or not settings[index] for index in jobs if index != 0):
+        return []  # a setting the script makes itself (its own option, no config): its jobs' recordings do not know it
     measured = measured or {i: statistics.median(measured_ms(d) for d in ds) for i, ds in jobs.items()}
     errors = []
     for index, dirs in jobs.items():
