@@ -3,6 +3,8 @@ probe passes' guards of training state (dpro.plugins.torch.probes)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -156,23 +158,15 @@ def test_a_backward_that_inductor_cannot_compile_runs_the_module_eager_from_its_
 
     from dpro.plugins.torch.apply import apply_compile, compiled
 
-    @torch.library.custom_op("dprotest::scale_grad", mutates_args=())
-    def scale_grad(g: torch.Tensor) -> torch.Tensor:
-        return g * 2
+    def doubling_op(name: str) -> Any:
+        """A custom op that doubles its input, with the fake kernel Dynamo traces it by."""
+        op = torch.library.custom_op(f"dprotest::{name}", lambda x: x * 2, mutates_args=(),
+                                     schema="(Tensor x) -> Tensor")
+        op.register_fake(lambda x: torch.empty_like(x))
+        return op
 
-    @scale_grad.register_fake
-    def _(g: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(g)
-
-    @torch.library.custom_op("dprotest::double", mutates_args=())
-    def double(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @double.register_fake
-    def _(x: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(x)
-
-    double.register_autograd(lambda ctx, g: torch.ops.dprotest.scale_grad(g))
+    doubling_op("scale_grad")  # seen only in the backward
+    doubling_op("double").register_autograd(lambda ctx, g: torch.ops.dprotest.scale_grad(g))
 
     @lowering.register_lowering(torch.ops.dprotest.scale_grad.default)
     def _(g):
