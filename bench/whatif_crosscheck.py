@@ -26,14 +26,12 @@ from bench_doc import write_bench_doc
 
 from dpro.config import knob_table
 from dpro.engines import get_engine, load_prepared
-from dpro.engines.mxnet_ps import BIGARRAY_BOUND, BIGARRAY_BOUND_ENV, NUM_SERVERS, NUM_SERVERS_ENV
+from dpro.engines.mxnet_ps import ENV_KNOBS
 from dpro.errors import DproError
 from dpro.io.load import Run
 from dpro.sim.whatif import context, predict
 
 Variant = Callable[[Run], None]
-ENV_KNOBS = {NUM_SERVERS_ENV: NUM_SERVERS, BIGARRAY_BOUND_ENV: BIGARRAY_BOUND}  # run.json's name for a variable
-# the recorder stores under another name (Horovod's knobs are named as their variables)
 
 
 def _without(*keys: str) -> Variant:
@@ -63,6 +61,7 @@ def case_settings(case_dir: Path) -> dict[int, dict[str, Any]]:
     own = {k: recorded.knobs[k] for k in keys if recorded.knobs.get(k) is not None}
     own.update({k: table[k].default for k in keys if k not in own and k in table and table[k].default is not None})
     variables = {v for knobs in settings.values() for v in knobs.get("env") or {}}
+    # run.json names MXNet's variables by their knobs (Horovod's knobs are named as their variables)
     own["env"] = {v: str(recorded.knobs[ENV_KNOBS.get(v, v)]) for v in variables
                   if recorded.knobs.get(ENV_KNOBS.get(v, v)) is not None}
     settings[0] = own

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dpro.sim.choices import OptimizeResult
     from dpro.sim.whatif import Context, Prediction
 
-__all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "NAME", "NUM_SERVERS", "ServerModel",
+__all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "ENV_KNOBS", "NAME", "NUM_SERVERS", "ServerModel",
            "bigarray_bound", "cpu_link", "fit_server_model", "host_cpus", "key_servers", "link_queues",
            "link_rate", "max_servers", "ps_model", "rate_scaled_model", "search", "server_cpus", "server_host",
            "server_hosts", "server_model", "server_queue", "worker_hosts"]
@@ -47,6 +47,7 @@ NUM_SERVERS = "num_servers"
 DEFAULT_BIGARRAY_BOUND = 1_000_000          # MXNET_KVSTORE_BIGARRAY_BOUND's default (elements)
 BIGARRAY_BOUND_ENV = "MXNET_KVSTORE_BIGARRAY_BOUND"
 NUM_SERVERS_ENV = "DMLC_NUM_SERVER"
+ENV_KNOBS = {NUM_SERVERS_ENV: NUM_SERVERS, BIGARRAY_BOUND_ENV: BIGARRAY_BOUND}  # variable -> the knob it sets
 KEY_SPREAD = 9973                           # MXNet's multiplier spreading small keys over the servers
 SCALE_TOLERANCE = 0.01                      # a server model calibrated further than this from the recorded step failed
 
@@ -435,7 +436,7 @@ def _fit_scale(fitted: ServerModel, step_of: Any, target_ms: float) -> ServerMod
 def knobs_from_env(env: Mapping[str, Any]) -> dict[str, int]:
     """The engine's knobs an ``env`` section sets (``DMLC_NUM_SERVER``, ``MXNET_KVSTORE_BIGARRAY_BOUND``)."""
     out = {}
-    for variable, knob in ((NUM_SERVERS_ENV, NUM_SERVERS), (BIGARRAY_BOUND_ENV, BIGARRAY_BOUND)):
+    for variable, knob in ENV_KNOBS.items():
         if variable in env:
             try:
                 out[knob] = max(1, int(env[variable]))

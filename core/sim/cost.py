@@ -65,34 +65,20 @@ def scale_to_reach(value_at: Callable[[float], float], target: float, lo: float,
     return (lo * hi) ** 0.5
 
 
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares intercept and slope, both kept non-negative."""
+def _line(points: list[tuple[float, float]], *, relative: bool = False) -> tuple[float, float]:
+    """Least-squares intercept and slope, both kept non-negative; with ``relative``, of the points' relative errors
+    (each residual over its time; the plain line where a time is not positive or the slope comes out <= 0)."""
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
     if len(set(x.tolist())) < 2:
         return float(max(np.median(y), 0.0)), 0.0
-    slope, intercept = np.polyfit(x, y, 1)
+    relative = relative and bool((y > 0).all())
+    w = 1.0 / y if relative else np.ones_like(y)
+    intercept, slope = np.linalg.lstsq(np.column_stack([w, x * w]), y * w, rcond=None)[0]
     if slope <= 0:
-        return float(max(np.median(y), 0.0)), 0.0
+        return _line(points) if relative else (float(max(np.median(y), 0.0)), 0.0)
     if intercept < 0:
-        slope = float(np.sum(x * y) / np.sum(x * x))  # through the origin
-        intercept = 0.0
-    return float(intercept), float(slope)
-
-
-def _relative_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Intercept and slope that minimise the squared relative errors of ``points`` (each point's residual over its
-    time), both kept non-negative; ``_line``'s where a time is not positive."""
-    x = np.array([p[0] for p in points], dtype=float)
-    y = np.array([p[1] for p in points], dtype=float)
-    if len(set(x.tolist())) < 2 or not (y > 0).all():
-        return _line(points)
-    weights = 1.0 / y
-    intercept, slope = np.linalg.lstsq(np.column_stack([weights, x * weights]), np.ones_like(y), rcond=None)[0]
-    if slope <= 0:
-        return _line(points)
-    if intercept < 0:
-        slope = float(np.sum(x / y) / np.sum((x / y) ** 2))  # through the origin
+        slope = float(np.sum(w * w * x * y) / np.sum(w * w * x * x))  # through the origin
         intercept = 0.0
     return float(intercept), float(slope)
 
@@ -137,7 +123,8 @@ def fit_comm_model(transfers: list[tuple[float, float]], probe: list[list[float]
     for nbytes, us in probe:
         by_size[nbytes].append(us)
     if len(by_size) >= 2:
-        return to_model(*_relative_line([(b, statistics.fmean(v)) for b, v in by_size.items()]), "all_reduce probe")
+        return to_model(*_line([(b, statistics.fmean(v)) for b, v in by_size.items()], relative=True),
+                        "all_reduce probe")
     sizes = sorted({b for b, _ in transfers})
     if len(sizes) >= 2:
         return to_model(*_line(transfers), "in-step transfers")
