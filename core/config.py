@@ -264,8 +264,9 @@ COMMON_KNOBS: tuple[Knob, ...] = (
     Knob("gradient_compression", "null, \"fp16\" or \"bf16\": gradients cast for the wire", _compression),
     Knob("amp", "null, \"bf16\" or \"fp16\": forward and loss under autocast (priced by the recorder's probe "
          "passes; changes numerics)", _compression),
-    Knob("micro_batches", "k >= 1: the same batch as k micro-batches, gradients communicated after the last "
-         "(priced by the recorder's probe passes)", _micro_batches, default=1),
+    Knob("micro_batches", "k >= 1: the step's samples as k forward/backward passes (micro-batches), gradients "
+         "communicated after the last (priced by the recorder's probe passes; a run recorded with gradient "
+         "accumulation runs as many as its step's passes)", _micro_batches, default=1),
     Knob("compile", f"module paths run under torch.compile, or Gluon blocks hybridized with static_alloc "
          f"({ROOT_MODULE}: the whole model; Keras: {ROOT_MODULE} only, jit_compile; priced by the recorder's compile "
          "probe)", _compile, default=[]),

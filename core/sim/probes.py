@@ -8,10 +8,13 @@ batch as recorded (the probes run outside the step, without communication, so on
   parameters, and so the gradients and their collectives, in fp32: their bytes do not change (the
   ``gradient_compression`` knob halves them). Activations scale as the probes' kept output bytes did, and autocast
   keeps a cast copy of the weights while the forward runs (half their bytes).
-- ``micro_batches`` k: each op's time against its batch is fitted as t(b) = a + s b (least squares over the probes
-  at the recorded batch and its slices), and the op runs k times per step at t(B/k) / t(B) of its time. Collectives
-  run once, after the last micro-batch's backward (the engine skips synchronising the others). Activations scale as
-  the probes' kept bytes did at B/k (1/k where B/k was not probed).
+- ``micro_batches`` k: the step's rows (B, the recorded pass's rows times the passes the step runs) in k forward and
+  backward passes. Each op's time against its batch is fitted as t(b) = a + s b (least squares over the probes at
+  the recorded pass's rows and their slices), and the op runs k times per step at t(B/k) / t(recorded rows) of its
+  time. Collectives run once, after the last micro-batch's backward (the engine skips synchronising the others).
+  A step recorded with several passes (gradient accumulation) is priced from its last pass, which holds the
+  collectives, and the loop's work recorded between its last two passes (a batch fetched per micro-batch).
+  Activations scale as the probes' kept bytes did at B/k (in proportion where B/k was not probed).
 - ``compile`` (module paths, ``<root>`` for the whole model): the forward ops of each region's modules scale by its
   compiled over eager forward time, the backward ops by the backward's, both measured in the same compile probe in
   paired passes; so do the gaps between two ops of the region (work of the region's own code between its
@@ -34,7 +37,8 @@ from dpro.io.probes import Probe, RankProbes
 from dpro.record.trace import ROOT_MODULE
 
 __all__ = ["BETWEEN", "MIN_BATCH_RATIO", "activation_scale", "amp_ratios", "batch_ratios", "compile_probe_of",
-           "compile_ratios", "fit_line", "in_region", "probes_of", "with_amp", "with_compile", "with_micro_batches"]
+           "compile_ratios", "fit_line", "in_region", "model_passes", "pass_starts", "probes_of", "with_amp",
+           "with_compile", "with_micro_batches"]
 
 MIN_BATCH_RATIO = 0.02  # a fitted time at a small batch is at least this share of the recorded one (a line may
 # cross zero below the batches probed)
@@ -118,9 +122,9 @@ def amp_ratios(rank_probes: RankProbes, amp: str) -> dict[str, float]:
     return {op: ops[op] / t for op, t in reference_ops.items() if op in ops and t > 0}
 
 
-def batch_ratios(rank_probes: RankProbes, k: int) -> dict[str, float]:
-    """op -> t(B / k) / t(B) from the line fitted through its probes in the recorded precision (B: the recorded
-    batch; ``MIN_BATCH_RATIO`` at least).
+def batch_ratios(rank_probes: RankProbes, k: int, passes: int = 1) -> dict[str, float]:
+    """op -> t(B / k) / t(b) from the line fitted through its probes in the recorded precision (b: the recorded
+    pass's rows, B = b x ``passes`` the step's; ``MIN_BATCH_RATIO`` at least).
 
     Raises:
         UsageError: the probes hold no batch but the recorded one (a batch of 1 cannot be sliced).
@@ -139,24 +143,25 @@ def batch_ratios(rank_probes: RankProbes, k: int) -> dict[str, float]:
         at_full = a + s * full
         if at_full <= 0:
             continue
-        out[op] = max(a + s * full / k, MIN_BATCH_RATIO * at_full) / at_full
+        out[op] = max(a + s * full * passes / k, MIN_BATCH_RATIO * at_full) / at_full
     return out
 
 
-def activation_scale(rank_probes: RankProbes, amp: str | None, k: int) -> float:
-    """The activations kept under ``amp`` and ``k`` micro-batches over those recorded, as the probes measured them
-    (1/k for a micro-batch size not probed; amp and micro-batches multiply)."""
+def activation_scale(rank_probes: RankProbes, amp: str | None, k: int, passes: int = 1) -> float:
+    """The activations kept under ``amp`` and ``k`` micro-batches over those recorded (``passes`` passes a step),
+    as the probes measured them (in proportion for a micro-batch size not probed; amp and micro-batches
+    multiply)."""
     reference = _reference(rank_probes)
     if not reference.activation_bytes:
-        return (1.0 if amp is None else 0.5) / k
+        return (1.0 if amp is None else 0.5) * passes / k
     scale = 1.0
     if amp is not None:
         probe = rank_probes.find(amp, reference.batch)
         scale *= probe.activation_bytes / reference.activation_bytes if probe is not None else 0.5
-    if k > 1:
-        rows = reference.batch / k
+    if k != passes:
+        rows = reference.batch * passes / k
         probe = rank_probes.find(None, int(rows)) if rows == int(rows) else None
-        scale *= probe.activation_bytes / reference.activation_bytes if probe is not None else 1.0 / k
+        scale *= probe.activation_bytes / reference.activation_bytes if probe is not None else passes / k
     return scale
 
 
@@ -206,51 +211,91 @@ def with_amp(model: StepModel, probes: dict[int, RankProbes], amp: str) -> StepM
     return _scaled(model, lambda rank: amp_ratios(probes_of(probes, rank, f"amp={amp}"), amp))
 
 
+def pass_starts(ops: list[OpStats]) -> list[int]:
+    """The index of each forward/backward pass's first op in one rank's step: a forward op after a backward one
+    opens a pass (a module called twice in one forward, a shared layer, stays in its pass); [] without forward or
+    backward ops."""
+    starts: list[int] = []
+    backward_seen = True
+    for i, op in enumerate(ops):
+        if op.category == "BW":
+            backward_seen = True
+            if not starts:
+                starts.append(i)  # a step recorded without forward ops
+        elif op.category == "FW" and backward_seen:
+            starts.append(i)
+            backward_seen = False
+    return starts
+
+
+def model_passes(model: StepModel) -> int:
+    """The forward/backward passes a step of ``model`` runs (its micro-batches; 1 at least)."""
+    return max((len(pass_starts(ops)) for ops in model.ops.values()), default=1) or 1
+
+
 def with_micro_batches(model: StepModel, probes: dict[int, RankProbes], k: int) -> StepModel:
-    """``model`` with each rank's forward and backward run ``k`` times on B / k rows (times from ``batch_ratios``),
-    its collectives once, after the last pass's backward.
+    """``model`` with each rank's step rows run as ``k`` forward and backward passes (times from ``batch_ratios``),
+    its collectives once, after the last pass's backward; a rank already running ``k`` passes is left as it is.
 
     Raises:
-        UsageError: the run already runs several passes a step, or has no probes of smaller batches.
+        UsageError: the run has no probes of smaller batches.
     """
-    if k == 1:
-        return model
     out = copy.deepcopy(model)
     for rank, ops in out.ops.items():
-        ratios = batch_ratios(probes_of(probes, rank, f"micro_batches={k}"), k)
-        out.ops[rank] = _passes(ops, ratios, k, rank)
+        passes = len(pass_starts(ops))
+        if passes in (0, k):
+            continue
+        ratios = batch_ratios(probes_of(probes, rank, f"micro_batches={k}"), k, passes)
+        out.ops[rank] = _passes(ops, ratios, k)
     return out
 
 
-def _passes(ops: list[OpStats], ratios: dict[str, float], k: int, rank: int) -> list[OpStats]:
-    """One rank's ops with the span from its first forward to its last backward run ``k`` times."""
-    if any(op.category in SCALED and base_name(op.name) != op.name for op in ops):
-        raise UsageError(f"micro_batches: rank {rank} already runs several forward/backward passes a step; "
-                         "price splitting a run recorded with one pass per step")
+def _end(op: OpStats) -> float:
+    return op.order + op.duration
+
+
+def _passes(ops: list[OpStats], ratios: dict[str, float], k: int) -> list[OpStats]:
+    """One rank's ops with its passes replaced by ``k`` copies of its last pass (its ops priced by ``ratios``; the
+    ops that are not forward or backward, collectives among them, with the last copy only), each copy after the
+    first led by the loop's work recorded between the last two passes."""
+    starts = pass_starts(ops)
     compute = [i for i, op in enumerate(ops) if op.category in ("FW", "BW")]
-    if not compute:
-        return ops
-    first = next(i for i in compute if ops[i].category == "FW") if any(
-        ops[i].category == "FW" for i in compute) else compute[0]
-    last = max(i for i in compute if ops[i].category == "BW") if any(
-        ops[i].category == "BW" for i in compute) else compute[-1]
-    body = ops[first:last + 1]
-    span = body[-1].order + body[-1].duration - body[0].order
-    out = list(ops[:first])
+    backward = [i for i in compute if ops[i].category == "BW"]
+    last = backward[-1] if backward else compute[-1]
+    body = ops[starts[-1]:last + 1]
+    lead: list[OpStats] = []
+    lead_from = body[0].order
+    if len(starts) > 1:
+        previous = max((i for i in backward if i < starts[-1]), default=starts[-2])
+        lead_from = _end(ops[previous])
+        lead = [op for op in ops[previous + 1:starts[-1]] if op.category not in (*SCALED, "COMM")]
+    out = list(ops[:starts[0]])
+    cursor = ops[starts[0]].order
     for j in range(k):
         final = j == k - 1
+        if j:
+            for op in lead:
+                copied = copy.deepcopy(op)
+                copied.name = occurrence_name(base_name(op.name), j)
+                copied.order = cursor + op.order - lead_from
+                out.append(copied)
+            cursor += body[0].order - lead_from
         for op in body:
             if op.category not in SCALED and not final:
                 continue  # collectives and other work: once, with the last micro-batch
             copied = copy.deepcopy(op)
-            copied.order += j * span
+            copied.order = cursor + op.order - body[0].order
             if op.category in SCALED:
-                copied.name = occurrence_name(op.name, j)
+                copied.name = occurrence_name(base_name(op.name), j)
+                if op is body[0] and j == 0:
+                    copied.gap = ops[starts[0]].gap  # the step's own lead-in to its first pass
                 _price(copied, ratios, opens_pass=op is body[0])
             out.append(copied)
+        cursor += _end(body[-1]) - body[0].order
+    shift = cursor - _end(body[-1])
     for op in ops[last + 1:]:
         moved = copy.deepcopy(op)
-        moved.order += (k - 1) * span
+        moved.order += shift
         out.append(moved)
     return out
 

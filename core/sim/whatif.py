@@ -52,7 +52,7 @@ from dpro.sim.interference import (
     scale_for_overlap,
     stretch_transfers,
 )
-from dpro.sim.probes import activation_scale, probes_of, with_amp, with_compile, with_micro_batches
+from dpro.sim.probes import activation_scale, model_passes, probes_of, with_amp, with_compile, with_micro_batches
 from dpro.sim.replay import plan_levels, predicted_step_us, replay
 
 __all__ = [
@@ -166,6 +166,8 @@ def context(run: Run) -> Context:
     probe = (run.meta or {}).get("comm_probe", {}).get("samples", [])
     comm = fit_comm_model(transfers, probe, run.world_size)
     knobs = recorded_knobs(run)
+    if model_passes(base) > 1:  # the job accumulates gradients: what-ifs' micro_batches count from its passes
+        knobs.setdefault("micro_batches", model_passes(base))
     grads = [(g["name"], int(g["bytes"])) for g in run.model.get("gradients", [])]
     interference = fit_interference(run, base.steps)
     ctx = calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs,
@@ -392,7 +394,7 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
             raise UsageError(f"amp={knobs['amp']}: this run was recorded under {recorded_amp} autocast; its probes "
                              "price another precision only from a run recorded without it")
         model = with_amp(model, ctx.probes, knobs["amp"])
-    if int(knobs.get("micro_batches") or 1) > 1:
+    if _splits(ctx, knobs):
         model = with_micro_batches(model, ctx.probes, int(knobs["micro_batches"]))
     if regions:
         model = with_compile(model, ctx.probes, regions)
@@ -420,10 +422,15 @@ def _compiled_regions(ctx: Context, knobs: dict[str, Any]) -> list[str]:
     if recorded:
         raise UsageError(f"compile={','.join(wanted) or 'none'}: this run was recorded with {','.join(recorded)} "
                          "compiled (its modules untimed); price compiling from a run recorded without it")
-    if knobs.get("amp", ctx.knobs.get("amp")) != ctx.knobs.get("amp") or int(knobs.get("micro_batches") or 1) > 1:
+    if knobs.get("amp", ctx.knobs.get("amp")) != ctx.knobs.get("amp") or _splits(ctx, knobs):
         raise UsageError("compile: the compile probe timed the regions at the recorded precision and batch; it "
                          "does not price them together with amp or micro_batches")
     return wanted
+
+
+def _splits(ctx: Context, knobs: dict[str, Any]) -> bool:
+    """Whether ``knobs`` run the step in other micro-batches than the recorded ones."""
+    return knobs.get("micro_batches") is not None and int(knobs["micro_batches"]) != model_passes(ctx.base)
 
 
 COMPUTE_CATEGORIES = ("FW", "BW", "RECOMPUTE", "UPDATE", "COMPUTE")
@@ -469,11 +476,12 @@ def peak_memory(ctx: Context, knobs: dict[str, Any]) -> int:
     """The peak memory of a rank under ``knobs``: recomputation's activations, scaled by what the probes kept under
     ``amp`` and at B / ``micro_batches`` (``sim.probes.activation_scale``), plus autocast's cast copy of the weights
     (half their bytes) while the forward runs."""
-    amp, k = knobs.get("amp"), int(knobs.get("micro_batches") or 1)
+    passes = model_passes(ctx.base)
+    amp, k = knobs.get("amp"), int(knobs.get("micro_batches") or passes)
     recompute = knobs.get("recompute") or ()
-    if not amp and k == 1:
+    if not amp and k == passes:
         return ctx.memory.peak_bytes(recompute)
-    scale = activation_scale(probes_of(ctx.probes, 0, "amp" if amp else "micro_batches"), amp, k)
+    scale = activation_scale(probes_of(ctx.probes, 0, "amp" if amp else "micro_batches"), amp, k, passes)
     return ctx.memory.peak_bytes(recompute, activation_scale=scale) + (ctx.memory.param_bytes // 2 if amp else 0)
 
 

@@ -9,9 +9,10 @@
   loss computed from them is too); for fp16, dynamic loss scaling
 - ``compile``: ``apply`` / ``apply_compile``: the listed modules compiled in place (``nn.Module.compile``), eager again
   if compiling fails
-- ``micro_batches``: a Trainer's own accumulation (``transformers_callback.accumulate``, set by dpro-launch's
-  auto-attach); Lightning's ``accumulate_grad_batches`` over a DataLoader of smaller batches (``micro_batch_loader``,
-  applied by ``DproCallback``); a plain loop, DDP's or Horovod's, changes its code (``micro_batches_change`` says how)
+- ``micro_batches`` k (passes per optimizer step over the samples one step takes now, ``micro_batch_rows``): a
+  Trainer's own accumulation (``transformers_callback.accumulate``, set by dpro-launch's auto-attach); Lightning's
+  ``accumulate_grad_batches`` over a DataLoader of the micro-batches' rows (``micro_batch_loader``, applied by
+  ``DproCallback``); a plain loop, DDP's or Horovod's, changes its code (``micro_batches_change`` says how)
 - ``env``: the launcher (``dpro-launch``), before the process starts; ``load_config`` warns when unset
 
 A plain training loop::
@@ -66,6 +67,7 @@ __all__ = [
     "fingerprint",
     "load_config",
     "micro_batch_loader",
+    "micro_batch_rows",
     "micro_batches_change",
     "recomputed",
     "register_compression",
@@ -463,22 +465,35 @@ def amp_in_force(model: nn.Module) -> str | None:
     return getattr(_inner(model), "_dpro_amp", None)
 
 
-def micro_batch_loader(loader: DataLoader, k: int, source: str) -> DataLoader:
-    """``loader`` again with batches of ``batch_size / k`` and everything else as it was: the same samples in the
-    same order, so ``k`` batches in a row hold what one batch held (a framework that accumulates ``k`` batches per
-    optimizer step then runs the same step as ``k`` micro-batches).
+def micro_batch_rows(batch: int | None, accumulation: int, k: int, source: str) -> int:
+    """The rows of each of ``k`` micro-batches that hold what an optimizer step takes now (``accumulation`` batches
+    of ``batch`` rows): a config's ``micro_batches`` counts the passes of a step, whatever the job accumulated.
 
     Raises:
-        ConfigError: the loader has no batch size ``k`` divides, or draws its batches from a batch sampler of its
-            own (its batches cannot be split from outside).
+        ConfigError: those samples do not split into ``k`` equal micro-batches.
     """
-    batch = loader.batch_size
-    if batch is None or batch % k:
-        raise ConfigError(source, f"a DataLoader of batch_size={batch} does not split into {k} equal micro-batches "
-                          "(a batch sampler of its own, or a size not divisible)", 'knobs["micro_batches"]')
+    rows, rest = divmod((batch or 0) * accumulation, k) if k >= 1 else (0, 1)
+    if rest or rows < 1:
+        raise ConfigError(source, f"{accumulation} batch(es) of {batch} rows per optimizer step do not split into "
+                          f"{k} equal micro-batches", 'knobs["micro_batches"]')
+    return rows
+
+
+def micro_batch_loader(loader: DataLoader, rows: int, source: str) -> DataLoader:
+    """``loader`` again with batches of ``rows`` and everything else as it was: the same samples in the same order
+    (a framework that accumulates that many batches per optimizer step then runs the same step in other
+    micro-batches).
+
+    Raises:
+        ConfigError: the loader draws its batches from a batch sampler of its own (they cannot be resized from
+            outside).
+    """
+    if loader.batch_size is None:
+        raise ConfigError(source, "the DataLoader draws its batches from a batch sampler of its own; dpro cannot "
+                          "resize them", 'knobs["micro_batches"]')
     extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers} \
         if loader.num_workers > 0 else {}
-    return DataLoader(loader.dataset, batch_size=batch // k, sampler=loader.sampler, num_workers=loader.num_workers,
+    return DataLoader(loader.dataset, batch_size=rows, sampler=loader.sampler, num_workers=loader.num_workers,
                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
                       **extra)

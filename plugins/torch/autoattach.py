@@ -549,18 +549,18 @@ def _patch_hf_trainer(module: ModuleType) -> None:
             return original(self, *args, **kwargs)  # let the Trainer report the mistake
         model, training = bound.arguments.get("model"), bound.arguments.get("args")
         config = state.config_for(model) if state is not None and model is not None and training is not None else None
-        micro = int(config.knobs.get("micro_batches") or 1) if config is not None else 1
-        if micro > 1:
+        micro = config.knobs.get("micro_batches") if config is not None else None
+        if micro is not None:
+            state.micro_batches_applied = True  # the Trainer's own accumulation: the DDP patch need not say how
+        if micro is not None and int(micro) != int(training.gradient_accumulation_steps):
             from dpro.errors import ConfigError
             from dpro.plugins.torch.transformers_callback import accumulate
 
             try:
-                accumulate(training, micro, config.source)
-                state.micro_batches_applied = True
+                accumulate(training, int(micro), config.source)
                 _say(f"micro_batches={micro}: per_device_train_batch_size {training.per_device_train_batch_size}, "
                      f"gradient_accumulation_steps {training.gradient_accumulation_steps}")
             except ConfigError as err:
-                state.micro_batches_applied = True  # said here; the DDP patch need not say it again
                 _warn_once(state, f"not applied: {err}")
         return original(*bound.args, **bound.kwargs)
 

@@ -37,6 +37,7 @@ from dpro.plugins.torch.apply import (
     ddp_kwargs,
     load_config,
     micro_batch_loader,
+    micro_batch_rows,
     micro_batches_change,
     recomputed,
     register_compression,
@@ -77,18 +78,21 @@ def _lightning_versions() -> dict[str, str]:
 
 
 def _apply_micro_batches(trainer: Any, pl_module: Any, k: int, source: str) -> None:
-    """A config's ``micro_batches`` in Lightning's own terms: ``accumulate_grad_batches`` times ``k``, and the training
-    DataLoader's batches ``k`` times smaller (``micro_batch_loader``), so each optimizer step takes the same samples
-    as ``k`` micro-batches; Lightning skips DDP's allreduce on all but the last. Said, not applied, where the
-    module steps its optimizer itself (manual optimization) or the loader cannot be split.
+    """A config's ``micro_batches`` in Lightning's own terms: ``accumulate_grad_batches`` k, and the training
+    DataLoader's batches of the rows that split an optimizer step's samples into ``k`` (``micro_batch_rows``,
+    ``micro_batch_loader``); Lightning skips DDP's allreduce on all but the last. Said, not applied, where the module
+    steps its optimizer itself (manual optimization) or the loader cannot be resized.
 
     Raises:
-        ConfigError: the training DataLoader's batch does not split into ``k`` (``micro_batch_loader``).
+        ConfigError: the step's samples do not split into ``k`` (``micro_batch_rows``).
     """
     def say(text: str) -> None:
         if trainer.global_rank == 0:
             print(f"dpro: {source}: {text}", file=sys.stderr, flush=True)
 
+    accumulation = int(trainer.accumulate_grad_batches)
+    if k == accumulation:
+        return
     if not getattr(pl_module, "automatic_optimization", True):
         say(f"micro_batches={k} not applied: the module steps its optimizer itself (manual optimization); "
             f"{micro_batches_change(k)}")
@@ -96,22 +100,25 @@ def _apply_micro_batches(trainer: Any, pl_module: Any, k: int, source: str) -> N
     data = getattr(trainer.fit_loop, "_data_source", None)  # where Trainer.fit takes its training batches
     instance = getattr(data, "instance", None)
     if isinstance(instance, DataLoader):
-        loader = data.instance = micro_batch_loader(instance, k, source)
+        rows = micro_batch_rows(instance.batch_size, accumulation, k, source)
+        batch = f"batch_size {instance.batch_size} -> {rows}, "
+        data.instance = micro_batch_loader(instance, rows, source)
     elif instance is not None and callable(getattr(instance, "train_dataloader", None)):
-        made = instance.train_dataloader  # the module's or datamodule's hook, made into micro-batches when called
+        made = instance.train_dataloader  # the module's or datamodule's hook, resized when called
 
         def train_dataloader() -> Any:
             got = made()
-            return micro_batch_loader(got, k, source) if isinstance(got, DataLoader) else got
+            if not isinstance(got, DataLoader):
+                return got
+            return micro_batch_loader(got, micro_batch_rows(got.batch_size, accumulation, k, source), source)
 
         instance.train_dataloader = train_dataloader
-        loader = None
+        batch = "batches resized, "
     else:
-        say(f"micro_batches={k} not applied: the training batches do not come from a DataLoader dpro can split")
+        say(f"micro_batches={k} not applied: the training batches do not come from a DataLoader dpro can resize")
         return
-    trainer.accumulate_grad_batches = trainer.accumulate_grad_batches * k
-    batch = f"batch_size {loader.batch_size * k} -> {loader.batch_size}, " if loader is not None else "batches / k, "
-    say(f"micro_batches={k}: {batch}accumulate_grad_batches x {k} ({trainer.accumulate_grad_batches})")
+    trainer.accumulate_grad_batches = k
+    say(f"micro_batches={k}: {batch}accumulate_grad_batches {accumulation} -> {k}")
 
 
 class DproCallback(*_callback_bases()):
@@ -157,9 +164,8 @@ class DproCallback(*_callback_bases()):
         self.config = load_config(self.config_path, model=pl_module, world_size=trainer.world_size,
                                   force=self.force)
         apply(pl_module, self.config)
-        micro = int(self.config.knobs.get("micro_batches") or 1)
-        if micro > 1:
-            _apply_micro_batches(trainer, pl_module, micro, self.config.source)
+        if self.config.knobs.get("micro_batches") is not None:
+            _apply_micro_batches(trainer, pl_module, int(self.config.knobs["micro_batches"]), self.config.source)
         kwargs = ddp_kwargs(self.config, model=pl_module)
         if not kwargs:
             return

@@ -26,8 +26,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from dpro.errors import ConfigError, DproError
+from dpro.errors import DproError
 from dpro.logs import get_logger
+from dpro.plugins.torch.apply import micro_batch_rows
 from dpro.plugins.torch.recorder import TorchRecorder, active_recorders
 
 __all__ = ["DproTrainerCallback", "accumulate", "ddp_wrapping"]
@@ -47,19 +48,16 @@ def ddp_wrapping(model: nn.Module) -> DistributedDataParallel | None:
 
 
 def accumulate(training_args: Any, k: int, source: str = "accumulate") -> None:
-    """The same batch as ``k`` micro-batches: ``per_device_train_batch_size / k`` and ``gradient_accumulation_steps *
-    k`` (the Trainer skips the allreduce of all but the last, as DDP's ``no_sync``). Call it before the ``Trainer``
-    is built (its accelerator reads the accumulation steps then).
+    """The samples of an optimizer step as ``k`` micro-batches: ``gradient_accumulation_steps`` k and the
+    per-device batch that many rows (``apply.micro_batch_rows``; the Trainer skips the allreduce of all but the last,
+    as DDP's ``no_sync``). Call it before the ``Trainer`` is built (its accelerator reads the accumulation steps then).
 
     Raises:
-        ConfigError: the per-device batch does not split into ``k`` equal micro-batches.
+        ConfigError: the step's samples do not split into ``k`` equal micro-batches.
     """
-    per_device = int(training_args.per_device_train_batch_size)
-    if k < 1 or per_device % k:
-        raise ConfigError(source, f"a per-device batch of {per_device} does not split into {k} equal micro-batches",
-                          'knobs["micro_batches"]')
-    training_args.per_device_train_batch_size = per_device // k
-    training_args.gradient_accumulation_steps = int(training_args.gradient_accumulation_steps) * k
+    training_args.per_device_train_batch_size = micro_batch_rows(
+        int(training_args.per_device_train_batch_size), int(training_args.gradient_accumulation_steps), k, source)
+    training_args.gradient_accumulation_steps = k
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

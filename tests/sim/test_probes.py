@@ -19,6 +19,8 @@ from dpro.sim.probes import (
     batch_ratios,
     compile_ratios,
     fit_line,
+    model_passes,
+    pass_starts,
     with_amp,
     with_compile,
     with_micro_batches,
@@ -149,11 +151,34 @@ def test_whatif_without_probes_says_how_to_get_them(tmp_path):
         predict(ctx, {"amp": "bf16"})
 
 
-def test_a_run_that_already_accumulates_is_refused(run_with_probes):
+def test_a_run_that_already_accumulates_is_priced_from_its_last_pass(run_with_probes):
     ctx = context(load_run(run_with_probes))
     twice = with_micro_batches(ctx.base, ctx.probes, 2)
-    with pytest.raises(UsageError, match="already runs several forward/backward passes"):
-        with_micro_batches(twice, ctx.probes, 2)
+    assert model_passes(ctx.base) == 1 and model_passes(twice) == 2
+    assert with_micro_batches(twice, ctx.probes, 2).ops == twice.ops  # already so: left as it is
+    # proportional probes: one pass of both micro-batches' rows takes what the recorded pass took
+    once = with_micro_batches(twice, ctx.probes, 1)
+    base = {op.name: op.duration for op in ctx.base.ops[0]}
+    assert {op.name: pytest.approx(op.duration) for op in once.ops[0]} == base
+    four = {op.name: op.duration for op in with_micro_batches(twice, ctx.probes, 4).ops[0]}
+    assert four == pytest.approx({op.name: op.duration for op in with_micro_batches(ctx.base, ctx.probes, 4).ops[0]})
+    names = list(four)
+    assert sum(n.startswith("COMM") for n in names) == 2
+    assert names.index("COMM.bucket0.allreduce") > names.index("BW.fc2#4")
+
+
+def test_a_forward_op_run_twice_in_one_pass_is_one_pass(run_with_probes):
+    ctx = context(load_run(run_with_probes))
+    ops = ctx.base.ops[0]
+    first = next(i for i, op in enumerate(ops) if op.category == "FW")
+    assert pass_starts(ops[:first + 1] + ops[first:]) == [first]  # a shared layer called again before backward
+
+
+def test_whatif_from_an_accumulating_run_counts_its_passes(run_with_probes):
+    ctx = context(load_run(run_with_probes))
+    split = predict(ctx, {"micro_batches": 2})
+    assert split.predicted_step_ms > predict(ctx, {"micro_batches": 1}).predicted_step_ms
+    assert peak_memory(ctx, {"micro_batches": 1}) == ctx.memory.peak_bytes()
 
 
 @pytest.mark.parametrize(("change", "problem"), [

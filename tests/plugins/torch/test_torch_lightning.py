@@ -147,10 +147,12 @@ def test_the_profiler_is_each_lightning_packages_profiler():
             assert isinstance(DproProfiler(steps=range(2, 4)), profilers.Profiler), package
 
 
-def test_a_configs_micro_batches_run_each_batch_as_micro_batches(tmp_path):
-    """A config's micro_batches=2 reaches a Lightning job with no change to it: accumulate_grad_batches x 2 and the
-    DataLoader's batches halved, so a recorded step holds two forwards and backwards of half the batch each, one
-    allreduce of every gradient and one update, and the job still ends after its max_steps."""
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_a_configs_micro_batches_run_each_step_as_micro_batches(tmp_path, accumulate):
+    """A config's micro_batches=2 reaches a Lightning job with no change to it: accumulate_grad_batches 2 and the
+    DataLoader's batches resized to half a step's samples (halved for a job that steps on each batch, doubled for one
+    that accumulated 4), so a recorded step holds two forwards and backwards, one allreduce of every gradient and one
+    update, and the job still ends after its max_steps."""
     from torch import nn
 
     from dpro.config import Config, write_config
@@ -167,7 +169,9 @@ def test_a_configs_micro_batches_run_each_batch_as_micro_batches(tmp_path):
         knobs={"micro_batches": 2}))
     run_dir = tmp_path / "run"
     proc = run_job([sys.executable, str(JOBS / "lightning_job.py"), "--package", "lightning.pytorch", "--steps", "6",
-                    "--profile", "2:5", "--config", str(config), "--run-dir", str(run_dir)], timeout=240, cwd=tmp_path)
+                    "--profile", "2:5", "--accumulate", str(accumulate), "--config", str(config),
+                    "--run-dir", str(run_dir)], timeout=240, cwd=tmp_path)
     batch = get_example("mlp").batch_size
-    assert f"micro_batches=2: batch_size {batch} -> {batch // 2}, accumulate_grad_batches x 2" in proc.stderr
+    rows = batch * accumulate // 2
+    assert f"micro_batches=2: batch_size {batch} -> {rows}, accumulate_grad_batches {accumulate} -> 2" in proc.stderr
     _assert_two_micro_batches_per_step(load_run(run_dir))

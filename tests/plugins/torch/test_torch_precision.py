@@ -104,9 +104,11 @@ def test_micro_batches_in_a_trainer_and_the_change_a_plain_loop_needs():
 
     args = transformers.TrainingArguments(output_dir="unused", per_device_train_batch_size=8,
                                           gradient_accumulation_steps=2, use_cpu=True, report_to=[])
-    accumulate(args, 2)
+    accumulate(args, 4)  # the step's 16 samples in 4 passes
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 4)
-    with pytest.raises(ConfigError, match="a per-device batch of 4 does not split into 3 equal micro-batches"):
+    accumulate(args, 1)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (16, 1)
+    with pytest.raises(ConfigError, match=r"1 batch\(es\) of 16 rows per optimizer step do not split into 3 equal"):
         accumulate(args, 3)
     assert "ddp_model.no_sync()" in micro_batches_change(2) and "(loss / 2).backward()" in micro_batches_change(2)
     assert "backward_passes_per_step=2" in micro_batches_change(2, horovod=True)
