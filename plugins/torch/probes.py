@@ -1,6 +1,8 @@
 """Probe passes after the recorded window: the captured batch run again, forward and backward, under another
-precision (``torch.autocast``) and in slices of the batch (dim 0), each module timed by the recorder's own hooks;
-then regions of the model timed alone under ``torch.compile`` and without it, in paired passes, the hooks removed.
+precision (``torch.autocast``) and in slices of the batch (dim 0), each module timed by the recorder's own hooks
+(and, where a step ran several micro-batches, on all of them joined: fewer micro-batches are then priced between
+probes, not beyond them); then regions of the model timed alone under ``torch.compile`` and without it, in paired
+passes, the hooks removed.
 
 They price three knobs by measurement, not by FLOP counts: ``amp`` (bf16 autocast can be several times slower than
 fp32 on a CPU without bf16 units), ``micro_batches`` (ops do not scale linearly at small batches) and ``compile``
@@ -38,8 +40,8 @@ if TYPE_CHECKING:
 
     from dpro.plugins.torch.recorder import TorchRecorder
 
-__all__ = ["AMP_DTYPES", "COMPILE_PASSES", "PROBE_BUDGET_S", "PROBE_PASSES", "batch_size", "model_passes",
-           "run_probes", "sliced", "training_state_kept", "write_probes"]
+__all__ = ["AMP_DTYPES", "COMPILE_PASSES", "MAX_JOINED", "PROBE_BUDGET_S", "PROBE_PASSES", "batch_size", "joined",
+           "model_passes", "run_probes", "sliced", "training_state_kept", "write_probes"]
 
 logger = get_logger("dpro.plugins.torch")
 
@@ -47,6 +49,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PROBE_PASSES = 3  # timed passes per probe, after one warm-up pass (autocast's first pass builds its casts)
 PROBE_BUDGET_S = 60.0  # no further probe starts once the probes took this long (bf16 on a CPU may be 10x slower)
 PROBED_FRACTIONS = (2, 4)  # micro-batch probes at B/2 and B/4 (a batch that divides)
+MAX_JOINED = 8  # a step's micro-batches joined into one probe at most
 COMPILE_PASSES = 15  # eager and compiled passes, alternating, after the compile's warm-up (a pass is cheap
 # beside the compile; another rank compiling meanwhile makes single passes noisy)
 
@@ -83,6 +86,30 @@ def sliced(batch: Any, full: int, rows: int) -> Any:
     if isinstance(batch, list):
         return [sliced(v, full, rows) for v in batch]
     return batch
+
+
+def joined(batches: list[Any], full: int) -> Any:
+    """The micro-batches of one step as one batch: every tensor whose dim 0 is ``full`` concatenated along it
+    (others taken from the last micro-batch).
+
+    Raises:
+        ValueError: the micro-batches differ in structure or in a tensor's other dims.
+    """
+    last = batches[-1]
+    if isinstance(last, torch.Tensor):
+        if not all(isinstance(b, torch.Tensor) and b.shape == last.shape for b in batches):
+            raise ValueError("the micro-batches' tensors differ in shape")
+        return torch.cat([b.detach() for b in batches]) if last.dim() > 0 and last.shape[0] == full else last
+    if isinstance(last, dict):
+        if any(not isinstance(b, dict) or b.keys() != last.keys() for b in batches):
+            raise ValueError("the micro-batches differ in their keys")
+        return {k: joined([b[k] for b in batches], full) for k in last}
+    if isinstance(last, (tuple, list)):
+        if any(not isinstance(b, (tuple, list)) or len(b) != len(last) for b in batches):
+            raise ValueError("the micro-batches differ in structure")
+        items = [joined([b[i] for b in batches], full) for i in range(len(last))]
+        return tuple(items) if isinstance(last, tuple) else items
+    return last
 
 
 @contextlib.contextmanager
@@ -140,32 +167,55 @@ def _probe(rec: TorchRecorder, args: tuple, kwargs: dict, amp: str | None, rows:
     return Probe(amp, rows, len(passes), ops, statistics.median(p[1] for p in passes), passes[-1][2])
 
 
-def _variants(full: int) -> list[tuple[str | None, int]]:
+def _variants(full: int, step_rows: int | None = None) -> list[tuple[str | None, int]]:
     """The probes to run, cheapest first: the batch as recorded (the reference every other probe is compared
-    with), its slices, then each precision."""
+    with), its slices, the step's micro-batches joined (``step_rows``), then each precision."""
     out: list[tuple[str | None, int]] = [(None, full)]
     out += [(None, full // k) for k in PROBED_FRACTIONS if full % k == 0 and full // k >= 1]
+    out += [(None, step_rows)] if step_rows else []
     out += [(amp, full) for amp in AMP_DTYPES]
     return out
 
 
-def run_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> dict[str, Any]:
+Batch = tuple[tuple, dict, bool]  # a forward's arguments, and whether its forward was replaced for that call
+
+
+def run_probes(rec: TorchRecorder, batch: Batch | None, step_batches: list[Batch] | None = None) -> dict[str, Any]:
     """Run the probes on ``batch`` (the inner module's last recorded forward arguments, and whether its forward was
-    replaced for that call) and return the probe document (``dpro.probes/1``); a failed probe is skipped with a
-    note."""
+    replaced for that call; ``step_batches``: every forward of the last recorded step, joined into one probe where
+    there are several) and return the probe document (``dpro.probes/1``); a failed probe is skipped with a note."""
     found = _Probes()
     why = _cannot_rerun(rec, batch)
     if why is not None:
         found.skip("all", why)
     else:
         full = batch_size(batch[:2])
-        _probe_all(rec, batch, full, found)
+        _probe_all(rec, batch, full, found, _step_batch(step_batches or [], full, found))
     return {"schema": PROBES_SCHEMA, "rank": rec.rank, "batch": batch_size(batch[:2]) if why is None else None,
             "probes": [r.to_json() for r in found.results],
             "skipped": found.skipped, "note": "probe passes after the window: not part of the recorded steps"}
 
 
-def _cannot_rerun(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> str | None:
+def _step_batch(batches: list[Batch], full: int, found: _Probes) -> Batch | None:
+    """A step's micro-batches (``full`` rows each) joined into one batch; None for a step of one forward, or with
+    a note where they cannot be joined."""
+    if len(batches) < 2:
+        return None
+    label = probe_label(None, full * len(batches))
+    if len(batches) > MAX_JOINED:
+        found.skip(label, f"the step ran more than {MAX_JOINED} forwards")
+        return None
+    if any(b[2] or batch_size(b[:2]) != full for b in batches):
+        found.skip(label, "the step's micro-batches differ in rows, or ran through a replaced forward")
+        return None
+    try:
+        return joined([b[0] for b in batches], full), joined([b[1] for b in batches], full), False
+    except ValueError as err:
+        found.skip(label, str(err))
+        return None
+
+
+def _cannot_rerun(rec: TorchRecorder, batch: Batch | None) -> str | None:
     """Why the captured ``batch`` cannot be run through the model again after the window; None where it can."""
     if batch is None or batch_size(batch[:2]) is None:
         return "no forward of the model with a batch tensor was seen in the window"
@@ -178,7 +228,7 @@ def _cannot_rerun(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) ->
 
 
 @contextlib.contextmanager
-def model_passes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> Iterator[Callable[[], None] | None]:
+def model_passes(rec: TorchRecorder, batch: Batch | None) -> Iterator[Callable[[], None] | None]:
     """A forward and backward of the inner module on the captured ``batch`` as a callable (DDP's allreduce off,
     training state kept while the context is open): the interference probes' compute, the job's own ops rather than
     a stand-in kernel (a memory-bound backward suffers more beside a collective's copies than a cached matrix
@@ -201,9 +251,9 @@ def model_passes(rec: TorchRecorder, batch: tuple[tuple, dict, bool] | None) -> 
         yield compute
 
 
-def _probe_all(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, found: _Probes) -> None:
+def _probe_all(rec: TorchRecorder, batch: Batch, full: int, found: _Probes, step_batch: Batch | None) -> None:
     began = time.perf_counter()
-    _hooked_probes(rec, batch, full, found, began)
+    _hooked_probes(rec, batch, full, found, began, step_batch)
     _compile_probes(rec, batch, full, found, began)
 
 
@@ -211,17 +261,19 @@ def _no_sync(rec: TorchRecorder) -> contextlib.AbstractContextManager:
     return rec.ddp.no_sync() if rec.ddp is not None else contextlib.nullcontext()
 
 
-def _hooked_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, found: _Probes,
-                   began: float) -> None:
-    """The probes timed by the recorder's hooks: the batch as recorded, its slices, each precision."""
+def _hooked_probes(rec: TorchRecorder, batch: Batch, full: int, found: _Probes, began: float,
+                   step_batch: Batch | None = None) -> None:
+    """The probes timed by the recorder's hooks: the batch as recorded, its slices, the step's micro-batches joined
+    (``step_batch``, where the memory it needs is free), each precision."""
     args, kwargs, _ = batch
+    step_rows = batch_size(step_batch[:2]) if step_batch is not None else None
     sync_off = _no_sync(rec)
     try:
         rec._install_hooks()  # inside: hooks a failed install left in place are removed below
         rec._recording = True
         # enable_grad: the auto-attach closes its recorder from an optimizer's step hook
         with sync_off, training_state_kept(rec.module), torch.enable_grad():
-            for amp, rows in _variants(full):
+            for amp, rows in _variants(full, step_rows):
                 label = probe_label(amp, rows)
                 if time.perf_counter() - began > PROBE_BUDGET_S:
                     found.skip(label, f"the probes had taken {PROBE_BUDGET_S:.0f} s already")
@@ -229,8 +281,12 @@ def _hooked_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: in
                 if found.results == [] and (amp, rows) != (None, full):
                     found.skip(label, "the reference probe (the batch as recorded) failed")
                     continue
+                if rows > full and not _memory_for(rec, found.results[0], rows / full):
+                    found.skip(label, "the device's free memory may not hold the step's micro-batches at once")
+                    continue
+                inputs = step_batch[:2] if rows > full else (sliced(args, full, rows), sliced(kwargs, full, rows))
                 try:
-                    found.results.append(_probe(rec, sliced(args, full, rows), sliced(kwargs, full, rows), amp, rows))
+                    found.results.append(_probe(rec, *inputs, amp, rows))
                 except Exception as err:  # noqa: BLE001 - the user's model on a cut batch may raise anything;
                     # the probe is skipped and the job goes on (dpro never fails a job)
                     found.skip(label, _why(err))
@@ -240,11 +296,20 @@ def _hooked_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: in
         rec._log = None
 
 
+def _memory_for(rec: TorchRecorder, reference: Probe, times: float) -> bool:
+    """Whether a pass ``times`` the reference's rows fits the GPU's free memory twice over (a job accumulates
+    gradients to fit its memory: dpro must not run it out); always on the CPU."""
+    if not rec.cuda:
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    return free > 2 * times * reference.activation_bytes
+
+
 def _why(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-def _compile_probes(rec: TorchRecorder, batch: tuple[tuple, dict, bool], full: int, found: _Probes,
+def _compile_probes(rec: TorchRecorder, batch: Batch, full: int, found: _Probes,
                     began: float) -> None:
     """Each wanted region timed under torch.compile against itself eager (``_compile_probe``), the recorder's hooks
     removed (Dynamo must not trace them), training state kept, DDP's allreduce off; skipped with a note when the

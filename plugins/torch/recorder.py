@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpro.errors import UsageError
 from dpro.logs import get_logger
-from dpro.plugins.torch.probes import model_passes, run_probes, write_probes
+from dpro.plugins.torch.probes import MAX_JOINED, model_passes, run_probes, write_probes
 from dpro.plugins.torch.transport import TorchDistTransport
 from dpro.record.backward import split_backward
 from dpro.record.protocol import (
@@ -321,6 +321,7 @@ class TorchRecorder:
         self.probes = probes_wanted() if probes is None else bool(probes)
         # the inner module's last recorded forward arguments, and whether its forward was replaced for the call
         self._batch: tuple[tuple, dict, bool] | None = None
+        self._step_batches: list[tuple[tuple, dict, bool]] = []  # every forward's arguments in the current step
         self._probing = False
         self.runs_compiled = False  # torch.compile traces the model or a part of it (found when the window opens)
         self.steps = parse_steps(steps)
@@ -673,6 +674,7 @@ class TorchRecorder:
                 self._install_hooks()
             self._recording = True
         self._log = _StepLog(start=self._mark(), gradient_marks=self._gradient_marks)
+        self._step_batches = []
 
     def _block_started(self) -> None:
         """A recorded block begins (the window's first step, or the first after a gap): what an engine records
@@ -866,11 +868,12 @@ class TorchRecorder:
         """The probe passes after the window (``dpro.plugins.torch.probes``), written to ``RUN/probes/``; a DDP or
         single-process model only (other engines' gradient hooks would communicate). Never raises."""
         batch, self._batch = self._batch, None
+        step_batches, self._step_batches = self._step_batches, []
         if not self.probes or (self.distributed and self.ddp is None) or self.module is None:
             return None
         self._probing = True
         try:
-            doc = run_probes(self, batch)
+            doc = run_probes(self, batch, step_batches)
             write_probes(self.run_dir, self.rank, doc)
         except Exception as err:  # noqa: BLE001 - a probe must never fail the job it measures
             logger.warning("%s: the probe passes after the window failed (%s); the run has none", self.who, err)
@@ -892,6 +895,8 @@ class TorchRecorder:
                 # it), not one dpro's configs put there: these are not the forward's own arguments
                 redirected = "forward" in module.__dict__ and not hasattr(module, "_dpro_precise_forward")
                 self._batch = (args, kwargs, redirected)
+                if len(self._step_batches) <= MAX_JOINED:  # one more than the probes join: too many
+                    self._step_batches.append(self._batch)
 
         return keep
 
@@ -981,6 +986,7 @@ class TorchRecorder:
         """Drop references to the model: DDP's reducer keeps our comm hook (and so this object) alive,
         and a DDP model that is never freed can abort gloo when the process group is torn down."""
         self.ddp = self.module = self.optimizer = self._batch = None
+        self._step_batches = []
         self.params, self._modules, self._param_name = [], [], {}
         self._log = self._last_log = None
 

@@ -16,7 +16,8 @@ pytest.importorskip("torch")
 
 from dpro.analyze import analyze_run  # noqa: E402
 from dpro.io.load import load_run  # noqa: E402
-from dpro.sim.whatif import calibrate, context, transformed_model  # noqa: E402
+from dpro.sim.probes import model_passes  # noqa: E402
+from dpro.sim.whatif import calibrate, context, predict, transformed_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every test here runs a real multi-process job
 
@@ -52,7 +53,8 @@ def assert_buckets_once(run) -> None:
 @pytest.mark.parametrize("micro_batches", [2, 3])
 def test_no_sync_accumulation_is_read_by_every_command(tmp_path, micro_batches):
     """The forwards and backwards of all but the last micro-batch inside no_sync: one allreduce per bucket, after
-    the last backward; every micro-batch's ops are nodes of their own; the recorded step replays within 5%."""
+    the last backward; every micro-batch's ops are nodes of their own; the recorded step replays within 5%; the
+    probes ran the step's micro-batches joined, and one pass of them is priced shorter than the recorded passes."""
     run_dir = tmp_path / "run"
     torchrun("ddp_job.py", "--model", "mlp", "--steps", "10", "--profile", "2:10", "--accumulate", str(micro_batches),
              "--bucket-cap-mb", "1", "--run-dir", str(run_dir))
@@ -71,6 +73,12 @@ def test_no_sync_accumulation_is_read_by_every_command(tmp_path, micro_batches):
     assert f"FW.0#{micro_batches}" in result.graph.names
     assert abs(result.analysis.error_pct) < 5.0, result.analysis.error_pct
     every_command_reads(run_dir)
+    probes = json.loads((run_dir / "probes" / "rank-0.json").read_text())
+    joined = [p for p in probes["probes"] if p["amp"] is None and p["batch"] == probes["batch"] * micro_batches]
+    assert joined, probes["skipped"]
+    ctx = context(run)
+    assert model_passes(ctx.base) == micro_batches and ctx.knobs["micro_batches"] == micro_batches
+    assert predict(ctx, {"micro_batches": 1}).predicted_step_ms < predict(ctx, {}).predicted_step_ms
 
 
 def test_no_sync_around_the_backward_only(tmp_path):
