@@ -615,3 +615,26 @@ def test_without_a_timeline_the_loop_takes_the_recorded_step_within_its_standard
     simulated_us = simulate_loop(loop, [_units(ctx, None, ready) for ready in launches], threshold, cycle).step_us
     assert "no Horovod timeline: a buffer's fixed cost" in loop.source and "x1.00" not in loop.source
     assert abs(simulated_us - recorded_us) <= 2000.0 * step_stderr_ms(ctx) + cycle * 1000.0  # a cycle quantises it
+
+
+def test_allreduces_beside_the_backward_move_at_the_transfer_probes_pace() -> None:
+    from dpro.engines.horovod.search import HorovodLoop, simulate_loop
+    from dpro.sim.cost import CommModel
+    from dpro.sim.interference import TransferSlowdown
+
+    comm = CommModel(latency_us=2_500.0, us_per_byte=0.0, world_size=2)  # 5 ms per allreduce alone
+    stretch = TransferSlowdown(stall_us=1_000.0, slowdown=1.0, stall_stderr=0.0, stderr=0.0, excess_us=6_000.0,
+                               excess_stderr=100.0)
+    alone, beside = HorovodLoop(comm, 0.0, 0.0, 0.0, 0.0), HorovodLoop(comm, 0.0, 0.0, 0.0, 0.0, transfer=stretch)
+    steps = [[([g], 2**20, 10_000.0 * (k + 1)) for k, g in enumerate("abcd")]] * 4  # the backward ends at 40 ms
+    # fused after the backward (a long cycle): nothing computes beside the one buffer, which takes what it takes alone
+    fused = simulate_loop(beside, steps, 2**30, 50.0)
+    assert min(b[2] for b in fused.buffers) >= 40_000.0
+    assert fused.step_us == pytest.approx(simulate_loop(alone, steps, 2**30, 50.0).step_us)
+    # one allreduce per tensor: the first two run under compute, wait 1 ms and move at half pace; the third
+    # outlasts the backward and ends at full pace; the last, after it, runs alone
+    unfused, slowed = simulate_loop(alone, steps, 0, 1.0), simulate_loop(beside, steps, 0, 1.0)
+    took = [b[3] - b[2] for b in slowed.buffers[:4]]
+    assert took[:2] == pytest.approx([11_000.0] * 2) and 5_000.0 < took[2] < 11_000.0
+    assert took[3] == pytest.approx(5_000.0)
+    assert slowed.step_us > unfused.step_us

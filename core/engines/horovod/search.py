@@ -13,7 +13,9 @@ import math
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from dpro.dag.align import align
@@ -28,6 +30,7 @@ from dpro.sim.choices import (
     step_stderr_ms,
 )
 from dpro.sim.cost import CommModel, fit_comm_model, robust_line, scale_to_reach
+from dpro.sim.interference import TransferSlowdown
 from dpro.sim.replay import plan_levels, replay
 from dpro.sim.whatif import MB, Context, Prediction, predict
 
@@ -103,6 +106,7 @@ class HorovodLoop:
     buffer_gap_us: float            # between buffers run back to back in one cycle
     negotiate_us: float             # added to a cycle holding a tensor the response cache does not hold
     source: str = ""
+    transfer: TransferSlowdown | None = None  # a buffer's allreduce beside the step's compute (the transfer probe)
 
     def buffer_us(self, nbytes: float, tensors: int) -> float:
         return self.comm.allreduce_us(nbytes) + (self.memcpy_us_per_byte * nbytes if tensors > 1 else 0.0)
@@ -245,10 +249,12 @@ def horovod_cycles(units: list[Unit], threshold: float, cycle_us: float, phase_u
 
 def _loop_run(units: list[Unit], threshold: float, cycle_us: float, pops: tuple[float, float], cost_us: Any,
               coordinate_us: float, memcpy_us_per_byte: float, buffer_gap_us: float, negotiate_us: float,
-              uncached: frozenset[str]) -> tuple[list[Buffer], tuple[float, float]]:
+              uncached: frozenset[str], finish: Callable[[float, float], float] | None = None,
+              ) -> tuple[list[Buffer], tuple[float, float]]:
     """``horovod_cycles`` from a loop whose next cycle starts at ``pops`` (the first and the last rank);
     also returns when the next cycle after the step's last work starts (the loop goes on into the next
-    step)."""
+    step). ``finish(start, work)``: when a buffer that takes ``work`` µs alone ends (the compute beside it
+    slows it); ``start + work`` without."""
     first, last = min(pops), max(pops)
     remaining = sorted(units, key=lambda u: u[2])
     out: list[Buffer] = []
@@ -276,7 +282,8 @@ def _loop_run(units: list[Unit], threshold: float, cycle_us: float, pops: tuple[
             nbytes = sum(u[1] for u in buf)
             names = [n for u in buf for n in u[0]]
             start = cursor + (buffer_gap_us if k else 0.0)
-            end = start + cost_us(nbytes) + (memcpy_us_per_byte * nbytes if len(names) > 1 else 0.0)
+            work = cost_us(nbytes) + (memcpy_us_per_byte * nbytes if len(names) > 1 else 0.0)
+            end = finish(start, work) if finish is not None else start + work
             out.append((names, max(u[2] for u in buf), start, end))
             cursor = end
         if cycle_us > 0:
@@ -302,9 +309,12 @@ def horovod_steps(steps: list[list[Unit]], threshold: float, cycle_us: float, lo
     anchor, pops = 0.0, (phase_us, phase_us + lag_us)
     out = []
     for units in steps:
+        # the step computes (update, forward, backward) from the previous step's last allreduce to its last launch
+        busy = [(anchor, anchor + max((r for _, _, r in units), default=0.0))]
+        finish = partial(loop.transfer.end, busy=busy) if loop.transfer is not None else None
         buffers, pops = _loop_run([(n, b, anchor + r) for n, b, r in units], threshold, cycle_us, pops,
                                   loop.comm.allreduce_us, loop.wake_us, loop.memcpy_us_per_byte, loop.buffer_gap_us,
-                                  loop.negotiate_us, uncached)
+                                  loop.negotiate_us, uncached, finish)
         end = max((b[3] for b in buffers), default=anchor)
         out.append((end - anchor, [(names, ready - anchor, start - anchor, stop - anchor)
                                    for names, ready, start, stop in buffers]))
@@ -390,6 +400,14 @@ def interfered_loop(loop: HorovodLoop, steps: list[list[Unit]], threshold: float
     return run
 
 
+def _transfer(ctx: Context) -> TransferSlowdown | None:
+    """The transfer probe's stretch of an allreduce beside compute, when what-ifs apply it: a buffer reduced while
+    the step still computes (no fusion: one per tensor, all through the backward) waits for a core and moves
+    slower, as a DDP bucket does."""
+    transfer = ctx.interference.transfer
+    return transfer if transfer is not None and transfer.applies else None
+
+
 def _slowdown(ctx: Context) -> float:
     """The fitted slowdown of overlapped compute when what-ifs apply it (``Interference.applies``), else 0."""
     return ctx.interference.slowdown if ctx.interference.applies else 0.0
@@ -436,7 +454,7 @@ def horovod_loop(ctx: Context, launches: list[dict[str, float]] | None = None) -
     target = statistics.median(added)
 
     def delay_with(wake: float) -> float:
-        trial = HorovodLoop(comm, memcpy, wake, gap, 2 * max(coordinate, wake))
+        trial = HorovodLoop(comm, memcpy, wake, gap, 2 * max(coordinate, wake), transfer=_transfer(ctx))
         return simulate_loop(trial, steps, threshold, cycle_ms, uncached).delay_us
 
     lo, hi = 0.0, max(target, 1.0)
@@ -451,7 +469,7 @@ def horovod_loop(ctx: Context, launches: list[dict[str, float]] | None = None) -
         wake = (lo + hi) / 2
     # without the response cache a cycle sends the requests to rank 0 and the responses back: two more
     # rounds of the background threads, each priced like the cycle's own agreement (not measured)
-    return HorovodLoop(comm, memcpy, wake, gap, 2 * max(coordinate, wake),
+    return HorovodLoop(comm, memcpy, wake, gap, 2 * max(coordinate, wake), transfer=_transfer(ctx), source=
                        f"{sum(len(v) for v in by_step.values())} buffers of {len(by_step)} steps (timeline): "
                        f"{target / 1000:.2f} ms of loop delay per step; {comm.source}")
 
@@ -473,7 +491,7 @@ def _loop_to_recorded_step(ctx: Context, comm: CommModel, memcpy: float, steps: 
     def loop_at(scale: float) -> HorovodLoop:
         scaled = dataclasses.replace(comm, latency_us=comm.latency_us * scale)
         coordinate = scaled.allreduce_us(0)
-        return HorovodLoop(scaled, memcpy, coordinate, 0.0, 2 * coordinate)
+        return HorovodLoop(scaled, memcpy, coordinate, 0.0, 2 * coordinate, transfer=_transfer(ctx))
 
     def step_at(scale: float) -> float:
         return simulate_loop(loop_at(scale), steps, threshold, cycle_ms, uncached).step_us
