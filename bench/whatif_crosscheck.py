@@ -59,7 +59,9 @@ def case_settings(case_dir: Path) -> dict[int, dict[str, Any]]:
     keys = {k for knobs in settings.values() for k in knobs} | set(get_engine(recorded.engine).comm_knobs)
     table = knob_table()
     own = {k: recorded.knobs[k] for k in keys if recorded.knobs.get(k) is not None}
-    own.update({k: table[k].default for k in keys if k not in own and k in table and table[k].default is not None})
+    # a knob the recording leaves unset at its default (amp None: the recorded precision) is set so explicitly: a
+    # job recorded under bf16 must price going back to fp32, not its own setting
+    own.update({k: table[k].default for k in keys if k not in own and k in table})
     variables = {v for knobs in settings.values() for v in knobs.get("env") or {}}
     # run.json names MXNet's variables by their knobs (Horovod's knobs are named as their variables)
     own["env"] = {v: str(recorded.knobs[ENV_KNOBS.get(v, v)]) for v in variables

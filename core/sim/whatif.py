@@ -391,8 +391,8 @@ def transformed_model(ctx: Context, knobs: dict[str, Any]) -> StepModel:
     recorded_amp = ctx.knobs.get("amp")
     if knobs.get("amp", recorded_amp) != recorded_amp:
         if recorded_amp:
-            raise UsageError(f"amp={knobs['amp']}: this run was recorded under {recorded_amp} autocast; its probes "
-                             "price another precision only from a run recorded without it")
+            raise UsageError(f"amp={knobs['amp'] or 'off'}: this run was recorded under {recorded_amp} autocast; its "
+                             "probes price another precision only from a run recorded without it")
         model = with_amp(model, ctx.probes, knobs["amp"])
     if _splits(ctx, knobs):
         model = with_micro_batches(model, ctx.probes, int(knobs["micro_batches"]))

@@ -90,7 +90,10 @@ def _apply_micro_batches(trainer: Any, pl_module: Any, k: int, source: str) -> N
         if trainer.global_rank == 0:
             print(f"dpro: {source}: {text}", file=sys.stderr, flush=True)
 
-    accumulation = int(trainer.accumulate_grad_batches)
+    accumulation = trainer.accumulate_grad_batches
+    if not isinstance(accumulation, int):  # a schedule of its own (older Lightning): dpro does not rewrite it
+        say(f"micro_batches={k} not applied: accumulate_grad_batches is {type(accumulation).__name__}, not a number")
+        return
     if k == accumulation:
         return
     if not getattr(pl_module, "automatic_optimization", True):
