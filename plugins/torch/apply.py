@@ -505,10 +505,10 @@ def micro_batches_change(k: int, *, horovod: bool = False) -> str:
     itself)."""
     skip = (f"build hvd.DistributedOptimizer(..., backward_passes_per_step={k}) so that it allreduces after the last"
             if horovod else "inside ddp_model.no_sync() for all but the last chunk")
-    return (f"micro_batches={k} needs a code change in a plain training loop: split each batch into {k} chunks "
-            f"(x.chunk({k})), and for each chunk run the forward and (loss / {k}).backward(); {skip}; then "
-            f"optimizer.step() once. A transformers.Trainer started by dpro-launch gets it without a change "
-            f"(gradient_accumulation_steps x {k})")
+    return (f"micro_batches={k} needs a code change in a plain training loop: split the samples of each optimizer "
+            f"step into {k} chunks (x.chunk({k}) of one batch), and for each chunk run the forward and "
+            f"(loss / {k}).backward(); {skip}; then optimizer.step() once. A transformers.Trainer started by "
+            f"dpro-launch gets it without a change (gradient_accumulation_steps {k})")
 
 
 def apply(model: nn.Module, config: Config) -> nn.Module:
