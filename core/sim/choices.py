@@ -31,7 +31,7 @@ from dpro.config import MAX_MICRO_BATCHES
 from dpro.errors import UsageError
 from dpro.io.load import run_step_times_ms
 from dpro.sim.interference import Interference
-from dpro.sim.probes import model_passes
+from dpro.sim.probes import step_passes
 from dpro.sim.whatif import MB, Context, Prediction, calibrate, peak_memory, predict
 
 __all__ = [
@@ -308,7 +308,7 @@ def probed_choices(ctx: Context, result: OptimizeResult, *, memory_budget_bytes:
 
 def _micro_batch_counts(ctx: Context) -> list[int]:
     """k = 2, 4, 8, ... up to the step's rows (a micro-batch has a row at least), beyond the passes it runs."""
-    passes = model_passes(ctx.base)
+    passes = step_passes(ctx.base)
     rows = min((p.batch for p in ctx.probes.values() if p.batch), default=1) * passes
     counts, k = [], 2
     while k <= min(rows, MAX_MICRO_BATCHES):

@@ -37,7 +37,7 @@ from dpro.io.probes import Probe, RankProbes
 from dpro.record.trace import ROOT_MODULE
 
 __all__ = ["BETWEEN", "MIN_BATCH_RATIO", "activation_scale", "amp_ratios", "batch_ratios", "compile_probe_of",
-           "compile_ratios", "fit_line", "in_region", "model_passes", "pass_starts", "probes_of", "with_amp",
+           "compile_ratios", "fit_line", "in_region", "pass_starts", "probes_of", "step_passes", "with_amp",
            "with_compile", "with_micro_batches"]
 
 MIN_BATCH_RATIO = 0.02  # a fitted time at a small batch is at least this share of the recorded one (a line may
@@ -228,7 +228,7 @@ def pass_starts(ops: list[OpStats]) -> list[int]:
     return starts
 
 
-def model_passes(model: StepModel) -> int:
+def step_passes(model: StepModel) -> int:
     """The forward/backward passes a step of ``model`` runs (its micro-batches; 1 at least)."""
     return max((len(pass_starts(ops)) for ops in model.ops.values()), default=1) or 1
 

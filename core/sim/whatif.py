@@ -52,7 +52,7 @@ from dpro.sim.interference import (
     scale_for_overlap,
     stretch_transfers,
 )
-from dpro.sim.probes import activation_scale, model_passes, probes_of, with_amp, with_compile, with_micro_batches
+from dpro.sim.probes import activation_scale, probes_of, step_passes, with_amp, with_compile, with_micro_batches
 from dpro.sim.replay import plan_levels, predicted_step_us, replay
 
 __all__ = [
@@ -166,8 +166,9 @@ def context(run: Run) -> Context:
     probe = (run.meta or {}).get("comm_probe", {}).get("samples", [])
     comm = fit_comm_model(transfers, probe, run.world_size)
     knobs = recorded_knobs(run)
-    if model_passes(base) > 1:  # the job accumulates gradients: what-ifs' micro_batches count from its passes
-        knobs.setdefault("micro_batches", model_passes(base))
+    passes = step_passes(base)
+    if passes > 1:  # the job accumulates gradients: what-ifs' micro_batches count from its passes
+        knobs.setdefault("micro_batches", passes)
     grads = [(g["name"], int(g["bytes"])) for g in run.model.get("gradients", [])]
     interference = fit_interference(run, base.steps)
     ctx = calibrate(Context(run, base, comm, memory_model(run.model, knobs), grads, knobs,
@@ -430,7 +431,7 @@ def _compiled_regions(ctx: Context, knobs: dict[str, Any]) -> list[str]:
 
 def _splits(ctx: Context, knobs: dict[str, Any]) -> bool:
     """Whether ``knobs`` run the step in other micro-batches than the recorded ones."""
-    return knobs.get("micro_batches") is not None and int(knobs["micro_batches"]) != model_passes(ctx.base)
+    return knobs.get("micro_batches") is not None and int(knobs["micro_batches"]) != step_passes(ctx.base)
 
 
 COMPUTE_CATEGORIES = ("FW", "BW", "RECOMPUTE", "UPDATE", "COMPUTE")
@@ -476,7 +477,7 @@ def peak_memory(ctx: Context, knobs: dict[str, Any]) -> int:
     """The peak memory of a rank under ``knobs``: recomputation's activations, scaled by what the probes kept under
     ``amp`` and at B / ``micro_batches`` (``sim.probes.activation_scale``), plus autocast's cast copy of the weights
     (half their bytes) while the forward runs."""
-    passes = model_passes(ctx.base)
+    passes = step_passes(ctx.base)
     amp, k = knobs.get("amp"), int(knobs.get("micro_batches") or passes)
     recompute = knobs.get("recompute") or ()
     if not amp and k == passes:

@@ -134,7 +134,8 @@ class DproCallback(*_callback_bases()):
         config: a dpro config.json to apply (default ``$DPRO_CONFIG``; None and unset: apply nothing).
             Its recompute modules are wrapped and its bucket sizes passed to DDP in ``setup``, before
             the strategy wraps the model, and its micro-batches become ``accumulate_grad_batches`` over a
-            DataLoader of smaller batches; a config made for another job raises ``ConfigError``.
+            DataLoader resized to split each step's samples into them; a config made for another job raises
+            ``ConfigError``.
         force: apply a config made for another job anyway (a warning lists what differs).
         backward_marks: ``"gradients"`` (default) or ``"tensors"``: how BW is timed (see ``TorchRecorder``).
 

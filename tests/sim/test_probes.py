@@ -19,8 +19,8 @@ from dpro.sim.probes import (
     batch_ratios,
     compile_ratios,
     fit_line,
-    model_passes,
     pass_starts,
+    step_passes,
     with_amp,
     with_compile,
     with_micro_batches,
@@ -154,7 +154,7 @@ def test_whatif_without_probes_says_how_to_get_them(tmp_path):
 def test_a_run_that_already_accumulates_is_priced_from_its_last_pass(run_with_probes):
     ctx = context(load_run(run_with_probes))
     twice = with_micro_batches(ctx.base, ctx.probes, 2)
-    assert model_passes(ctx.base) == 1 and model_passes(twice) == 2
+    assert step_passes(ctx.base) == 1 and step_passes(twice) == 2
     assert with_micro_batches(twice, ctx.probes, 2).ops == twice.ops  # already so: left as it is
     # proportional probes: one pass of both micro-batches' rows takes what the recorded pass took
     once = with_micro_batches(twice, ctx.probes, 1)

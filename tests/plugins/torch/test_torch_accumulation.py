@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 
 from dpro.analyze import analyze_run  # noqa: E402
 from dpro.io.load import load_run  # noqa: E402
-from dpro.sim.probes import model_passes  # noqa: E402
+from dpro.sim.probes import step_passes  # noqa: E402
 from dpro.sim.whatif import calibrate, context, predict, transformed_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every test here runs a real multi-process job
@@ -77,7 +77,7 @@ def test_no_sync_accumulation_is_read_by_every_command(tmp_path, micro_batches):
     joined = [p for p in probes["probes"] if p["amp"] is None and p["batch"] == probes["batch"] * micro_batches]
     assert joined, probes["skipped"]
     ctx = context(run)
-    assert model_passes(ctx.base) == micro_batches and ctx.knobs["micro_batches"] == micro_batches
+    assert step_passes(ctx.base) == micro_batches and ctx.knobs["micro_batches"] == micro_batches
     assert predict(ctx, {"micro_batches": 1}).predicted_step_ms < predict(ctx, {}).predicted_step_ms
 
 
