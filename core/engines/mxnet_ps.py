@@ -27,7 +27,8 @@ from dpro.errors import UsageError
 from dpro.io.limits import is_finite_number
 from dpro.sim.choices import clears, optimize_common
 from dpro.sim.cost import robust_line, scale_to_reach
-from dpro.sim.whatif import add_recompute, replay_model, scaled_compute
+from dpro.sim.links import OpKey
+from dpro.sim.whatif import add_recompute, recorded_crowding, replay_model, scaled_compute
 from dpro.sim.whatif import predict as whatif_predict
 
 if TYPE_CHECKING:
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BIGARRAY_BOUND", "DEFAULT_BIGARRAY_BOUND", "ENGINE", "ENV_KNOBS", "NAME", "NUM_SERVERS", "ServerModel",
            "bigarray_bound", "cpu_link", "fit_server_model", "host_cpus", "key_servers", "link_queues",
-           "link_rate", "max_servers", "ps_model", "rate_scaled_model", "search", "server_cpus", "server_host",
-           "server_hosts", "server_model", "server_queue", "worker_hosts"]
+           "link_rate", "max_servers", "ps_model", "rate_scaled_model", "replay_priced", "search", "server_cpus",
+           "server_host", "server_hosts", "server_model", "server_queue", "worker_hosts"]
 
 NAME = "mxnet-ps"
 BIGARRAY_BOUND = "mxnet.kvstore.bigarray_bound"
@@ -82,7 +83,8 @@ class ServerModel:
     computing workers share them (``cpu_link``, replayed by ``dpro.sim.links``): a working server takes
     ``server_cpus`` of them (its own threads, the workers' sending and receiving, the kernel's copies: the
     recorder's probe; 1 without one), a computing worker one, and when they ask for more than the host has, the
-    servers' work slows in proportion (the workers' compute is left as recorded). A push or an answer that crosses
+    servers' work slows in proportion, and so does the workers' compute against how crowded it was in the recorded
+    layout's replay (``replay_priced``: the host's CPUs conserved). A push or an answer that crosses
     from one host to another: ``link_us_per_byte * b`` with the sending host's outgoing link and the receiving host's
     incoming link to itself (``link_queues``). Links are full duplex and shared: the replay sends each
     worker/server connection's messages in turn and shares a link evenly between the connections on it
@@ -458,12 +460,26 @@ def predict(ctx: Context, knobs: dict[str, Any]) -> Prediction | None:
     if not any(k in knobs for k in PS_KNOBS):
         return None
 
-    model = ps_model(ctx, knobs, server_model(ctx))
+    return replay_priced(ctx, knobs, server_model(ctx))
+
+
+def replay_priced(ctx: Context, knobs: dict[str, Any], server: ServerModel) -> Prediction:
+    """The what-if of ``knobs`` with every key priced by ``server``: the workers' compute on CPUs their host's
+    servers share runs as much faster or slower than recorded as those CPUs are less or more crowded than in the
+    recorded layout's replay (the host's CPUs conserved)."""
+    model = ps_model(ctx, knobs, server)
     if knobs.get("recompute"):
         model = add_recompute(ctx, model, list(knobs["recompute"]))
     if float(knobs.get("compute_scale", 1.0)) != 1.0:
         model = scaled_compute(model, float(knobs["compute_scale"]))
-    return replay_model(ctx, model, knobs)
+    return replay_model(ctx, model, knobs, crowded_as=_recorded_crowding(ctx, server))
+
+
+def _recorded_crowding(ctx: Context, server: ServerModel) -> dict[OpKey, float]:
+    key = f"{NAME}/crowding/{server!r}"
+    if key not in ctx.cache:
+        ctx.cache[key] = recorded_crowding(ps_model(ctx, {}, server))
+    return ctx.cache[key]
 
 
 SERVER_CANDIDATES = (1, 2, 3, 4, 6, 8)
@@ -489,7 +505,7 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
 
     def steps(knobs: dict[str, Any]) -> list[float]:
         return [whatif_predict(ctx, knobs).predicted_step_ms] + [
-            replay_model(ctx, ps_model(ctx, knobs, m), knobs).predicted_step_ms for m in alternatives]
+            replay_priced(ctx, knobs, m).predicted_step_ms for m in alternatives]
 
     now = steps({NUM_SERVERS: servers0, BIGARRAY_BOUND: bound0})
     cap = max_servers(ctx.run)

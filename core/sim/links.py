@@ -11,7 +11,11 @@ A host's CPUs are a link of this kind with several lanes (``Flows.capacity``: a 
 while what is on the link asks for no more than its lanes): a parameter server's work is a message on it taking
 ``Flows.weight`` lanes (the CPUs its threads, its workers' sending and receiving and the kernel keep busy), and a
 worker's compute takes one lane while it runs (``Flows.occupants``) at its own recorded pace. When they ask for more
-lanes than there are, every message on the link moves at lanes / asked.
+lanes than there are, every message on the link moves at lanes / asked. The host's CPUs are conserved: the worker
+too gets lanes / asked of what it asks for, so compute that ran crowded in the recording runs faster in a what-if
+less crowded, and slower in one more crowded. Compute keeps its recorded duration inside the replay (what it did with
+the crowding it met); ``replay_shared`` reports each compute node's crowding (the mean of asked / lanes while it
+ran, at least 1), and ``scale_for_crowding`` rescales it against the recording's, replay after replay.
 
 How long a shared transfer takes depends on what else is on its links while it runs, so these graphs are replayed
 event by event (``replay_shared``) rather than level by level: every other node ends its duration after it starts,
@@ -28,16 +32,18 @@ import numpy as np
 from dpro.dag.graph import Graph
 from dpro.errors import GraphError
 
-__all__ = ["replay_shared"]
+__all__ = ["OpKey", "crowding_by_op", "replay_shared", "scale_for_crowding"]
 
 _DONE, _OCCUPY, _ARRIVE = 0, 1, 2  # event kinds: a node ends; a node starts taking a share of a link; a shared
 # transfer is ready to be sent
 
 
-def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
-    """(start, end) of every node of ``g``, a graph with ``flows`` (µs): ``start = max(end of predecessors) +
-    gap``; a node that is no shared transfer ends ``duration`` later, a shared transfer when its connection has sent
-    it (see the module docstring; its ``duration`` is its time with the links to itself).
+def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, crowding) of every node of ``g``, a graph with ``flows`` (µs): ``start = max(end of
+    predecessors) + gap``; a node that is no shared transfer ends ``duration`` later, a shared transfer when its
+    connection has sent it (see the module docstring; its ``duration`` is its time with the links to itself).
+    ``crowding``: for a node taking a share of a link (``Flows.occupants``), the mean over its run of what the link
+    was asked for against its lanes (at least 1); 1 for every other node.
 
     Raises:
         GraphError: the graph has a cycle (names one node on it).
@@ -48,6 +54,10 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     occupants = flows.occupants
     capacity = flows.capacity or (1.0,) * len(flows.link_names)
     occupied: dict[int, int] = defaultdict(int)  # link -> nodes taking a share of it now
+    crowded: dict[int, float] = {}  # occupied link -> asked / lanes now, at least 1
+    crowd_sum: dict[int, float] = defaultdict(float)  # occupied link -> integral of ``crowded`` over time
+    crowd_mark: dict[int, float] = {}  # occupant node -> its link's integral when it started
+    crowding = np.ones(n)
     weight = flows.weight or (1.0,) * len(flows.link_names)
     counts = np.diff(g.pred_ptr)
     waiting_preds = counts.astype(np.int64).copy()
@@ -83,6 +93,9 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
             for link in flows.links[flow_of[node]]:
                 load[link] += weight[link]
         rate.clear()
+        crowded.clear()
+        for link in occupied:
+            crowded[link] = max(1.0, load[link] / capacity[link])
         for node in sending.values():
             rate[node] = min((min(1.0, capacity[link] / load[link]) for link in flows.links[flow_of[node]]),
                              default=1.0)
@@ -103,6 +116,8 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
         t = min(next_event, next_sent)
         for m in sending.values():
             left[m] -= rate[m] * (t - now)
+        for link, k in crowded.items():
+            crowd_sum[link] += k * (t - now)
         now = t
         changed = False
         for c, m in list(sending.items()):
@@ -116,11 +131,14 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
             _, kind, node = heapq.heappop(events)
             if kind == _OCCUPY:
                 occupied[occupants[node]] += 1
+                crowd_mark[node] = crowd_sum[occupants[node]]
                 changed = True
                 continue
             if kind == _DONE:
                 if node in occupants and g.duration[node] > 0:
-                    occupied[occupants[node]] -= 1
+                    link = occupants[node]
+                    occupied[link] -= 1
+                    crowding[node] = (crowd_sum[link] - crowd_mark.pop(node)) / g.duration[node]
                     changed = True
                 done(node, now)
                 continue
@@ -136,4 +154,31 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     if finished != n:
         stuck = int(np.flatnonzero(waiting_preds > 0)[0])
         raise GraphError(f"the graph has a cycle through node {stuck} ({g.names[stuck]})")
-    return start, end
+    return start, end, crowding
+
+
+OpKey = tuple[int, int, str]  # (rank, iteration, op name) of a node: the same op in two replays of one step model
+
+
+def crowding_by_op(g: Graph, crowding: np.ndarray) -> dict[OpKey, float]:
+    """(rank, iteration, op name) -> the mean crowding of its nodes that take a share of a link
+    (``replay_shared``)."""
+    flows = g.flows
+    sums: dict[OpKey, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for node in (flows.occupants if flows is not None else {}):
+        entry = sums[(int(g.rank[node]), int(g.iteration[node]), g.names[node])]
+        entry[0] += float(crowding[node])
+        entry[1] += 1.0
+    return {key: total / count for key, (total, count) in sums.items()}
+
+
+def scale_for_crowding(g: Graph, crowding: np.ndarray, recorded: dict[OpKey, float],
+                       base_duration: np.ndarray) -> None:
+    """Set each node taking a share of a link to ``base_duration`` (as recorded) times its crowding now over its
+    crowding in the replay of the recorded configuration (``recorded``, ``crowding_by_op``): the host's CPUs
+    conserved."""
+    flows = g.flows
+    for node in (flows.occupants if flows is not None else {}):
+        before = recorded.get((int(g.rank[node]), int(g.iteration[node]), g.names[node]))
+        if before:
+            g.duration[node] = base_duration[node] * float(crowding[node]) / before

@@ -14,6 +14,7 @@ import numpy as np
 
 from dpro.dag.graph import Graph
 from dpro.dag.levels import LevelPlan, plan_levels
+from dpro.sim.links import replay_shared
 
 __all__ = [
     "predicted_step_us",
@@ -32,15 +33,16 @@ class Schedule:
 
     start: np.ndarray
     end: np.ndarray
+    # per node: how crowded the link it takes a share of was while it ran (``dpro.sim.links``); None without links
+    crowding: np.ndarray | None = None
 
 
 def replay(g: Graph, plan: LevelPlan | None = None) -> Schedule:
     """Earliest-start schedule of ``g`` (see module docstring); a graph whose transfers share links
     (``g.flows``) event by event (``dpro.sim.links.replay_shared``)."""
     if g.flows is not None and g.flows.size:
-        from dpro.sim.links import replay_shared
-
-        return Schedule(*replay_shared(g))
+        start, end, crowding = replay_shared(g)
+        return Schedule(start, end, crowding)
     plan = plan or plan_levels(g)
     start = np.zeros(g.size)
     end = np.zeros(g.size)

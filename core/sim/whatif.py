@@ -52,6 +52,7 @@ from dpro.sim.interference import (
     scale_for_overlap,
     stretch_transfers,
 )
+from dpro.sim.links import OpKey, crowding_by_op, scale_for_crowding
 from dpro.sim.probes import activation_scale, probes_of, step_passes, with_amp, with_compile, with_micro_batches
 from dpro.sim.replay import plan_levels, predicted_step_us, replay
 
@@ -66,6 +67,7 @@ __all__ = [
     "parse_settings",
     "peak_memory",
     "predict",
+    "recorded_crowding",
     "recorded_groups",
     "recorded_knobs",
     "regroup",
@@ -529,16 +531,29 @@ def scale_out(ctx: Context, model: StepModel, knobs: dict[str, Any], seeds: int 
 INTERFERENCE_ROUNDS = 3  # replays that let the scaled durations and the overlap they cause settle
 SETTLED_US = 1.0  # transfers stretched beside compute: replays go on until no duration moves more than this ...
 MAX_TRANSFER_ROUNDS = 8  # ... or this many rounds (each settles about one more iteration)
+CROWDING_ROUNDS = 6  # replays that let compute's pace on shared CPUs and the crowding it meets settle
 
 
-def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iterations: int = 4) -> Prediction:
+def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iterations: int = 4,
+                 crowded_as: dict[OpKey, float] | None = None) -> Prediction:
     """Replay ``iterations`` copies of a (transformed) mean step: the prediction under ``knobs``. With a fitted
     interference (``ctx.interference``), compute that overlaps communication more than it did in the recorded
     configuration runs that much slower (less: faster), and the transfers the what-if priced alone
-    (``StepModel.priced_transfers``) take as long as the transfer probe says beside the compute they overlap."""
+    (``StepModel.priced_transfers``) take as long as the transfer probe says beside the compute they overlap.
+    Compute sharing its host's CPUs with work on them (``StepModel.compute_links``) runs as much slower or faster
+    than recorded as the CPUs are more or less crowded than in the recorded configuration's replay
+    (``crowded_as``: ``recorded_crowding``)."""
     g = graph_from_steps(model, iterations=iterations)
     plan = plan_levels(g)
     sched = replay(g, plan)
+    if crowded_as and sched.crowding is not None:
+        base = g.duration.copy()
+        for _ in range(CROWDING_ROUNDS):
+            before = g.duration.copy()
+            scale_for_crowding(g, sched.crowding, crowded_as, base)
+            sched = replay(g, plan)
+            if float(np.max(np.abs(g.duration - before))) < SETTLED_US:
+                break
     slowed = ctx.interference.applies
     stretched = _priced_transfer_nodes(g, model) if ctx.interference.stretches_transfers else np.zeros(0, int)
     if slowed or stretched.size:
@@ -558,6 +573,14 @@ def replay_model(ctx: Context, model: StepModel, knobs: dict[str, Any], iteratio
     return Prediction(knobs=dict(knobs), predicted_step_ms=statistics.median(per_rank.values()) / 1000.0,
                       predicted_peak_memory_bytes=peak_memory(ctx, knobs), graph_nodes=g.size,
                       per_rank_ms={r: v / 1000.0 for r, v in per_rank.items()})
+
+
+def recorded_crowding(model: StepModel, iterations: int = 4) -> dict[OpKey, float]:
+    """How crowded each compute op's CPUs were in the replay of ``model``, the recorded configuration under the
+    what-if's pricing (``crowded_as`` of ``replay_model``); empty where its compute shares no CPUs."""
+    g = graph_from_steps(model, iterations=iterations)
+    sched = replay(g, plan_levels(g))
+    return crowding_by_op(g, sched.crowding) if sched.crowding is not None else {}
 
 
 def _priced_transfer_nodes(g: Graph, model: StepModel) -> np.ndarray:

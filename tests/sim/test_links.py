@@ -6,6 +6,7 @@ import pytest
 
 from dpro.dag.graph import GraphBuilder
 from dpro.errors import GraphError
+from dpro.sim.links import crowding_by_op, scale_for_crowding
 from dpro.sim.replay import replay
 
 AB = ("link-out@A", "link-in@B")
@@ -137,3 +138,32 @@ def test_a_node_taking_a_share_of_a_link_slows_its_messages_while_it_runs():
     # 0-50 at half speed beside the compute (25 done), then alone: 75 more
     assert s.end[compute] == pytest.approx(50) and s.end[after] == pytest.approx(60)
     assert s.end[message] == pytest.approx(125)
+
+
+def test_a_node_taking_a_share_reports_how_crowded_its_link_was_while_it_ran():
+    b = GraphBuilder()
+    compute = b.add("BW", "BW", 0, 0, "r0/compute", 100)
+    b.take_share(compute, "cpu@A")
+    _transfer(b, "server work", 25, "server0", ("cpu@A",))  # 1 lane asked twice for 50 of the compute's 100
+    alone = b.add("FW", "FW", 0, 0, "r0/compute", 10, 0.0, [compute])
+    b.take_share(alone, "cpu@A")
+    s = replay(b.build())
+    assert s.crowding[compute] == pytest.approx((50 * 2 + 50 * 1) / 100)
+    assert s.crowding[alone] == pytest.approx(1.0)
+
+
+def test_compute_less_crowded_than_recorded_runs_faster_and_the_cpus_are_conserved():
+    def graph(server_us: float):
+        b = GraphBuilder()
+        compute = b.add("BW", "BW", 0, 0, "r0/compute", 100)
+        b.take_share(compute, "cpu@A")
+        _transfer(b, "server work", server_us, "server0", ("cpu@A",))
+        return b.build(), compute
+
+    recorded_g, _ = graph(50)  # crowded for its whole run: 2 asked of 1 lane
+    recorded = crowding_by_op(recorded_g, replay(recorded_g).crowding)
+    assert recorded == {(0, 0, "BW"): pytest.approx(2.0)}
+    g, compute = graph(0.0)  # the what-if: no server work beside it
+    base = g.duration.copy()
+    scale_for_crowding(g, replay(g).crowding, recorded, base)
+    assert g.duration[compute] == pytest.approx(50)  # half the recorded time: the CPU it shared is its own now
