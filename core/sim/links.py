@@ -157,19 +157,26 @@ def replay_shared(g: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return start, end, crowding
 
 
-OpKey = tuple[int, int, str]  # (rank, iteration, op name) of a node: the same op in two replays of one step model
+# (rank, iteration, op name, occurrence) of a node: the same op in two replays of one step model (an op split in
+# parts repeats its name within an iteration)
+OpKey = tuple[int, int, str, int]
+
+
+def _occupant_keys(g: Graph) -> dict[int, OpKey]:
+    """Every node taking a share of a link -> its ``OpKey``."""
+    flows = g.flows
+    seen: dict[tuple[int, int, str], int] = defaultdict(int)
+    keys = {}
+    for node in sorted(flows.occupants if flows is not None else {}):
+        op = (int(g.rank[node]), int(g.iteration[node]), g.names[node])
+        keys[node] = (*op, seen[op])
+        seen[op] += 1
+    return keys
 
 
 def crowding_by_op(g: Graph, crowding: np.ndarray) -> dict[OpKey, float]:
-    """(rank, iteration, op name) -> the mean crowding of its nodes that take a share of a link
-    (``replay_shared``)."""
-    flows = g.flows
-    sums: dict[OpKey, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for node in (flows.occupants if flows is not None else {}):
-        entry = sums[(int(g.rank[node]), int(g.iteration[node]), g.names[node])]
-        entry[0] += float(crowding[node])
-        entry[1] += 1.0
-    return {key: total / count for key, (total, count) in sums.items()}
+    """``OpKey`` -> the crowding of that node taking a share of a link (``replay_shared``)."""
+    return {key: float(crowding[node]) for node, key in _occupant_keys(g).items()}
 
 
 def scale_for_crowding(g: Graph, crowding: np.ndarray, recorded: dict[OpKey, float],
@@ -177,8 +184,7 @@ def scale_for_crowding(g: Graph, crowding: np.ndarray, recorded: dict[OpKey, flo
     """Set each node taking a share of a link to ``base_duration`` (as recorded) times its crowding now over its
     crowding in the replay of the recorded configuration (``recorded``, ``crowding_by_op``): the host's CPUs
     conserved."""
-    flows = g.flows
-    for node in (flows.occupants if flows is not None else {}):
-        before = recorded.get((int(g.rank[node]), int(g.iteration[node]), g.names[node]))
+    for node, key in _occupant_keys(g).items():
+        before = recorded.get(key)
         if before:
             g.duration[node] = base_duration[node] * float(crowding[node]) / before

@@ -29,6 +29,7 @@ from dpro.optimize import optimize
 from dpro.sim.whatif import context, predict
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "mxnet" / "mlp-2workers-2servers"
+RESNET = RECORDED.parent / "resnet18-2workers-2servers"
 
 
 def test_small_keys_go_to_one_server_and_big_ones_are_split_evenly():
@@ -95,6 +96,26 @@ def test_servers_that_take_more_cpus_slow_each_other_and_leave_one_server_faster
         assert predict(ctx, {NUM_SERVERS: 2}).predicted_step_ms == pytest.approx(predict(ctx, {}).predicted_step_ms,
                                                                                   rel=0.02)
     assert predict(probed, {NUM_SERVERS: 1}).predicted_step_ms < predict(plain, {NUM_SERVERS: 1}).predicted_step_ms
+
+
+def test_one_server_gives_the_workers_compute_back_the_cpus_the_second_took():
+    """The host's CPUs are conserved: compute that ran beside two working servers runs faster beside one, so one
+    server costs less than a model that leaves compute at its recorded pace says; the recorded layout is unchanged.
+    (A real recording whose backward overlaps the servers' work: a hybridized Gluon ResNet-18, 2 workers and 2
+    servers on one 2-CPU machine, with the recorder's server probe.)"""
+    from dpro.engines.mxnet_ps import ps_model, replay_priced, server_model
+    from dpro.sim.whatif import recorded_crowding, replay_model
+
+    ctx = context(load_run(RESNET))
+    server = server_model(ctx)
+    assert max(recorded_crowding(ps_model(ctx, {}, server)).values()) > 1.5  # compute shared its CPUs
+    one = {NUM_SERVERS: 1}
+    conserved = replay_priced(ctx, one, server).predicted_step_ms
+    as_recorded = replay_model(ctx, ps_model(ctx, one, server), one).predicted_step_ms
+    assert conserved < 0.99 * as_recorded
+    two = {NUM_SERVERS: 2}
+    assert replay_priced(ctx, two, server).predicted_step_ms == pytest.approx(
+        replay_model(ctx, ps_model(ctx, two, server), two).predicted_step_ms, rel=1e-9)
 
 
 def test_a_recording_that_knows_its_cpus_prices_a_second_server_on_them(tmp_path):

@@ -162,7 +162,7 @@ def test_compute_less_crowded_than_recorded_runs_faster_and_the_cpus_are_conserv
 
     recorded_g, _ = graph(50)  # crowded for its whole run: 2 asked of 1 lane
     recorded = crowding_by_op(recorded_g, replay(recorded_g).crowding)
-    assert recorded == {(0, 0, "BW"): pytest.approx(2.0)}
+    assert recorded == {(0, 0, "BW", 0): pytest.approx(2.0)}
     g, compute = graph(0.0)  # the what-if: no server work beside it
     base = g.duration.copy()
     scale_for_crowding(g, replay(g).crowding, recorded, base)
