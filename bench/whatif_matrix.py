@@ -15,7 +15,9 @@ link, one rank per host):
 
 The table gives each prediction against the median of its jobs (and their range), the error, the error of the
 predicted change (the prediction's ratio to the script as written, against the measured ratio: without the level
-of the recording, which drifts job to job), and for the
+of the recording, which drifts job to job), the same against the change paired round by round (the median of each
+round's ratio of the setting's job to the script's own: a neighbour's load that drifts from round to round
+cancels), and for the
 recommendation its measured gain over the script's own setting, and whether it was faster beyond the jobs'
 spread (``dpro-launch --auto`` keeps a config only when its re-run measured faster beyond the steps' spread). Every
 measured job is a recording as well: in the cross-check (``bench/whatif_crosscheck.py``, which also compares variants
@@ -254,17 +256,22 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
     for r in range(args.rounds):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             measured[label].append(job(f"r{r}-{labels.index(label)}", configs[label], extras[label]))
-    predicted0, measured0 = settings[case.label(None)][1], statistics.median(measured[case.label(None)])
+    own_jobs = measured[case.label(None)]
+    predicted0, measured0 = settings[case.label(None)][1], statistics.median(own_jobs)
     for label, (_, predicted) in settings.items():
         got = statistics.median(measured[label])
         err = 100.0 * (predicted - got) / got
         # the change the model predicts against the change measured: leaves out the recorded job's own level
         relative = 100.0 * ((predicted / predicted0) / (got / measured0) - 1.0)
+        # against each round's own pair (a round runs every setting back to back): a neighbour's load that drifts
+        # from round to round cancels in the ratio, which medians over all jobs leave in
+        paired = statistics.median(a / b for a, b in zip(measured[label], own_jobs, strict=True))
+        relative_paired = 100.0 * ((predicted / predicted0) / paired - 1.0)
         if label != case.label(None):
             errors.setdefault(case.engine, []).append(abs(err))
             relative_errors.setdefault(case.engine, []).append(abs(relative))
         say(f"{network:<9} {name:<11} {label:<22} {predicted:>12.1f} {got:>12.1f} "
-            f"{spread(measured[label]):<13} {err:>+8.1f} {relative:>+11.1f}")
+            f"{spread(measured[label]):<13} {err:>+8.1f} {relative:>+11.1f} {relative_paired:>+10.1f}")
     cross = cross_errors(work)
     if cross:
         crossed.setdefault(case.engine, []).extend(cross)
@@ -299,7 +306,7 @@ def main() -> int:
     if args.keep:
         Path(args.keep).mkdir(parents=True)
     header = (f"{'network':<9} {'case':<11} {'setting':<22} {'predicted ms':>12} {'measured ms':>12} "
-              f"{'jobs ms':<13} {'error %':>8} {'change err %':>11}")
+              f"{'jobs ms':<13} {'error %':>8} {'change err %':>11} {'paired %':>10}")
     lines = [f"2 ranks; each job records steps {args.profile} of {args.steps}; measured = median of "
              f"{args.rounds} jobs, settings alternated", header, "-" * len(header)]
     print("\n".join(lines), flush=True)
