@@ -71,11 +71,12 @@ class TransferSlowdown:
         clear = self.excess_us > SIGNIFICANCE * self.excess_stderr
         return clear and 0.0 <= self.slowdown <= MAX_TRANSFER_SLOWDOWN and self.stall_us >= 0.0
 
-    def end(self, start: float, work: float, busy: list[tuple[float, float]]) -> float:
+    def end(self, start: float, work: float, busy: list[tuple[float, float]], *, wakes: bool = True) -> float:
         """When a transfer that takes ``work`` µs alone ends, started at ``start`` beside the compute ``busy``
-        (sorted, disjoint intervals)."""
+        (sorted, disjoint intervals). ``wakes``: the thread that drives it wakes for it (it waits for a core);
+        False where it runs on from the transfer before it (Horovod's buffers of one cycle)."""
         t, left, pace = start, work, 1.0 + self.slowdown
-        stall = self.stall_us
+        stall = self.stall_us if wakes else 0.0
         for a, b in busy:
             if b <= t:
                 continue

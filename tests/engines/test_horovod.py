@@ -638,3 +638,22 @@ def test_allreduces_beside_the_backward_move_at_the_transfer_probes_pace() -> No
     assert took[:2] == pytest.approx([11_000.0] * 2) and 5_000.0 < took[2] < 11_000.0
     assert took[3] == pytest.approx(5_000.0)
     assert slowed.step_us > unfused.step_us
+
+
+def test_only_a_cycles_first_buffer_waits_for_the_background_thread_to_wake() -> None:
+    """The stall the transfer probe measures is the wait of a thread woken under compute for a core; the buffers
+    after the first of a cycle run on from it on the same thread, so they only move at the slower pace."""
+    from dpro.engines.horovod.search import HorovodLoop, simulate_loop
+    from dpro.sim.cost import CommModel
+    from dpro.sim.interference import TransferSlowdown
+
+    comm = CommModel(latency_us=2_500.0, us_per_byte=0.0, world_size=2)  # 5 ms per allreduce alone
+    stretch = TransferSlowdown(stall_us=3_000.0, slowdown=1.0, stall_stderr=0.0, stderr=0.0, excess_us=6_000.0,
+                               excess_stderr=100.0)
+    loop = HorovodLoop(comm, 0.0, 0.0, 0.0, 0.0, transfer=stretch)
+    # two tensors ready together at 1 ms, the backward going on until 100 ms: one cycle, two buffers (no fusion)
+    steps = [[(["a"], 2**20, 1_000.0), (["b"], 2**20, 1_000.0), (["c"], 2**20, 100_000.0)]] * 4
+    first, second = sorted(simulate_loop(loop, steps, 0, 1.0).buffers[:2], key=lambda b: b[2])
+    assert first[3] - first[2] == pytest.approx(3_000.0 + 10_000.0)  # woken: waits, then at half pace
+    assert second[2] == pytest.approx(first[3])
+    assert second[3] - second[2] == pytest.approx(10_000.0)  # runs on: half pace, no wait

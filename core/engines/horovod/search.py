@@ -249,12 +249,13 @@ def horovod_cycles(units: list[Unit], threshold: float, cycle_us: float, phase_u
 
 def _loop_run(units: list[Unit], threshold: float, cycle_us: float, pops: tuple[float, float], cost_us: Any,
               coordinate_us: float, memcpy_us_per_byte: float, buffer_gap_us: float, negotiate_us: float,
-              uncached: frozenset[str], finish: Callable[[float, float], float] | None = None,
+              uncached: frozenset[str], finish: Callable[..., float] | None = None,
               ) -> tuple[list[Buffer], tuple[float, float]]:
     """``horovod_cycles`` from a loop whose next cycle starts at ``pops`` (the first and the last rank);
     also returns when the next cycle after the step's last work starts (the loop goes on into the next
-    step). ``finish(start, work)``: when a buffer that takes ``work`` µs alone ends (the compute beside it
-    slows it); ``start + work`` without."""
+    step). ``finish(start, work, wakes=)``: when a buffer that takes ``work`` µs alone ends (the compute beside
+    it slows it; ``wakes``: the cycle's first buffer, for which the background thread wakes; the others run on
+    from the one before); ``start + work`` without."""
     first, last = min(pops), max(pops)
     remaining = sorted(units, key=lambda u: u[2])
     out: list[Buffer] = []
@@ -283,7 +284,7 @@ def _loop_run(units: list[Unit], threshold: float, cycle_us: float, pops: tuple[
             names = [n for u in buf for n in u[0]]
             start = cursor + (buffer_gap_us if k else 0.0)
             work = cost_us(nbytes) + (memcpy_us_per_byte * nbytes if len(names) > 1 else 0.0)
-            end = finish(start, work) if finish is not None else start + work
+            end = finish(start, work, wakes=k == 0) if finish is not None else start + work
             out.append((names, max(u[2] for u in buf), start, end))
             cursor = end
         if cycle_us > 0:
