@@ -567,6 +567,9 @@ def _describe(ctx: Context) -> str:
     cpus = ", ".join(f"{host} {n:.1f}" for host, n in sorted(model.server_cpus.items()))
     side = f"; while it works it takes CPUs of its host: {cpus} (probed)" if cpus else \
         "; while it works it takes 1 CPU of its host (no probe recorded)" if host_cpus(ctx.run) else ""
+    if side:
+        side += (", and the workers' compute beside it runs as much faster or slower than recorded as those CPUs "
+                 "are less or more crowded than in the recorded layout")
     wait = f", each message waiting {model.link_latency_us / 1000:.2f} ms" if model.link_latency_us > 0 else ""
     return (f"parameter-server model: a server's work {model.fixed_us:.0f} us + {rate(model.us_per_byte)}{side}, "
             f"links between hosts {rate(model.link_us_per_byte)}{wait} ({model.source})")
