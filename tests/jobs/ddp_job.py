@@ -22,7 +22,8 @@ parser.add_argument("--model", default="mlp")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--profile", default="2:6")
 parser.add_argument("--run-dir", required=True)
-parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                    help="DDP's bucket_cap_mb; 0: not given (DDP's default, with its smaller first bucket)")
 parser.add_argument("--config", default=None, help="a dpro config.json to apply")
 parser.add_argument("--force", action="store_true", help="apply a config made for another job")
 parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step, no_sync on all but the last")
@@ -63,7 +64,7 @@ def train() -> None:
     torch.manual_seed(0)
     net = Reused(example.build()) if args.reuse else example.build()
     config = load_config(args.config, model=net, force=args.force) if args.config else None
-    kwargs = {"bucket_cap_mb": args.bucket_cap_mb}
+    kwargs = {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb > 0 else {}
     if config is not None:
         net = apply(net, config)
         kwargs.update(ddp_kwargs(config, model=net))

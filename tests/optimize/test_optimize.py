@@ -158,3 +158,26 @@ def test_whatif_and_optimize_cli(transformer_run, tmp_path):
     assert config["explain"] and all("predicted_gain_ms" in e for e in config["explain"])
     bad = run_job([sys.executable, "-m", "dpro", "whatif", str(transformer_run), "--set", "nope=1"], check=False)
     assert bad.returncode == 2 and "unknown knob" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_search_compares_caps_against_the_buckets_the_run_had(tmp_path):
+    """A run with DDP's default buckets keeps a 1 MB first bucket; a cap written in a config applies to the first
+    bucket too. So the setting in force is the recorded buckets (as replayed), not the candidate of the same cap."""
+    from dpro.engines.torch_ddp import BUCKET_CAP, FIRST_BUCKET_CAP
+    from dpro.optimize import optimize
+    from dpro.sim.whatif import context
+
+    run_dir = tmp_path / "run"
+    torchrun("ddp_job.py", "--model", "transformer", "--steps", "10", "--profile", "3:9", "--run-dir", str(run_dir),
+             "--bucket-cap-mb", "0")
+    ctx = context(load_run(run_dir))
+    assert ctx.knobs[FIRST_BUCKET_CAP] == 1.0 and ctx.knobs[BUCKET_CAP] == 25.0
+    recorded = [list(b["tensors"]) for b in ctx.run.model["buckets"]]
+    assert ddp_buckets(ctx.gradients, 25.0, 1.0) == recorded != ddp_buckets(ctx.gradients, 25.0)
+    why = next(e["why"] for e in optimize(ctx).explain if e["knob"] == BUCKET_CAP)
+    assert "25 MB (first bucket 1 MB)" in why
+    # what the search weighs a cap against: the recorded buckets, priced as every candidate is (calibrated to replay
+    # the recorded step)
+    in_force = predict(ctx, {BUCKET_CAP: 25.0, FIRST_BUCKET_CAP: 1.0}).predicted_step_ms
+    assert in_force == pytest.approx(predict(ctx, {}).predicted_step_ms, rel=0.02)

@@ -102,25 +102,29 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
     group_caps = [sum(dict(ctx.gradients)[g] for g in grp) / MB for grp in grouping]
     caps = best_bucket_cap(ctx, extra_caps_mb=[max(group_caps)])
     cap, cap_pred = caps[0]
-    in_force = float(ctx.knobs.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
-    same_cap = next((p for c, p in caps if abs(c - in_force) < 1e-9), None) or predict(ctx, {BUCKET_CAP: in_force})
+    in_force, first, in_force_knobs = _caps_in_force(ctx)
+    # a cap written in a config applies to DDP's first bucket too: where the run kept DDP's smaller first bucket, the
+    # setting in force is not the candidate of the same cap
+    same_cap = (predict(ctx, in_force_knobs) if first is not None else
+                next((p for c, p in caps if abs(c - in_force) < 1e-9), None) or predict(ctx, in_force_knobs))
     gain = same_cap.predicted_step_ms - cap_pred.predicted_step_ms
-    worth, shown = clears(ctx, gain, same_cap.predicted_step_ms, change=({BUCKET_CAP: in_force}, {BUCKET_CAP: cap}))
-    if [len(g) for g in ddp_buckets(ctx.gradients, cap)] == [len(g) for g in ddp_buckets(ctx.gradients, in_force)]:
+    worth, shown = clears(ctx, gain, same_cap.predicted_step_ms, change=(in_force_knobs, {BUCKET_CAP: cap}))
+    written = f"{in_force:g} MB" + (f" (first bucket {first:g} MB)" if first is not None else "")
+    if ddp_buckets(ctx.gradients, cap) == ddp_buckets(ctx.gradients, in_force, first):
         explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": 0.0,
-                        "why": f"the bucket size in force ({in_force:g} MB) makes the buckets that predict the "
+                        "why": f"the bucket size in force ({written}) makes the buckets that predict the "
                                f"shortest step of the caps tried ({cap_pred.predicted_step_ms:.2f} ms)"})
     elif worth:
         knobs[BUCKET_CAP] = cap
         current = cap_pred
         explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": gain,
                         "why": f"{cap:g} MB buckets ({len(ddp_buckets(ctx.gradients, cap))} allreduces) predict "
-                               f"{shown} against {in_force:g} MB"})
+                               f"{shown} against {written}"})
     else:
         explain.append({"knob": BUCKET_CAP, "predicted_gain_ms": 0.0,
                         "why": f"{cap:g} MB buckets predict {cap_pred.predicted_step_ms:.2f} ms against "
-                               f"{same_cap.predicted_step_ms:.2f} ms for the {in_force:g} MB in force, {shown}: "
-                               f"within what the prediction can tell, so {in_force:g} MB is kept"})
+                               f"{same_cap.predicted_step_ms:.2f} ms for the {written} in force, {shown}: "
+                               f"within what the prediction can tell, so {written} is kept"})
     group_gain = current.predicted_step_ms - grouped.predicted_step_ms
     group_worth, group_shown = clears(ctx, group_gain, current.predicted_step_ms,
                                       change=(dict(knobs), {**knobs, "tensor_groups": grouping}))
@@ -136,6 +140,15 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
     # the plugins apply tensor_groups over a bucket cap (DDP's bucket_cap_mb_list), and so does what-if
     return optimize_common(ctx, memory_budget_bytes=memory_budget_bytes, allow_compression=allow_compression,
                            knobs=knobs, explain=explain, baseline=baseline, began=began)
+
+
+def _caps_in_force(ctx: Context) -> tuple[float, float | None, dict[str, Any]]:
+    """The run's bucket cap, its first bucket's cap where DDP kept one of its own (None: the cap applies to every
+    bucket), and the knobs that say both."""
+    cap = float(ctx.knobs.get(BUCKET_CAP) or DEFAULT_BUCKET_CAP_MB)
+    first = ctx.knobs.get(FIRST_BUCKET_CAP)
+    first = float(first) if isinstance(first, (int, float)) and first > 0 and abs(first - cap) > 1e-9 else None
+    return cap, first, {BUCKET_CAP: cap, **({FIRST_BUCKET_CAP: first} if first is not None else {})}
 
 
 def _find_unused_choice(ctx: Context, knobs: dict[str, Any]) -> dict[str, Any]:
