@@ -147,7 +147,10 @@ def test_a_transfer_beside_compute_stalls_then_moves_slower() -> None:
     assert slow.end(0.0, 500.0, [(0.0, 800.0)]) == pytest.approx(1050.0)
     # starts with no compute: no stall; meets compute at 100, moves at half pace until 400, then alone
     assert slow.end(0.0, 500.0, [(100.0, 400.0)]) == pytest.approx(100.0 + 300.0 + 250.0)
-    assert not TransferSlowdown(300.0, 1.0, 10.0, 0.1, 80.0, 50.0).applies  # within the probe's noise
+    noisy = TransferSlowdown(300.0, 1.0, 10.0, 0.1, 80.0, 50.0)
+    assert noisy.applies and not noisy.clear  # within the probe's noise: used as measured, said so
+    assert "within twice its error" in noisy.describe()
+    assert not TransferSlowdown(0.0, 0.0, 10.0, 0.1, -5.0, 50.0).applies  # compute lengthened nothing
     assert not TransferSlowdown(100.0, 50.0, 1.0, 0.1, 8000.0, 50.0).applies  # beyond belief
 
 
