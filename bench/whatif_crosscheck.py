@@ -1,5 +1,6 @@
 """Every job ``bench/whatif_matrix.py --keep DIR`` kept is a recording at its own setting: each predicts the change to
-every other setting of its case, against the change the jobs measured (medians of their recorded steps). The model
+every other setting of its case, against the change the jobs measured (medians of their recorded steps; and paired
+round by round, where a neighbour's load that drifts between rounds cancels). The model
 is judged on many recordings, not the one it was fitted on, and variants of it on the same recordings side by side:
 
 - ``as built``: the model as it is;
@@ -84,10 +85,31 @@ def measured_ms(run_dir: Path) -> float:
     return context(load_prepared(run_dir)).base.measured_step_us / 1000.0
 
 
+def paired_ratios(case_dir: Path, steps: dict[str, float] | None = None) -> dict[tuple[int, int], float]:
+    """(setting, other) -> the measured change from one to the other paired round by round: the median over the
+    rounds that ran both of the ratio of the round's two jobs (a round runs every setting back to back, so a
+    neighbour's load that drifts from round to round cancels; ``steps``: job name -> its step, when known)."""
+    steps = steps or {d.name: measured_ms(d) for ds in case_jobs(case_dir).values() for d in ds}
+    by_round: dict[str, dict[int, float]] = {}
+    for name, ms in steps.items():
+        round_, index = name.split("-")
+        by_round.setdefault(round_, {})[int(index)] = ms
+    settings = sorted({i for jobs in by_round.values() for i in jobs})
+    out = {}
+    for a in settings:
+        for b in settings:
+            ratios = [jobs[b] / jobs[a] for jobs in by_round.values() if a in jobs and b in jobs and a != b]
+            if ratios:
+                out[(a, b)] = statistics.median(ratios)
+    return out
+
+
 def cross_errors(case_dir: Path, variant: Variant | None = None,
-                 measured: dict[int, float] | None = None) -> list[float]:
+                 measured: dict[int, float] | None = None,
+                 paired: dict[tuple[int, int], float] | None = None) -> list[float]:
     """|error| % of every (kept job, other setting) pair the model prices: the predicted ratio of the other setting
-    to the job's own, against the measured ratio of the settings' median jobs."""
+    to the job's own, against the measured ratio of the settings' median jobs (``paired``: against the ratio paired
+    round by round, ``paired_ratios``)."""
     settings, jobs = case_settings(case_dir), case_jobs(case_dir)
     if any(index not in settings or not settings[index] for index in jobs if index != 0):
         return []  # a setting the script makes itself (its own option, no config): its jobs' recordings do not know it
@@ -107,11 +129,14 @@ def cross_errors(case_dir: Path, variant: Variant | None = None,
             for other, knobs in settings.items():
                 if other == index or other not in measured:
                     continue
+                change = paired.get((index, other)) if paired is not None else measured[other] / measured[index]
+                if change is None:
+                    continue
                 try:
                     theirs = predict(ctx, dict(knobs)).predicted_step_ms
                 except DproError:  # a knob this recording cannot price (a compiled run, another precision)
                     continue
-                errors.append(abs(100.0 * ((theirs / mine) / (measured[other] / measured[index]) - 1.0)))
+                errors.append(abs(100.0 * ((theirs / mine) / change - 1.0)))
     return errors
 
 
@@ -129,25 +154,34 @@ def main() -> int:
     parser.add_argument("kept", nargs="+", help="whatif_matrix --keep directories, or case directories in them")
     parser.add_argument("--doc", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
-    header = f"{'kept case':<34} {'variant':<26} {'what-ifs':>8} {'median |err| %':>14} {'worst %':>8}"
-    lines = ["each kept job predicts the change to every other setting of its case (measured: medians of the jobs)",
-             header, "-" * len(header)]
+    header = (f"{'kept case':<34} {'variant':<26} {'what-ifs':>8} {'median |err| %':>14} {'worst %':>8} "
+              f"{'paired median %':>15} {'worst %':>8}")
+    lines = ["each kept job predicts the change to every other setting of its case (measured: medians of the jobs; "
+             "paired: each round's jobs, median over rounds)", header, "-" * len(header)]
     print("\n".join(lines), flush=True)
-    pooled: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    pooled: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in VARIANTS}
+
+    def row(label: str, name: str, errs: list[float], pairs: list[float]) -> str:
+        return (f"{label:<34} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} {max(errs):>8.1f} "
+                f"{statistics.median(pairs):>15.1f} {max(pairs):>8.1f}")
+
     for case_dir in case_dirs(args.kept):
-        measured = {i: statistics.median(measured_ms(d) for d in ds) for i, ds in case_jobs(case_dir).items()}
+        steps = {d.name: measured_ms(d) for ds in case_jobs(case_dir).values() for d in ds}
+        measured = {i: statistics.median(steps[d.name] for d in ds) for i, ds in case_jobs(case_dir).items()}
+        paired = paired_ratios(case_dir, steps)
         for name, variant in VARIANTS.items():
             errs = cross_errors(case_dir, variant, measured)
-            if not errs:
+            pairs = cross_errors(case_dir, variant, measured, paired)
+            if not errs or not pairs:
                 continue
-            pooled[name] += errs
-            label = f"{case_dir.parent.name}/{case_dir.name}"
-            line = f"{label:<34} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} {max(errs):>8.1f}"
+            pooled[name][0].extend(errs)
+            pooled[name][1].extend(pairs)
+            line = row(f"{case_dir.parent.name}/{case_dir.name}", name, errs, pairs)
             lines.append(line)
             print(line, flush=True)
-    for name, errs in pooled.items():
+    for name, (errs, pairs) in pooled.items():
         if errs:
-            line = f"{'all':<34} {name:<26} {len(errs):>8} {statistics.median(errs):>14.1f} {max(errs):>8.1f}"
+            line = row("all", name, errs, pairs)
             lines.append(line)
             print(line, flush=True)
     if args.doc:

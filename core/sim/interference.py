@@ -81,7 +81,7 @@ class TransferSlowdown:
     def end(self, start: float, work: float, busy: list[tuple[float, float]], *, wakes: bool = True) -> float:
         """When a transfer that takes ``work`` µs alone ends, started at ``start`` beside the compute ``busy``
         (sorted, disjoint intervals). ``wakes``: the thread that drives it wakes for it (it waits for a core);
-        False where it runs on from the transfer before it (Horovod's buffers of one cycle)."""
+        False where it runs on from the transfer before it (a loop that runs several buffers per wake-up)."""
         t, left, pace = start, work, 1.0 + self.slowdown
         stall = self.stall_us if wakes else 0.0
         for a, b in busy:
