@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_doc import write_bench_doc
-from whatif_crosscheck import cross_errors
+from whatif_crosscheck import cross_errors, paired_ratios
 
 from dpro import testbed
 from dpro.engines import load_prepared
@@ -256,8 +256,10 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
     for r in range(args.rounds):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             measured[label].append(job(f"r{r}-{labels.index(label)}", configs[label], extras[label]))
-    own_jobs = measured[case.label(None)]
-    predicted0, measured0 = settings[case.label(None)][1], statistics.median(own_jobs)
+    predicted0, measured0 = settings[case.label(None)][1], statistics.median(measured[case.label(None)])
+    # each round's jobs, named as run: r<round>-<setting>
+    paired = paired_ratios(work, {f"r{r}-{i}": ms for i, label in enumerate(labels)
+                                  for r, ms in enumerate(measured[label])})
     for label, (_, predicted) in settings.items():
         got = statistics.median(measured[label])
         err = 100.0 * (predicted - got) / got
@@ -265,8 +267,7 @@ def check_case(name: str, network: str, cluster: testbed.Cluster | None, work: P
         relative = 100.0 * ((predicted / predicted0) / (got / measured0) - 1.0)
         # against each round's own pair (a round runs every setting back to back): a neighbour's load that drifts
         # from round to round cancels in the ratio, which medians over all jobs leave in
-        paired = statistics.median(a / b for a, b in zip(measured[label], own_jobs, strict=True))
-        relative_paired = 100.0 * ((predicted / predicted0) / paired - 1.0)
+        relative_paired = 100.0 * ((predicted / predicted0) / paired.get((0, labels.index(label)), 1.0) - 1.0)
         if label != case.label(None):
             errors.setdefault(case.engine, []).append(abs(err))
             relative_errors.setdefault(case.engine, []).append(abs(relative))

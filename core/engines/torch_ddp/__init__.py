@@ -105,8 +105,8 @@ def search(ctx: Context, *, memory_budget_bytes: int | None = None, allow_compre
     in_force, first, in_force_knobs = _caps_in_force(ctx)
     # a cap written in a config applies to DDP's first bucket too: where the run kept DDP's smaller first bucket, the
     # setting in force is not the candidate of the same cap
-    same_cap = (predict(ctx, in_force_knobs) if first is not None else
-                next((p for c, p in caps if abs(c - in_force) < 1e-9), None) or predict(ctx, in_force_knobs))
+    same_cap = next((p for c, p in caps if first is None and abs(c - in_force) < 1e-9), None) or predict(
+        ctx, in_force_knobs)
     gain = same_cap.predicted_step_ms - cap_pred.predicted_step_ms
     worth, shown = clears(ctx, gain, same_cap.predicted_step_ms, change=(in_force_knobs, {BUCKET_CAP: cap}))
     written = f"{in_force:g} MB" + (f" (first bucket {first:g} MB)" if first is not None else "")
